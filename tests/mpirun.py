@@ -1,0 +1,85 @@
+"""Launch real MPI ranks from pytest, with a timeout that turns a deadlock into a failure.
+
+``run_ranks(n, [script, args...])`` runs ``mpiexec -n n python -m mpi4py script args``
+(``python -m mpi4py`` turns an uncaught exception on one rank into MPI_Abort for all).
+On timeout every process of the launch is killed and the test fails with each rank's
+output, so a hang never stalls the suite.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mpiexec_path():
+    """The mpiexec beside this Python (the mpich wheel's) or the one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.path.exists(beside) else shutil.which("mpiexec")
+
+
+def mpi_env(extra=None):
+    env = dict(os.environ)
+    # 4+ ranks oversubscribe 2 cores: let busy-polling ranks yield the core.
+    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env.setdefault("NUMBA_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)
+    if extra:
+        env.update(extra)
+    return env
+
+
+@dataclass
+class Launch:
+    returncode: int
+    output: str
+    timed_out: bool = False
+
+    def check(self):
+        """Fail (with every rank's output) unless the launch exited 0."""
+        if self.timed_out:
+            raise AssertionError(f"MPI launch timed out (a deadlock?); output:\n{self.output}")
+        if self.returncode != 0:
+            raise AssertionError(f"MPI launch exited {self.returncode}; output:\n{self.output}")
+        return self
+
+
+def run_ranks(n, args, timeout=120, env=None, module_mpi4py=True, cwd=None):
+    """Run ``args`` (a script path and its arguments, or ``-m module ...``) on ``n`` ranks."""
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable]
+    if module_mpi4py:
+        cmd += ["-m", "mpi4py"]
+    cmd += [str(a) for a in args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=mpi_env(env), cwd=cwd, start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return Launch(proc.returncode, out)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return Launch(proc.returncode, out, timed_out=True)
+
+
+def run_command(cmd, timeout=120, env=None, cwd=None):
+    """Run a plain command (e.g. ``mpiexec -n 2 mpidl train ...``) with the same timeout rule."""
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=mpi_env(env), cwd=cwd,
+                            start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return Launch(proc.returncode, out)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return Launch(proc.returncode, out, timed_out=True)
