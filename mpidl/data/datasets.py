@@ -1,0 +1,222 @@
+"""Named datasets: Fashion-MNIST (default), MNIST, CIFAR-10, scikit-learn digits, synthetic.
+
+``load_dataset(name, data_dir=None)`` returns a ``Dataset`` whose arrays live on the host
+(NumPy): images as float32 (N, C, H, W) standardized per channel with the training set's
+mean and standard deviation, labels as int64. Moving batches to the device is the batch
+loader's job, just before use.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpidl.data.cifar import CLASSES as CIFAR_CLASSES
+from mpidl.data.cifar import read_cifar10
+from mpidl.data.idx import read_idx
+from mpidl.errors import DataError
+
+SYSTEM_DATA_ROOT = "/usr/share/datasets"
+FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                   "Sneaker", "Bag", "Ankle boot"]
+IDX_FILES = {  # role -> base name; ".gz" or raw, and the "train-images.idx3-ubyte" spelling
+    "train_x": "train-images-idx3-ubyte",
+    "train_y": "train-labels-idx1-ubyte",
+    "test_x": "t10k-images-idx3-ubyte",
+    "test_y": "t10k-labels-idx1-ubyte",
+}
+
+
+@dataclass
+class Dataset:
+    """A train/test split on the host: x float32 (N, *input_shape), y int64 (N,)."""
+
+    name: str
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+    num_classes: int
+    classes: list = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def input_shape(self):
+        return tuple(self.train_x.shape[1:])
+
+    def limit(self, n_train=None, n_test=None):
+        """A copy keeping the first ``n_train`` training and ``n_test`` test samples."""
+        def cut(a, n):
+            return a if n is None or n <= 0 else a[:n]
+        return Dataset(self.name, cut(self.train_x, n_train), cut(self.train_y, n_train),
+                       cut(self.test_x, n_test), cut(self.test_y, n_test), self.num_classes,
+                       self.classes, self.source)
+
+    def __repr__(self):
+        return (f"Dataset({self.name!r}, train={len(self.train_y)}, test={len(self.test_y)}, "
+                f"input_shape={self.input_shape}, classes={self.num_classes})")
+
+
+def standardize(train_x, test_x):
+    """Float32 images scaled by the training set's per-channel mean and std."""
+    train_x = train_x.astype(np.float32)
+    test_x = test_x.astype(np.float32)
+    axes = (0,) + tuple(range(2, train_x.ndim))
+    mean = train_x.mean(axis=axes, dtype=np.float64, keepdims=True).astype(np.float32)
+    std = train_x.std(axis=axes, dtype=np.float64, keepdims=True).astype(np.float32)
+    std[std == 0] = 1.0
+    return (train_x - mean) / std, (test_x - mean) / std
+
+
+# -- IDX datasets (MNIST, Fashion-MNIST)
+
+_IDX_HELP = {
+    "fashion-mnist": ("install the Debian/Ubuntu package (sudo apt-get install "
+                      "dataset-fashion-mnist; it puts the files in "
+                      "/usr/share/datasets/fashion-mnist), or download the four IDX files "
+                      "(train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
+                      "t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz) from "
+                      "https://github.com/zalandoresearch/fashion-mnist (folder data/fashion) "
+                      "into DIR and pass --data-dir DIR"),
+    "mnist": ("download the four IDX files (train-images-idx3-ubyte.gz, "
+              "train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, "
+              "t10k-labels-idx1-ubyte.gz) of MNIST into DIR and pass --data-dir DIR"),
+}
+
+
+def _find_idx_file(data_dir, base):
+    for name in (base + ".gz", base, base.replace("-idx", ".idx") + ".gz",
+                 base.replace("-idx", ".idx")):
+        path = os.path.join(data_dir, name)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _default_dirs(name):
+    dirs = []
+    env = os.environ.get("MPIDL_DATA_DIR")
+    if env:
+        dirs.append(os.path.join(env, name))
+    dirs.append(os.path.join(SYSTEM_DATA_ROOT, name))
+    return dirs
+
+
+def _idx_dataset(name, data_dir, classes):
+    if data_dir is None:
+        candidates = _default_dirs(name)
+        found = [d for d in candidates if _find_idx_file(d, IDX_FILES["test_y"])]
+        if not found:
+            raise DataError(f"{name} not found (looked in {', '.join(candidates)}): "
+                            f"{_IDX_HELP[name]}")
+        data_dir = found[0]
+    elif not os.path.isdir(data_dir):
+        raise DataError(f"data directory {data_dir} does not exist; for {name}, "
+                        f"{_IDX_HELP[name]}")
+    paths = {}
+    for role, base in IDX_FILES.items():
+        path = _find_idx_file(data_dir, base)
+        if path is None:
+            raise DataError(f"data directory {data_dir} has no {base}[.gz] for {name}; "
+                            f"{_IDX_HELP[name]}")
+        paths[role] = path
+    arrays = {role: read_idx(p, ndim=3 if role.endswith("_x") else 1)
+              for role, p in paths.items()}
+    for split in ("train", "test"):
+        x, y = arrays[f"{split}_x"], arrays[f"{split}_y"]
+        if len(x) != len(y):
+            raise DataError(f"{paths[split + '_x']} has {len(x)} images but "
+                            f"{paths[split + '_y']} has {len(y)} labels")
+        if len(y) and (y.min() < 0 or y.max() >= len(classes)):
+            raise DataError(f"{paths[split + '_y']}: labels must be 0-{len(classes) - 1}, "
+                            f"found {y.min()}-{y.max()}")
+    if arrays["train_x"].shape[1:] != arrays["test_x"].shape[1:]:
+        raise DataError(f"{paths['train_x']} has images of {arrays['train_x'].shape[1:]} "
+                        f"but {paths['test_x']} of {arrays['test_x'].shape[1:]}")
+    tx, vx = standardize(arrays["train_x"][:, None], arrays["test_x"][:, None])
+    return Dataset(name, tx, arrays["train_y"].astype(np.int64), vx,
+                   arrays["test_y"].astype(np.int64), len(classes), list(classes),
+                   os.path.abspath(data_dir))
+
+
+def fashion_mnist(data_dir=None):
+    return _idx_dataset("fashion-mnist", data_dir, FASHION_CLASSES)
+
+
+def mnist(data_dir=None):
+    return _idx_dataset("mnist", data_dir, [str(i) for i in range(10)])
+
+
+def cifar10(data_dir=None):
+    if data_dir is None:
+        candidates = _default_dirs("cifar10")
+        found = [d for d in candidates if os.path.isdir(d)]
+        data_dir = found[0] if found else candidates[-1]
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data directory {data_dir} does not exist; download "
+                        "cifar-10-binary.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, "
+                        "unpack it into DIR and pass --data-dir DIR")
+    tx, ty, vx, vy = read_cifar10(data_dir)
+    tx, vx = standardize(tx, vx)
+    return Dataset("cifar10", tx, ty, vx, vy, 10, list(CIFAR_CLASSES), os.path.abspath(data_dir))
+
+
+def digits(data_dir=None, seed=0, test_fraction=0.2):
+    """scikit-learn's bundled 8x8 digits (1797 images), split 80/20 by a fixed seed."""
+    try:
+        from sklearn.datasets import load_digits  # noqa: PLC0415 - optional
+    except ImportError:
+        raise DataError("dataset 'digits' needs scikit-learn: pip install scikit-learn") from None
+    d = load_digits()
+    x = d.images.astype(np.float32)[:, None]
+    y = d.target.astype(np.int64)
+    perm = np.random.default_rng(seed).permutation(len(y))
+    n_test = int(round(len(y) * test_fraction))
+    test, train = perm[:n_test], perm[n_test:]
+    tx, vx = standardize(x[train], x[test])
+    return Dataset("digits", tx, y[train], vx, y[test], 10, [str(i) for i in range(10)],
+                   "sklearn.datasets.load_digits")
+
+
+def synthetic(data_dir=None, n_train=4096, n_test=1024, input_shape=(1, 28, 28),
+              num_classes=10, seed=0, separation=0.15, noise=1.0):
+    """Seeded, learnable data: each class is a random prototype plus Gaussian noise.
+
+    The prototypes are small next to the noise per pixel (``separation`` vs ``noise``),
+    but the signal adds up over all pixels, so a linear model separates the classes
+    after a few hundred steps; the same seed always gives the same data.
+    """
+    rng = np.random.default_rng(seed)
+    dim = int(np.prod(input_shape))
+    protos = rng.standard_normal((num_classes, dim)) * separation
+
+    def make(n):
+        y = rng.integers(0, num_classes, size=n)
+        x = protos[y] + noise * rng.standard_normal((n, dim))
+        return x.astype(np.float32).reshape((n,) + tuple(input_shape)), y.astype(np.int64)
+
+    tx, ty = make(n_train)
+    vx, vy = make(n_test)
+    return Dataset("synthetic", tx, ty, vx, vy, num_classes,
+                   [str(i) for i in range(num_classes)], f"synthetic(seed={seed})")
+
+
+DATASETS = {
+    "fashion-mnist": fashion_mnist,
+    "mnist": mnist,
+    "cifar10": cifar10,
+    "digits": digits,
+    "synthetic": synthetic,
+}
+_ALIASES = {"fashion_mnist": "fashion-mnist", "fashionmnist": "fashion-mnist",
+            "cifar-10": "cifar10", "cifar": "cifar10"}
+
+
+def load_dataset(name="fashion-mnist", data_dir=None, **options):
+    """Load the dataset ``name`` (see ``DATASETS``) from ``data_dir`` or its usual place."""
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in DATASETS:
+        raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    if data_dir is not None:
+        data_dir = os.path.expanduser(str(data_dir))
+    return DATASETS[key](data_dir, **options)

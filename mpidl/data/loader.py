@@ -1,0 +1,129 @@
+"""Shuffled, sharded mini-batches that every rank agrees on.
+
+Each epoch's order is a permutation drawn from ``(seed, epoch)`` alone, so every rank
+computes the same one without communicating, and a resumed run gets the same order as
+an uninterrupted one. Step ``i`` of an epoch takes global batch ``i`` — the positions
+``[i*G, (i+1)*G)`` of the permutation, ``G = batch_size * count`` — and cuts it into
+``count`` contiguous pieces of ``batch_size``; shard ``index`` takes piece ``index``.
+So N ranks with batch b see exactly the samples that one rank with batch N*b sees, which
+is what makes data-parallel training equal to large-batch training on one process.
+
+Uneven data: every rank runs the same number of steps, always.
+``drop_last=False`` (default) pads the last global batch by wrapping around to the start
+of the same epoch's permutation (a few samples are seen twice that epoch, every batch is
+full); ``drop_last=True`` drops the incomplete last global batch (those samples are
+skipped that epoch; the next epoch's reshuffle skips others).
+"""
+
+import numpy as np
+
+from mpidl.backend import to_device
+from mpidl.errors import ConfigError
+
+
+def epoch_permutation(n, seed, epoch):
+    """The order of ``n`` samples in ``epoch``: a function of (seed, epoch) only."""
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
+    return rng.permutation(n)
+
+
+class BatchLoader:
+    """Mini-batches of (x, y) for one shard, moved to the device just before use.
+
+    ``shard=(index, count)``: this loader's piece of every global batch (see the module
+    docstring). ``shuffle=False`` keeps the data's order (evaluation, tests).
+    """
+
+    def __init__(self, x, y, batch_size, shard=(0, 1), shuffle=True, seed=0,
+                 drop_last=False, dtype=None, device=True):
+        index, count = shard
+        if batch_size < 1:
+            raise ConfigError(f"batch size must be at least 1, got {batch_size}")
+        if not 0 <= index < count:
+            raise ValueError(f"shard index {index} out of range for {count} shards")
+        if len(x) != len(y):
+            raise ValueError(f"{len(x)} inputs but {len(y)} labels")
+        self.x, self.y = x, y
+        self.batch_size = int(batch_size)
+        self.index, self.count = int(index), int(count)
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.dtype, self.device = dtype, device
+        if len(y) == 0:
+            raise ConfigError("the training set is empty")
+        if drop_last and self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"global batch {self.global_batch_size} (batch size {batch_size} x "
+                f"{count} ranks) is larger than the {len(y)} training samples, and "
+                "drop_last drops it: use a smaller --batch-size or turn drop_last off")
+
+    @property
+    def num_samples(self):
+        return len(self.y)
+
+    @property
+    def global_batch_size(self):
+        return self.batch_size * self.count
+
+    @property
+    def steps_per_epoch(self):
+        """Steps per epoch, identical on every shard (see the module docstring)."""
+        n, g = self.num_samples, self.global_batch_size
+        return n // g if self.drop_last else -(-n // g)
+
+    def __len__(self):
+        return self.steps_per_epoch
+
+    def order(self, epoch):
+        if self.shuffle:
+            return epoch_permutation(self.num_samples, self.seed, epoch)
+        return np.arange(self.num_samples)
+
+    def global_indices(self, epoch, step, order=None):
+        """Sample indices of global batch ``step`` of ``epoch`` (all shards together)."""
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} out of range (epoch has {self.steps_per_epoch})")
+        order = self.order(epoch) if order is None else order
+        start = step * self.global_batch_size
+        positions = np.arange(start, start + self.global_batch_size) % self.num_samples
+        return order[positions]
+
+    def indices(self, epoch, step, order=None):
+        """This shard's sample indices for global batch ``step`` of ``epoch``."""
+        g = self.global_indices(epoch, step, order)
+        b = self.batch_size
+        return g[self.index * b:(self.index + 1) * b]
+
+    def host_batch(self, epoch, step, order=None):
+        idx = self.indices(epoch, step, order)
+        return self.x[idx], self.y[idx]
+
+    def epoch(self, epoch, start=0):
+        """Yield (step, x, y) for steps ``start`` .. end of ``epoch`` (resume mid-epoch)."""
+        order = self.order(epoch)
+        for step in range(start, self.steps_per_epoch):
+            x, y = self.host_batch(epoch, step, order)
+            if self.device:
+                x, y = to_device(x, dtype=self.dtype), to_device(y)
+            yield step, x, y
+
+
+def shard_range(n, index, count):
+    """The contiguous ``[lo, hi)`` piece ``index`` of ``count`` nearly equal pieces of ``n``.
+
+    Used for evaluation, where pieces may differ by one and results are summed, not
+    averaged per step, so no padding is needed.
+    """
+    base, extra = divmod(n, count)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (1 if index < extra else 0)
+
+
+def eval_batches(x, y, batch_size, shard=(0, 1), dtype=None, device=True):
+    """Yield (x, y) batches of this shard's contiguous piece of an evaluation set."""
+    lo, hi = shard_range(len(y), *shard)
+    for s in range(lo, hi, batch_size):
+        e = min(s + batch_size, hi)
+        bx, by = x[s:e], y[s:e]
+        if device:
+            bx, by = to_device(bx, dtype=dtype), to_device(by)
+        yield bx, by
