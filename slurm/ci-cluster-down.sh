@@ -65,7 +65,10 @@ else
   echo "munged: not started by ci-cluster-up.sh - left alone"
 fi
 clean_stale_mpi_shm
-left=$(for p in /proc/[0-9]*; do [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ] && echo "${p#/proc/}"; done | tr '\n' ' ')
+# step daemons of finished jobs exit on their own within a moment (zombies do not count)
+stepds() { for p in /proc/[0-9]*; do [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ] \
+             && [ "$(awk '{print $3}' "$p/stat" 2>/dev/null)" != Z ] && echo "${p#/proc/}"; done | tr '\n' ' '; }
+for ((i = 0; i < 25; i++)); do left=$(stepds); [ -z "${left// /}" ] && break; sleep 0.2; done
 [ -n "${left// /}" ] && echo "warning: slurmstepd processes still running (pids: $left)"
 if [ "${SLURM_CI_WIPE:-0}" = 1 ]; then rm -rf "$BASE"; echo "removed $BASE"; fi
 exit 0
