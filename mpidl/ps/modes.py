@@ -1,0 +1,127 @@
+"""When the server applies a gradient and when it answers the worker that pushed it.
+
+A mode sees three events — a push (already decoded and checked), a worker's end, and
+nothing else — and acts through three server calls: ``apply(pushes)`` (one optimizer
+step from the average of those pushes), ``reply(worker)`` (send the current parameters,
+which lets that worker compute its next step) and ``drop(push)``.
+
+Clocks: a worker's clock is the number of gradients it has pushed to this server, so a
+worker computing step ``t`` is "at clock t". A push carries its clock ``t`` and the
+server's version (number of updates applied) of the parameters it was computed from.
+
+- sync: version ``v`` is answered when every active worker pushed a gradient computed
+  from version ``v``: their average is applied (summed in worker-rank order, so the
+  result does not depend on arrival order), then all of them get version ``v + 1``.
+- backup (``wait=k``): the same with a quorum of the first ``k`` pushes of version ``v``;
+  a push computed from an older version arrives late and is dropped, and its worker is
+  answered at once with the current parameters.
+- async (Downpour): each push is applied on arrival and its worker answered at once.
+- ssp (``staleness=s``): applied on arrival like async, but the answer to a push of
+  clock ``t`` waits until the slowest active worker has reached clock ``t + 1 - s``, so
+  no worker starts step ``t + 1`` more than ``s`` clocks ahead of the slowest.
+"""
+
+from dataclasses import dataclass
+
+MODES = ("sync", "async", "ssp", "backup")
+
+
+@dataclass(frozen=True)
+class ModeConfig:
+    """The training mode and its knobs, checked once for every rank."""
+
+    mode: str = "sync"
+    staleness: int = 0          # ssp: the bound s
+    wait: int = 0               # backup: gradients used per step (0: all but one)
+    staleness_aware_lr: bool = False  # async/ssp: lr / max(1, staleness of the gradient)
+
+    def check(self, num_workers):
+        from mpidl.errors import ConfigError
+
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown parameter-server mode {self.mode!r}: expected one "
+                              f"of {', '.join(MODES)}")
+        if self.staleness < 0:
+            raise ConfigError(f"--staleness must be >= 0, got {self.staleness}")
+        if self.mode == "backup":
+            k = self.quorum(num_workers)
+            if not 1 <= k <= num_workers:
+                raise ConfigError(f"--wait {self.wait}: backup mode uses the first k of "
+                                  f"{num_workers} workers' gradients, so 1 <= k <= "
+                                  f"{num_workers}")
+        if self.staleness_aware_lr and self.mode not in ("async", "ssp"):
+            raise ConfigError("--staleness-aware-lr applies to --mode async or ssp only "
+                              f"(got --mode {self.mode})")
+        return self
+
+    def quorum(self, num_workers):
+        if self.mode == "backup":
+            return self.wait if self.wait > 0 else max(1, num_workers - 1)
+        return num_workers
+
+    def policy(self):
+        return {"sync": QuorumMode, "backup": QuorumMode, "async": AsyncMode,
+                "ssp": SSPMode}[self.mode](self)
+
+
+class QuorumMode:
+    """sync and backup: one update per version from a quorum of fresh gradients."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.bucket = []  # fresh pushes of the current version, in arrival order
+
+    def on_push(self, srv, push):
+        if push.version != srv.version:
+            srv.drop(push)           # computed from an older version: too late
+            srv.reply(push.worker)
+            return
+        self.bucket.append(push)
+        self._maybe_apply(srv)
+
+    def on_done(self, srv, worker):
+        self._maybe_apply(srv)
+
+    def _maybe_apply(self, srv):
+        need = min(self.cfg.quorum(srv.num_workers), len(srv.active))
+        if self.bucket and len(self.bucket) >= need:
+            bucket, self.bucket = self.bucket, []
+            srv.apply(bucket)
+            srv.reply_many([p.worker for p in bucket])
+
+
+class AsyncMode:
+    """Downpour: apply each push on arrival, answer its worker at once."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def on_push(self, srv, push):
+        srv.apply([push], lr_scale=srv.lr_scale_for(push))
+        srv.reply(push.worker)
+
+    def on_done(self, srv, worker):
+        pass
+
+
+class SSPMode:
+    """Stale synchronous parallel: apply on arrival, hold answers that would run ahead."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.held = {}  # worker -> clock of its unanswered push
+
+    def on_push(self, srv, push):
+        srv.apply([push], lr_scale=srv.lr_scale_for(push))
+        self.held[push.worker] = push.clock
+        self._release(srv)
+
+    def on_done(self, srv, worker):
+        self._release(srv)
+
+    def _release(self, srv):
+        slowest = srv.slowest_clock()
+        for w, t in sorted(self.held.items()):
+            if slowest is None or t + 1 - slowest <= self.cfg.staleness:
+                del self.held[w]
+                srv.reply(w)

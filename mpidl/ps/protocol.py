@@ -1,0 +1,157 @@
+"""The parameter server's wire protocol: tags, message kinds, and polite waiting.
+
+A message is a small pickled header followed by zero or more arrays sent as raw bytes
+(buffer sends: no pickling of tensors). Headers and their arrays travel with different
+tags; MPI keeps messages of one (source, tag) pair in order, so a receiver that reads a
+header then reads ``len(header["arrays"])`` arrays from the same source gets the right
+ones. All traffic runs on a private duplicate of the communicator, so its tags never
+meet anyone else's messages.
+
+Worker -> server, tag ``TAG_CTRL`` (arrays on ``TAG_UP``):
+    push   {clock, version, tensors: [(name, encoding, meta, n_arrays)]} + payload arrays
+    pull   {}                      current parameters, no clock change
+    done   {pushed}                this worker will push no more
+    ack    {}                      abort received and reported (see below)
+Server -> worker, tag ``TAG_REPLY`` (arrays on ``TAG_DOWN``):
+    params {version, names} + one array per parameter of the server's shard
+    stats  {stats}                 after every worker is done: the server's final counts
+    abort  {message}               the job must end; fin follows
+    fin    {}                      every rank has reported the abort; raise now
+Server -> server, tag ``TAG_CTRL``: abort {message}, ack, fin (same meanings).
+
+Waiting never busy-spins: ``Poller`` probes without blocking and sleeps between probes
+with exponential backoff (20 us doubling to 1 ms), because a blocking MPI wait in MPICH
+polls the network at full speed and, on an oversubscribed machine, takes the core from
+the workers that would send the awaited message.
+"""
+
+import pickle
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+TAG_CTRL = 7301
+TAG_UP = 7302
+TAG_REPLY = 7303
+TAG_DOWN = 7304
+
+
+class PSError(RuntimeError):
+    """The parameter-server job cannot go on (a bad push, an abort from a peer)."""
+
+
+def _host_bytes(a):
+    """A contiguous host array and its flat uint8 view (what MPI sends)."""
+    from mpidl.backend import to_numpy
+
+    a = np.ascontiguousarray(to_numpy(a))
+    return a, a.reshape(-1).view(np.uint8)
+
+
+def send(comm, dest, tag, data_tag, header, arrays=()):
+    """Start sending ``header`` and ``arrays`` to ``dest``; returns the requests.
+
+    The caller keeps the returned requests (they hold the buffers alive) and completes
+    them with ``Poller.wait_requests`` or tests them later.
+    """
+    specs, views = [], []
+    for a in arrays:
+        a, view = _host_bytes(a)
+        specs.append((a.shape, a.dtype.str))
+        views.append(view)
+    header = dict(header, arrays=specs)
+    reqs = [comm.isend(header, dest=dest, tag=tag)]
+    for view in views:
+        reqs.append(comm.Isend([view, MPI.BYTE], dest=dest, tag=data_tag))
+    return reqs
+
+
+def receive(comm, source, tag, data_tag):
+    """Receive a header (already probed from ``source``) and the arrays that follow it."""
+    header = comm.recv(source=source, tag=tag)
+    arrays = []
+    for shape, dtype in header.get("arrays", ()):
+        buf = np.empty(shape, dtype=np.dtype(dtype))
+        comm.Recv([buf.reshape(-1).view(np.uint8), MPI.BYTE], source=source, tag=data_tag)
+        arrays.append(buf)
+    return header, arrays
+
+
+class Poller:
+    """Non-blocking probes with sleeping backoff: waiting costs (almost) no CPU.
+
+    ``first``/``longest``: the first and the longest sleep between two probes. A message
+    that arrives while we sleep waits at most ``longest`` seconds to be noticed.
+    """
+
+    def __init__(self, comm, first=20e-6, longest=1e-3, stall_warning=120.0, who=""):
+        self.comm = comm
+        self.first, self.longest = first, longest
+        self.stall_warning = stall_warning
+        self.who = who
+        self.delay = first
+        self.idle_s = 0.0  # wall time spent sleeping between probes
+
+    def reset(self):
+        self.delay = self.first
+
+    def nap(self):
+        t = time.perf_counter()
+        time.sleep(self.delay)
+        self.idle_s += time.perf_counter() - t
+        self.delay = min(self.delay * 2, self.longest)
+
+    def probe(self, source, tag):
+        """A status if a message from ``source`` with ``tag`` is waiting, else None."""
+        status = MPI.Status()
+        if self.comm.Iprobe(source=source, tag=tag, status=status):
+            self.reset()
+            return status
+        return None
+
+    def wait(self, source, tag, what=None, timeout=None, idle=None):
+        """Sleep-probe until a message matches; returns its status (None on timeout).
+
+        ``idle()`` is called between probes (e.g. to retire finished sends); after
+        ``stall_warning`` seconds one line says what we are waiting for.
+        """
+        start = time.monotonic()
+        warned = False
+        while True:
+            status = self.probe(source, tag)
+            if status is not None:
+                return status
+            if idle is not None:
+                idle()
+            waited = time.monotonic() - start
+            if timeout is not None and waited > timeout:
+                return None
+            if not warned and self.stall_warning and waited > self.stall_warning:
+                warned = True
+                print(f"mpidl ps [{self.who}]: still waiting after {waited:.0f} s for "
+                      f"{what or 'a message'}", file=sys.stderr, flush=True)
+            self.nap()
+
+    def wait_requests(self, reqs, timeout=None):
+        """Complete ``reqs`` without spinning; returns False on timeout."""
+        start = time.monotonic()
+        while reqs:
+            if MPI.Request.Testall(reqs):
+                return True
+            if timeout is not None and time.monotonic() - start > timeout:
+                return False
+            self.nap()
+        return True
+
+
+def retire(reqs):
+    """Drop completed requests from ``reqs`` (in place); returns how many remain."""
+    reqs[:] = [r for r in reqs if not r.Test()]
+    return len(reqs)
+
+
+def header_size(header):
+    """Bytes a header takes pickled (for the bytes-sent statistics)."""
+    return len(pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL))

@@ -1,0 +1,369 @@
+"""The server side: holds a shard of the parameters and the optimizer, answers workers.
+
+``ParameterServer.serve()`` runs until every worker has said it is done. It receives with
+non-blocking probes and sleeps between them (see ``protocol.Poller``), decodes and checks
+each push (shape, dtype, name, index range), hands it to the mode (``modes.py``) which
+decides when to apply and when to answer, and counts every push as applied or dropped.
+Answers go out with non-blocking sends of a snapshot of the parameters, so a slow worker
+never holds the server up and later updates never change what was already sent.
+
+A push that does not fit (wrong shape, dtype or name, a malformed compressed payload)
+ends the job on every rank with one message naming the worker and the tensor:
+the server tells every other rank (abort), waits until each has printed it (ack, with a
+time limit), releases them (fin) and raises ``PSError`` itself.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidl.engine.module import SparseGrad
+from mpidl.ps.protocol import (TAG_CTRL, TAG_DOWN, TAG_REPLY, TAG_UP, Poller, PSError,
+                               receive, retire, send)
+
+
+@dataclass
+class Push:
+    """One decoded gradient push: ``grads`` maps names to arrays or ``SparseGrad``."""
+
+    worker: int
+    clock: int
+    version: int
+    grads: dict
+    lead: int = 0
+    staleness: int = 0
+
+
+@dataclass
+class ServerStats:
+    """What a server counted; ``pushed == applied + dropped`` when it ends."""
+
+    server: int = 0
+    rank: int = 0
+    mode: str = "sync"
+    pushed: int = 0
+    applied: int = 0
+    dropped: int = 0
+    updates: int = 0
+    pulls: int = 0
+    pushes_by_worker: dict = field(default_factory=dict)
+    dropped_by_worker: dict = field(default_factory=dict)
+    max_lead: int = 0
+    max_staleness: int = 0
+    sum_staleness: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    idle_s: float = 0.0
+    trace: list = field(default_factory=list)  # (worker, clock, lead, staleness, applied)
+
+    def as_dict(self):
+        d = dict(self.__dict__)
+        d["mean_staleness"] = self.sum_staleness / self.pushed if self.pushed else 0.0
+        return d
+
+
+class ParameterServer:
+    """Serve one shard of the parameters to the workers until all of them are done.
+
+    ``params``: {name: Parameter} of this shard, in the model's order; ``optimizer``: an
+    engine optimizer built over exactly these parameters (only servers hold optimizer
+    state). ``comm``: an mpi4py communicator private to the parameter server.
+    """
+
+    def __init__(self, comm, index, params, optimizer, mode, workers, servers,
+                 compressor=None, trace=False, poller=None, abort_grace=10.0):
+        self.comm = comm
+        self.index = index
+        self.rank = comm.Get_rank()
+        self.params = dict(params)
+        self.names = list(self.params)
+        self.optimizer = optimizer
+        self.cfg = mode
+        self.workers = list(workers)
+        self.servers = list(servers)
+        self.compressor = compressor
+        self.trace = trace
+        self.abort_grace = abort_grace
+        self.poller = poller or Poller(comm, who=f"server {index}, rank {self.rank}")
+        self.policy = mode.policy()
+        self.version = 0
+        self.active = set(self.workers)
+        self.clock = {w: 0 for w in self.workers}
+        self.sends = []
+        self._snapshot = None
+        self.stats = ServerStats(server=index, rank=self.rank, mode=mode.mode,
+                                 pushes_by_worker={w: 0 for w in self.workers},
+                                 dropped_by_worker={w: 0 for w in self.workers})
+
+    @property
+    def num_workers(self):
+        return len(self.workers)
+
+    # -- the loop
+    def serve(self):
+        """Answer pushes and pulls until every worker is done; returns ``ServerStats``."""
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        while self.active:
+            status = self.poller.wait(MPI.ANY_SOURCE, TAG_CTRL, what="pushes from workers "
+                                      f"{sorted(self.active)}", idle=self._idle)
+            header, arrays = receive(self.comm, status.Get_source(), TAG_CTRL, TAG_UP)
+            self._handle(status.Get_source(), header, arrays)
+        st = self.stats
+        st.wall_s = time.perf_counter() - wall0
+        st.cpu_s = time.process_time() - cpu0
+        st.idle_s = self.poller.idle_s
+        st.updates = self.version
+        final = st.as_dict()
+        for w in self.workers:
+            self.sends += send(self.comm, w, TAG_REPLY, TAG_DOWN,
+                               {"kind": "stats", "stats": final})
+        self.poller.wait_requests(self.sends)
+        return st
+
+    def _idle(self):
+        retire(self.sends)
+
+    def _handle(self, source, header, arrays):
+        kind = header.get("kind")
+        if kind == "push":
+            self._on_push(source, header, arrays)
+        elif kind == "pull":
+            self.stats.pulls += 1
+            self.reply(source)
+        elif kind == "done":
+            self._check_worker(source, "done")
+            self.active.discard(source)
+            self.policy.on_done(self, source)
+        elif kind == "abort":
+            self._abort(header["message"], origin=source)
+        else:
+            self._fail(f"rank {source} sent an unknown message {kind!r} to the parameter "
+                       f"server (rank {self.rank}); are all ranks running the same mpidl?")
+
+    def _check_worker(self, source, what):
+        if source not in self.active:
+            who = "a server" if source in self.servers else (
+                "a worker that already said it was done" if source in self.workers
+                else "not a worker")
+            self._fail(f"rank {source} sent '{what}' to the parameter server "
+                       f"(rank {self.rank}) but is {who}")
+
+    def _on_push(self, w, header, arrays):
+        self._check_worker(w, "push")
+        st = self.stats
+        st.pushed += 1
+        st.pushes_by_worker[w] += 1
+        st.bytes_received += sum(a.nbytes for a in arrays)
+        clock = int(header["clock"])
+        if clock != self.clock[w]:
+            self._fail(f"worker rank {w} pushed clock {clock}, but the server (rank "
+                       f"{self.rank}) has {self.clock[w]} pushes from it")
+        grads = self._decode(w, header, arrays)
+        lead = clock - min(self.clock[j] for j in self.active)
+        staleness = self.version - int(header["version"])
+        self.clock[w] = clock + 1
+        st.max_lead = max(st.max_lead, lead)
+        st.max_staleness = max(st.max_staleness, staleness)
+        st.sum_staleness += staleness
+        push = Push(w, clock, int(header["version"]), grads, lead, staleness)
+        if self.trace:
+            st.trace.append([w, clock, lead, staleness, 1])
+        self.policy.on_push(self, push)
+
+    # -- decoding and checking
+    def _decode(self, w, header, arrays):
+        from mpidl.backend import to_device
+
+        grads, pos = {}, 0
+        for name, enc, meta, n in header["tensors"]:
+            payload = arrays[pos:pos + n]
+            pos += n
+            p = self.params.get(name)
+            where = f"worker rank {w} pushed gradient {name!r}"
+            if p is None:
+                held = ", ".join(self.names) or "nothing"
+                self._fail(f"{where}, which server {self.index} (rank {self.rank}) does not "
+                           f"hold (it holds: {held}); do all ranks build the same model?")
+            if name in grads:
+                self._fail(f"{where} twice in one push")
+            want = (tuple(p.shape), np.dtype(p.dtype))
+            try:
+                if enc == "dense":
+                    (g,) = payload
+                    self._check(where, (g.shape, g.dtype), want)
+                    g = to_device(g)
+                elif enc == "sparse":
+                    idx, vals = payload
+                    self._check(where + " (sparse rows)", (vals.shape[1:], vals.dtype),
+                                (want[0][1:], want[1]))
+                    if idx.ndim != 1 or len(idx) != len(vals) or idx.dtype.kind not in "iu":
+                        self._fail(f"{where}: {len(idx)} row indices ({idx.dtype}) for "
+                                   f"{len(vals)} rows")
+                    if len(idx) and (idx.min() < 0 or idx.max() >= want[0][0]):
+                        self._fail(f"{where}: row index out of range [0, {want[0][0]})")
+                    g = SparseGrad(to_device(idx), to_device(vals), want[0])
+                elif enc == "compressed":
+                    if self.compressor is None:
+                        self._fail(f"{where} compressed, but the server has no compressor; "
+                                   "give every rank the same --compression")
+                    g = self.compressor.decompress([to_device(a) for a in payload], meta)
+                    self._check(where + " (after decompression)",
+                                (tuple(g.shape), np.dtype(g.dtype)), want)
+                else:
+                    self._fail(f"{where} with unknown encoding {enc!r}")
+            except PSError:
+                raise
+            except Exception as e:  # a malformed payload: name it, end the job
+                self._fail(f"{where}, which could not be decoded: {type(e).__name__}: {e}")
+            grads[name] = g
+        return grads
+
+    def _check(self, where, got, want):
+        shape, dtype = tuple(got[0]), np.dtype(got[1])
+        if shape != tuple(want[0]) or dtype != want[1]:
+            self._fail(f"{where} with shape {shape} and dtype {dtype}; the parameter has "
+                       f"shape {tuple(want[0])} and dtype {want[1]}")
+
+    # -- what modes call
+    def slowest_clock(self):
+        return min((self.clock[j] for j in self.active), default=None)
+
+    def lr_scale_for(self, push):
+        if self.cfg.staleness_aware_lr:
+            return 1.0 / max(1, push.staleness)
+        return 1.0
+
+    def drop(self, push):
+        self.stats.dropped += 1
+        self.stats.dropped_by_worker[push.worker] += 1
+        if self.trace:
+            for row in reversed(self.stats.trace):
+                if row[0] == push.worker and row[1] == push.clock:
+                    row[4] = 0
+                    break
+
+    def apply(self, pushes, lr_scale=1.0):
+        """One optimizer step from the mean of ``pushes`` (summed in worker order)."""
+        pushes = sorted(pushes, key=lambda p: p.worker)
+        n = len(pushes)
+        present = [name for name in self.names if any(name in p.grads for p in pushes)]
+        for name in present:
+            parts = [p.grads[name] for p in pushes if name in p.grads]
+            self.params[name].grad = _mean(parts, n)
+        if present:
+            with _scaled_lr(self.optimizer, lr_scale, [self.params[k] for k in present]):
+                self.optimizer.step(names=present)
+        for name in present:
+            self.params[name].grad = None
+        self.version += 1
+        self.stats.applied += n
+
+    def reply(self, worker):
+        self.reply_many([worker])
+
+    def reply_many(self, workers):
+        from mpidl.backend import to_numpy
+
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            arrays = [np.array(to_numpy(self.params[n].data), copy=True) for n in self.names]
+            self._snapshot = (self.version, arrays)
+        arrays = self._snapshot[1]
+        header = {"kind": "params", "version": self.version, "names": self.names}
+        for w in workers:
+            self.sends += send(self.comm, w, TAG_REPLY, TAG_DOWN, header, arrays)
+            self.stats.bytes_sent += sum(a.nbytes for a in arrays)
+
+    # -- ending on an error
+    def _fail(self, message):
+        self._abort(f"parameter server {self.index} (rank {self.rank}): {message}",
+                    origin=None)
+
+    def _abort(self, message, origin):
+        """Make every rank print ``message``, then raise ``PSError`` (see module doc)."""
+        sys.stderr.write(f"mpidl ps [rank {self.rank}]: error: {message}\n")
+        sys.stderr.flush()
+        comm, grace = self.comm, self.abort_grace
+        others = [r for r in self.workers + self.servers if r != self.rank]
+        if origin is None:
+            sends = []
+            for r in others:
+                tag = TAG_REPLY if r in self.workers else TAG_CTRL
+                data = TAG_DOWN if r in self.workers else TAG_UP
+                sends += send(comm, r, tag, data, {"kind": "abort", "message": message})
+            waiting, deadline = set(others), time.monotonic() + grace
+            while waiting and time.monotonic() < deadline:
+                status = self.poller.wait(MPI.ANY_SOURCE, TAG_CTRL, timeout=deadline - time.monotonic())
+                if status is None:
+                    break
+                header, _ = receive(comm, status.Get_source(), TAG_CTRL, TAG_UP)
+                if header.get("kind") == "ack":  # pushes still in flight are drained
+                    waiting.discard(status.Get_source())
+            for r in others:
+                if r not in waiting:
+                    tag = TAG_REPLY if r in self.workers else TAG_CTRL
+                    data = TAG_DOWN if r in self.workers else TAG_UP
+                    sends += send(comm, r, tag, data, {"kind": "fin"})
+            self.poller.wait_requests(sends, timeout=grace)
+        else:
+            self.poller.wait_requests(send(comm, origin, TAG_CTRL, TAG_UP, {"kind": "ack"}),
+                                      timeout=grace)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:  # drain pushes until the origin says fin
+                status = self.poller.wait(MPI.ANY_SOURCE, TAG_CTRL, timeout=deadline - time.monotonic())
+                if status is None:
+                    break
+                header, _ = receive(comm, status.Get_source(), TAG_CTRL, TAG_UP)
+                if header.get("kind") == "fin" and status.Get_source() == origin:
+                    break
+        raise PSError(message)
+
+
+def _mean(parts, n):
+    """Sum ``parts`` in order and divide by ``n`` (dense, or row-sparse when all are)."""
+    if n == 1 and len(parts) == 1:
+        return parts[0]
+    if all(isinstance(g, SparseGrad) for g in parts):
+        from mpidl.backend import array_module
+
+        xp = array_module(parts[0].values)
+        idx = xp.concatenate([g.indices for g in parts])
+        vals = xp.concatenate([g.values for g in parts])
+        return SparseGrad(idx, vals / vals.dtype.type(n) if n > 1 else vals, parts[0].shape)
+    total = None
+    for g in parts:
+        g = g.to_dense() if isinstance(g, SparseGrad) else g
+        total = g.copy() if total is None else total.__iadd__(g)
+    if n > 1:
+        total /= total.dtype.type(n)
+    return total
+
+
+class _scaled_lr:
+    """Scale the optimizer's learning rate for one step (staleness-aware lr)."""
+
+    def __init__(self, optimizer, scale, params):
+        self.opt, self.scale, self.params = optimizer, scale, params
+        self.saved = None
+
+    def __enter__(self):
+        if self.scale == 1.0:
+            return
+        if hasattr(self.opt, "lr"):
+            self.saved = self.opt.lr
+            self.opt.lr = self.saved * self.scale
+        else:  # no settable lr: scaling the gradient is the same for plain SGD
+            for p in self.params:
+                if isinstance(p.grad, SparseGrad):
+                    p.grad = SparseGrad(p.grad.indices, p.grad.values * self.scale,
+                                        p.grad.shape)
+                else:
+                    p.grad = p.grad * p.grad.dtype.type(self.scale)
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.opt.lr = self.saved

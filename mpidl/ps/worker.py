@@ -1,0 +1,162 @@
+"""The worker side: pushes gradients, pulls parameters, never holds optimizer state.
+
+A step on a worker is: compute gradients (the trainer), ``push()`` — send each server
+the gradients of its shard (dense, row-sparse for Embedding, or compressed), then wait
+for every server's answer and copy the parameters it sends into the model — and on to
+the next step. When and what a server answers is the mode's business (``modes.py``);
+the worker only waits, without spinning (``protocol.Poller``).
+
+Straggler injection (``straggler=F``): before each push the worker sleeps ``(F - 1)``
+times the compute time it measured for that step, so its steps take ``F`` times as long.
+"""
+
+import sys
+import time
+
+from mpi4py import MPI
+
+from mpidl.engine.module import SparseGrad
+from mpidl.ps.protocol import (TAG_CTRL, TAG_DOWN, TAG_REPLY, TAG_UP, Poller, PSError,
+                               receive, retire, send)
+
+
+class PSWorker:
+    """Talks to the servers for one worker rank.
+
+    ``params``: the model's (name, Parameter) pairs; ``layout``: ``ShardLayout``;
+    ``servers``: the server ranks, index ``s`` holding ``layout.names[s]``.
+    ``compressor``/``memory``: optional gradient compression and error feedback.
+    """
+
+    def __init__(self, comm, params, layout, servers, compressor=None, memory=None,
+                 straggler=1.0, poller=None, abort_grace=10.0):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.params = dict(params)
+        self.layout = layout
+        self.servers = list(servers)
+        self.compressor, self.memory = compressor, memory
+        self.straggler = float(straggler)
+        self.abort_grace = abort_grace
+        self.poller = poller or Poller(comm, who=f"worker rank {self.rank}")
+        self.versions = {r: 0 for r in self.servers}
+        self.clock = 0
+        self.sends = []
+        self.server_stats = None
+        self.stats = {"pushes": 0, "messages": 0, "bytes_sent": 0, "bytes_received": 0,
+                      "compute_s": 0.0, "straggle_s": 0.0, "wait_s": 0.0, "pulls": 0}
+        self._compute_start = time.perf_counter()
+
+    def begin_step(self):
+        """Mark the start of a step's computation (for straggler injection)."""
+        self._compute_start = time.perf_counter()
+
+    # -- pushing
+    def push(self):
+        """Push this step's gradients to every server and take the parameters it answers."""
+        compute = time.perf_counter() - self._compute_start
+        self.stats["compute_s"] += compute
+        if self.straggler > 1.0:
+            t = time.perf_counter()
+            time.sleep((self.straggler - 1.0) * compute)
+            self.stats["straggle_s"] += time.perf_counter() - t
+        for s, server in enumerate(self.servers):
+            tensors, arrays = [], []
+            for name in self.layout.names[s]:
+                g = self.params[name].grad
+                if g is None:
+                    continue
+                enc, meta, payload = self._encode(name, g)
+                tensors.append((name, enc, meta, len(payload)))
+                arrays += payload
+            header = {"kind": "push", "clock": self.clock,
+                      "version": self.versions[server], "tensors": tensors}
+            self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, header, arrays)
+            self.stats["bytes_sent"] += sum(int(a.nbytes) for a in arrays)
+            self.stats["messages"] += 1
+        self.stats["pushes"] += 1
+        self.clock += 1
+        self._take_params(self._await("params"))
+        self.begin_step()
+
+    def _encode(self, name, g):
+        if isinstance(g, SparseGrad):  # Embedding: only the touched rows travel
+            return "sparse", None, [g.indices, g.values]
+        if self.compressor is None:
+            return "dense", None, [g]
+        if self.memory is not None:
+            g = self.memory.compensate(g, name)
+        payload, ctx = self.compressor.compress(g, name)
+        if self.memory is not None:
+            self.memory.update(g, name, self.compressor, payload, ctx)
+        return "compressed", ctx, list(payload)
+
+    # -- pulling
+    def pull(self):
+        """Fetch the current parameters from every server (no clock change)."""
+        for server in self.servers:
+            self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, {"kind": "pull"})
+        self.stats["pulls"] += 1
+        self._take_params(self._await("params"))
+        self.begin_step()
+
+    def _take_params(self, replies):
+        from mpidl.backend import to_device
+
+        for server, (header, arrays) in replies.items():
+            self.versions[server] = header["version"]
+            for name, a in zip(header["names"], arrays):
+                p = self.params[name]
+                p.data[...] = to_device(a, dtype=p.data.dtype)
+                self.stats["bytes_received"] += int(a.nbytes)
+
+    # -- ending
+    def finish(self):
+        """Tell every server we are done; wait for their final counts (the end is agreed
+        when every server has heard every worker); returns the servers' stats."""
+        for server in self.servers:
+            self.sends += send(self.comm, server, TAG_CTRL, TAG_UP,
+                               {"kind": "done", "pushed": self.stats["pushes"]})
+        replies = self._await("stats")
+        self.poller.wait_requests(self.sends)
+        self.server_stats = [replies[r][0]["stats"] for r in self.servers]
+        return self.server_stats
+
+    # -- waiting
+    def _await(self, kind):
+        """One ``kind`` answer from every server; an abort from any server ends us."""
+        t0 = time.perf_counter()
+        pending, got = set(self.servers), {}
+        while pending:
+            status = self.poller.wait(MPI.ANY_SOURCE, TAG_REPLY, idle=self._idle,
+                                      what=f"'{kind}' from server ranks {sorted(pending)}")
+            src = status.Get_source()
+            header, arrays = receive(self.comm, src, TAG_REPLY, TAG_DOWN)
+            if header.get("kind") == "abort":
+                self._abort(src, header["message"])
+            if header.get("kind") != kind or src not in pending:
+                raise PSError(f"worker rank {self.rank}: expected '{kind}' from server ranks "
+                              f"{sorted(pending)}, got '{header.get('kind')}' from rank {src}")
+            got[src] = (header, arrays)
+            pending.discard(src)
+        self.stats["wait_s"] += time.perf_counter() - t0
+        return got
+
+    def _idle(self):
+        retire(self.sends)
+
+    def _abort(self, origin, message):
+        """Print the server's message, acknowledge, wait for its fin, then raise."""
+        sys.stderr.write(f"mpidl ps [rank {self.rank}]: error: {message}\n")
+        sys.stderr.flush()
+        self.poller.wait_requests(send(self.comm, origin, TAG_CTRL, TAG_UP, {"kind": "ack"}),
+                                  timeout=self.abort_grace)
+        deadline = time.monotonic() + self.abort_grace
+        while time.monotonic() < deadline:
+            status = self.poller.wait(origin, TAG_REPLY, timeout=deadline - time.monotonic())
+            if status is None:
+                break
+            header, _ = receive(self.comm, origin, TAG_REPLY, TAG_DOWN)
+            if header.get("kind") == "fin":
+                break
+        raise PSError(message)
