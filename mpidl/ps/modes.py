@@ -1,7 +1,8 @@
 """When the server applies a gradient and when it answers the worker that pushed it.
 
-A mode sees three events — a push (already decoded and checked), a worker's end, and
-nothing else — and acts through three server calls: ``apply(pushes)`` (one optimizer
+A mode sees two events — a push (already decoded and checked), and a change in who is
+still pushing (a worker ended, or reached the end-of-epoch barrier) — and acts through
+three server calls: ``apply(pushes)`` (one optimizer
 step from the average of those pushes), ``reply(worker)`` (send the current parameters,
 which lets that worker compute its next step) and ``drop(push)``.
 
@@ -79,11 +80,12 @@ class QuorumMode:
         self.bucket.append(push)
         self._maybe_apply(srv)
 
-    def on_done(self, srv, worker):
+    def recheck(self, srv):
         self._maybe_apply(srv)
 
     def _maybe_apply(self, srv):
-        need = min(self.cfg.quorum(srv.num_workers), len(srv.active))
+        # workers that ended or wait at the epoch barrier push nothing more: don't wait
+        need = min(self.cfg.quorum(srv.num_workers), len(srv.pushing()))
         if self.bucket and len(self.bucket) >= need:
             bucket, self.bucket = self.bucket, []
             srv.apply(bucket)
@@ -100,7 +102,7 @@ class AsyncMode:
         srv.apply([push], lr_scale=srv.lr_scale_for(push))
         srv.reply(push.worker)
 
-    def on_done(self, srv, worker):
+    def recheck(self, srv):
         pass
 
 
@@ -116,7 +118,7 @@ class SSPMode:
         self.held[push.worker] = push.clock
         self._release(srv)
 
-    def on_done(self, srv, worker):
+    def recheck(self, srv):
         self._release(srv)
 
     def _release(self, srv):

@@ -35,6 +35,7 @@ class Push:
     grads: dict
     lead: int = 0
     staleness: int = 0
+    lr: float = None  # the worker's learning rate for this step (its schedule's value)
 
 
 @dataclass
@@ -95,6 +96,9 @@ class ParameterServer:
         self.active = set(self.workers)
         self.clock = {w: 0 for w in self.workers}
         self.sends = []
+        self.at_barrier = set()
+        self._barrier_passed = False
+        self._stats_sent = False
         self._snapshot = None
         self.stats = ServerStats(server=index, rank=self.rank, mode=mode.mode,
                                  pushes_by_worker={w: 0 for w in self.workers},
@@ -105,25 +109,35 @@ class ParameterServer:
         return len(self.workers)
 
     # -- the loop
-    def serve(self):
-        """Answer pushes and pulls until every worker is done; returns ``ServerStats``."""
-        wall0, cpu0 = time.perf_counter(), time.process_time()
-        while self.active:
+    def serve(self, until="end"):
+        """Answer pushes and pulls; returns ``ServerStats`` when every worker is done
+        (``until="end"``) or also when every active worker reached the end-of-epoch
+        barrier (``until="barrier"``)."""
+        wall0, cpu0, idle0 = time.perf_counter(), time.process_time(), self.poller.idle_s
+        self._barrier_passed = False
+        while self.active and not (until == "barrier" and self._barrier_passed):
             status = self.poller.wait(MPI.ANY_SOURCE, TAG_CTRL, what="pushes from workers "
                                       f"{sorted(self.active)}", idle=self._idle)
             header, arrays = receive(self.comm, status.Get_source(), TAG_CTRL, TAG_UP)
             self._handle(status.Get_source(), header, arrays)
         st = self.stats
-        st.wall_s = time.perf_counter() - wall0
-        st.cpu_s = time.process_time() - cpu0
-        st.idle_s = self.poller.idle_s
+        st.wall_s += time.perf_counter() - wall0
+        st.cpu_s += time.process_time() - cpu0
+        st.idle_s += self.poller.idle_s - idle0
         st.updates = self.version
-        final = st.as_dict()
-        for w in self.workers:
-            self.sends += send(self.comm, w, TAG_REPLY, TAG_DOWN,
-                               {"kind": "stats", "stats": final})
+        if not self.active and not self._stats_sent:
+            self._stats_sent = True
+            final = st.as_dict()
+            for w in self.workers:
+                self.sends += send(self.comm, w, TAG_REPLY, TAG_DOWN,
+                                   {"kind": "stats", "stats": final})
         self.poller.wait_requests(self.sends)
         return st
+
+    @property
+    def finished(self):
+        """True once every worker said it is done."""
+        return not self.active
 
     def _idle(self):
         retire(self.sends)
@@ -135,10 +149,17 @@ class ParameterServer:
         elif kind == "pull":
             self.stats.pulls += 1
             self.reply(source)
+        elif kind == "barrier":
+            self._check_worker(source, "barrier")
+            self.at_barrier.add(source)
+            self.policy.recheck(self)
+            self._maybe_pass_barrier()
         elif kind == "done":
             self._check_worker(source, "done")
             self.active.discard(source)
-            self.policy.on_done(self, source)
+            self.at_barrier.discard(source)
+            self.policy.recheck(self)
+            self._maybe_pass_barrier()
         elif kind == "abort":
             self._abort(header["message"], origin=source)
         else:
@@ -170,10 +191,18 @@ class ParameterServer:
         st.max_lead = max(st.max_lead, lead)
         st.max_staleness = max(st.max_staleness, staleness)
         st.sum_staleness += staleness
-        push = Push(w, clock, int(header["version"]), grads, lead, staleness)
+        push = Push(w, clock, int(header["version"]), grads, lead, staleness,
+                    header.get("lr"))
         if self.trace:
             st.trace.append([w, clock, lead, staleness, 1])
         self.policy.on_push(self, push)
+
+    def _maybe_pass_barrier(self):
+        """Everyone active waits at the barrier: all get the same (current) parameters."""
+        if self.at_barrier and self.at_barrier >= self.active:
+            waiting, self.at_barrier = sorted(self.at_barrier), set()
+            self.reply_many(waiting)
+            self._barrier_passed = True
 
     # -- decoding and checking
     def _decode(self, w, header, arrays):
@@ -230,6 +259,10 @@ class ParameterServer:
                        f"shape {tuple(want[0])} and dtype {want[1]}")
 
     # -- what modes call
+    def pushing(self):
+        """Workers that may still push before the barrier (active, not waiting at it)."""
+        return self.active - self.at_barrier
+
     def slowest_clock(self):
         return min((self.clock[j] for j in self.active), default=None)
 
@@ -255,6 +288,9 @@ class ParameterServer:
         for name in present:
             parts = [p.grads[name] for p in pushes if name in p.grads]
             self.params[name].grad = _mean(parts, n)
+        lr = pushes[-1].lr
+        if lr is not None and hasattr(self.optimizer, "lr"):
+            self.optimizer.lr = lr  # the workers run the schedule; the server follows it
         if present:
             with _scaled_lr(self.optimizer, lr_scale, [self.params[k] for k in present]):
                 self.optimizer.step(names=present)

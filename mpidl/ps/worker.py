@@ -52,8 +52,11 @@ class PSWorker:
         self._compute_start = time.perf_counter()
 
     # -- pushing
-    def push(self):
-        """Push this step's gradients to every server and take the parameters it answers."""
+    def push(self, lr=None):
+        """Push this step's gradients to every server and take the parameters it answers.
+
+        ``lr``: this step's learning rate (the trainer's schedule); the server uses it.
+        """
         compute = time.perf_counter() - self._compute_start
         self.stats["compute_s"] += compute
         if self.straggler > 1.0:
@@ -69,7 +72,7 @@ class PSWorker:
                 enc, meta, payload = self._encode(name, g)
                 tensors.append((name, enc, meta, len(payload)))
                 arrays += payload
-            header = {"kind": "push", "clock": self.clock,
+            header = {"kind": "push", "clock": self.clock, "lr": lr,
                       "version": self.versions[server], "tensors": tensors}
             self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, header, arrays)
             self.stats["bytes_sent"] += sum(int(a.nbytes) for a in arrays)
@@ -97,6 +100,14 @@ class PSWorker:
         for server in self.servers:
             self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, {"kind": "pull"})
         self.stats["pulls"] += 1
+        self._take_params(self._await("params"))
+        self.begin_step()
+
+    def barrier(self):
+        """End of epoch: wait until every active worker got here, then take the current
+        parameters — the same ones on every worker, whatever the mode."""
+        for server in self.servers:
+            self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, {"kind": "barrier"})
         self._take_params(self._await("params"))
         self.begin_step()
 
