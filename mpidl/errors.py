@@ -19,3 +19,11 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A dataset that is missing, unreadable or malformed."""
+
+
+class AgreedUserError(UserError):
+    """A user error that every rank raises together (the ranks agreed on it first).
+
+    The command line then lets rank 0 print it once and every rank exit 2 on its own; a
+    plain UserError raised by some ranks only ends all ranks through MPI_Abort instead.
+    """

@@ -1,0 +1,225 @@
+"""``mpidl train``: build everything from the configuration, then run the Trainer.
+
+Two phases, so that no rank is ever left waiting on another that failed:
+
+1. ``prepare`` (inside the ranks' agreement on user errors, no communication): resolve the
+   configuration, pick the device, load the data, build and check the model, optimizer,
+   schedule and strategy.
+2. the returned job (collective): agree on the output folder, then ``Trainer.fit``.
+"""
+
+import argparse
+import os
+import time
+
+from mpidl.config import OPTIONS, resolve
+from mpidl.errors import ConfigError, UserError
+
+GROUPS = ["model and data", "training", "parallelism", "outputs"]
+
+
+def register(subparsers):
+    p = subparsers.add_parser(
+        "train", help="train a model (one process, or many under mpiexec/srun)",
+        description="Train a model on a dataset. Values come from, lowest to highest: "
+        "built-in defaults, the model's recommended settings, --config FILE.toml, these "
+        "flags. Under mpiexec -n N every rank runs this same command; --batch-size is per "
+        "rank.",
+        epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE.toml", default=None,
+                   help="TOML file of settings (keys are these flags' names, e.g. "
+                   "batch_size = 64); flags given here override it")
+    groups = {g: p.add_argument_group(g) for g in GROUPS}
+    for o in OPTIONS:
+        flag = "--" + o.name.replace("_", "-")
+        g = groups[o.group]
+        default = "" if o.default is None else f" (default: {o.default})"
+        if o.type is bool and o.default is True:
+            g.add_argument("--no-" + o.name.replace("_", "-"), dest=o.name,
+                           action="store_false", default=argparse.SUPPRESS, help=o.help)
+        elif o.type is bool:
+            g.add_argument(flag, dest=o.name, action="store_true", default=argparse.SUPPRESS,
+                           help=o.help)
+        else:
+            g.add_argument(flag, dest=o.name, type=o.type, default=argparse.SUPPRESS,
+                           metavar=o.metavar or o.name.split("_")[-1].upper(),
+                           help=o.help + default)
+    p.set_defaults(prepare=prepare)
+    return p
+
+
+def _epilog():
+    lines = ["examples:",
+             "  mpidl train --model mlp --epochs 10 --seed 1",
+             "  mpidl train --model cnn --dataset fashion-mnist --data-dir ~/data/fashion",
+             "  mpiexec -n 4 mpidl train --model mlp --scale-lr --warmup-epochs 1",
+             "  mpidl train --config run.toml --lr 0.01 --out-dir runs/try1",
+             "",
+             "model defaults (override the built-in defaults above):"]
+    try:
+        from mpidl.engine.models import MODEL_DEFAULTS  # noqa: PLC0415
+
+        for name, d in MODEL_DEFAULTS.items():
+            lines.append(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in d.items()))
+    except Exception:  # noqa: BLE001 - help must work even with a half-built engine
+        lines.append("  (unavailable)")
+    lines += ["",
+              "uneven data: every rank always runs the same number of steps; the last "
+              "global batch of an epoch is padded by wrapping around to the epoch's first "
+              "samples, or dropped with --drop-last.",
+              "checkpoints: --checkpoint-every K writes one every K steps and at the end; "
+              "--resume continues from the newest, bitwise as if never stopped."]
+    return "\n".join(lines)
+
+
+def given_flags(args):
+    names = {o.name for o in OPTIONS}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def default_strategy(size):
+    return "local" if size == 1 else "allreduce"
+
+
+def make_comm(world):
+    """The project's Communicator over MPI_COMM_WORLD (None on one process without MPI)."""
+    if world.mpi is None:
+        return None
+    from mpidl.comm import Communicator  # noqa: PLC0415
+
+    return Communicator(world.mpi)
+
+
+def _local_rank(world):
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return world.rank
+
+
+def prepare(args, world):
+    """Phase 1 (local): everything that can go wrong because of the input. Returns phase 2."""
+    from mpidl import backend  # noqa: PLC0415
+    from mpidl.data import load_dataset  # noqa: PLC0415
+    from mpidl.strategies import make_strategy  # noqa: PLC0415
+    from mpidl.training.log import setup_logging  # noqa: PLC0415
+
+    cfg = resolve(given_flags(args), args.config)
+    log = setup_logging(world.rank, cfg.verbose)
+    if cfg.resume and not (cfg.checkpoint_dir or cfg.out_dir or cfg.name):
+        raise ConfigError("--resume needs to know where the checkpoints are: give "
+                          "--checkpoint-dir DIR, --out-dir DIR or --name NAME")
+    try:
+        backend.use(cfg.device, local_rank=_local_rank(world))
+    except backend.BackendError as e:
+        raise ConfigError(f"--device {cfg.device}: {e}") from None
+
+    dataset = load_dataset(cfg.dataset, cfg.data_dir)
+    if cfg.limit_train or cfg.limit_test:
+        dataset = dataset.limit(cfg.limit_train, cfg.limit_test)
+
+    model, optimizer, loss, eval_loss = build_model_and_optimizer(cfg, dataset)
+    schedule_factory = make_schedule_factory(cfg)
+
+    name = cfg.strategy or default_strategy(world.size)
+    options = {"algorithm": cfg.algorithm, "bucket_mb": cfg.bucket_mb,
+               "overlap": None if cfg.overlap else False, "compression": cfg.compression,
+               "ratio": cfg.ratio}
+    options = {k: v for k, v in options.items() if v is not None}
+    comm = make_comm(world) if world.size > 1 or name != "local" else None
+    strategy = make_strategy(name, comm, **options)
+    cfg.strategy = name
+
+    from mpidl.training.trainer import Trainer  # noqa: PLC0415
+
+    meta = {"model": cfg.model, "dataset": dataset.name,
+            "input_shape": list(dataset.input_shape), "num_classes": dataset.num_classes,
+            "dtype": cfg.dtype, "seed": cfg.seed, "mpidl_config": cfg.to_dict()}
+    trainer = Trainer(cfg, model, optimizer, loss, strategy, dataset, schedule_factory,
+                      eval_loss, paths={}, model_meta=meta)
+
+    def job():
+        stamp = strategy.bcast(time.strftime("%Y%m%d-%H%M%S") if strategy.is_root else None)
+        out_dir = cfg.out_dir or os.path.join("runs", cfg.name or stamp)
+        ckpt_on = bool(cfg.checkpoint_dir or cfg.checkpoint_every or cfg.resume)
+        trainer.paths = {
+            "metrics": cfg.metrics or os.path.join(out_dir, "metrics.jsonl"),
+            "save": cfg.save or os.path.join(out_dir, "model.npz"),
+            "checkpoint_dir": (cfg.checkpoint_dir or os.path.join(out_dir, "checkpoints"))
+            if ckpt_on else None,
+        }
+        if strategy.is_root:
+            log.info(
+                f"training {cfg.model} on {dataset.name} ({len(dataset.train_y)} train / "
+                f"{len(dataset.test_y)} test, input {dataset.input_shape}) | {world.size} "
+                f"rank(s), strategy {name}, device {backend.device()}, {cfg.dtype} | batch "
+                f"{cfg.batch_size}/rank = {trainer.loader.global_batch_size} global, "
+                f"{trainer.steps_per_epoch} steps/epoch x {cfg.epochs} epochs | "
+                f"{cfg.optimizer} lr {trainer.base_lr:g} ({cfg.schedule}, warm-up "
+                f"{trainer.warmup_steps} steps) | outputs in {out_dir}")
+        trainer.fit()
+        return 0
+
+    return job
+
+
+def build_model_and_optimizer(cfg, dataset):
+    """Model, optimizer and losses; a model that does not fit the data is a UserError."""
+    from mpidl.engine import ShapeError  # noqa: PLC0415
+    from mpidl.engine.losses import SoftmaxCrossEntropy  # noqa: PLC0415
+    from mpidl.engine.models import build_model  # noqa: PLC0415
+
+    where = (f"model {cfg.model!r} does not fit dataset {dataset.name!r} (input shape "
+             f"{dataset.input_shape}, {dataset.num_classes} classes)")
+    try:
+        model = build_model(cfg.model, input_shape=dataset.input_shape,
+                            num_classes=dataset.num_classes, seed=cfg.seed, dtype=cfg.dtype)
+    except ShapeError as e:
+        raise UserError(f"{where}: {e}") from None
+    check_model_fits(model, dataset, where, cfg.dtype)
+    return model, make_optimizer(cfg, model), SoftmaxCrossEntropy(), SoftmaxCrossEntropy()
+
+
+def check_model_fits(model, dataset, where, dtype):
+    """Run two test images through the model (eval mode): a ShapeError is the user's."""
+    from mpidl.backend import to_device  # noqa: PLC0415
+    from mpidl.engine import ShapeError  # noqa: PLC0415
+
+    x = to_device(dataset.test_x[:2] if len(dataset.test_x) else dataset.train_x[:2],
+                  dtype=dtype)
+    model.eval()
+    try:
+        out = model.forward(x)
+    except ShapeError as e:
+        raise UserError(f"{where}: {e}") from None
+    finally:
+        model.train()
+    if out.ndim != 2 or out.shape[1] != dataset.num_classes:
+        raise UserError(f"{where}: the model outputs shape {tuple(out.shape[1:])} per image, "
+                        f"expected ({dataset.num_classes},) class scores")
+
+
+def make_optimizer(cfg, model):
+    from mpidl.engine import optim  # noqa: PLC0415
+
+    params = model.named_parameters()
+    if cfg.optimizer == "sgd":
+        return optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                         weight_decay=cfg.weight_decay)
+    cls = {"adam": optim.Adam, "adamw": optim.AdamW}[cfg.optimizer]
+    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def make_schedule_factory(cfg):
+    """A function (base_lr, total_steps, warmup_steps) -> schedule; the kind is checked now."""
+    from mpidl.engine.schedules import make_schedule  # noqa: PLC0415
+
+    def factory(base_lr, total_steps, warmup_steps):
+        return make_schedule(cfg.schedule, base_lr, total_steps, warmup_steps=warmup_steps)
+
+    try:
+        factory(cfg.lr, 100, 0)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"--schedule {cfg.schedule!r}: {e}") from None
+    return factory

@@ -1,0 +1,224 @@
+"""Training configuration: defaults, per-model defaults, a TOML file, command-line flags.
+
+Precedence, lowest to highest: the built-in defaults below, the model's recommended
+settings (``mpidl.engine.models.MODEL_DEFAULTS``), the ``--config FILE.toml`` values, the
+command-line flags. A config file is flat ``key = value`` lines whose keys are the flag
+names (``batch_size`` or ``batch-size``); an unknown key, a value of the wrong type or
+out of range is a ``ConfigError`` naming the key (and the file), which the command line
+turns into one line and exit status 2.
+"""
+
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from mpidl.errors import ConfigError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class Option:
+    """One training setting: its name (the flag without dashes), type, default and help."""
+
+    name: str
+    type: type
+    default: object
+    help: str
+    group: str = "training"
+    choices: tuple = None
+    metavar: str = None
+
+
+OPTIONS = [
+    # model and data
+    Option("model", str, "mlp", "network to train (see `mpidl info --models`); its "
+           "recommended optimizer, lr, schedule, batch size and epochs become the defaults",
+           "model and data"),
+    Option("dataset", str, "fashion-mnist", "fashion-mnist, mnist, cifar10, digits "
+           "(scikit-learn) or synthetic", "model and data"),
+    Option("data_dir", str, None, "folder holding the dataset files (default: "
+           "/usr/share/datasets/<dataset>, or $MPIDL_DATA_DIR/<dataset>)", "model and data",
+           metavar="DIR"),
+    Option("limit_train", int, None, "train on the first N training samples only (quick "
+           "tests)", "model and data", metavar="N"),
+    Option("limit_test", int, None, "evaluate on the first N test samples only",
+           "model and data", metavar="N"),
+    Option("drop_last", bool, False, "drop the last incomplete global batch of each epoch "
+           "instead of padding it by wrapping around to the epoch's first samples",
+           "model and data"),
+    # optimization
+    Option("epochs", int, 10, "number of passes over the training set"),
+    Option("batch_size", int, 128, "mini-batch size per rank (the global batch is this "
+           "times the number of training ranks)", metavar="B"),
+    Option("eval_batch_size", int, 500, "batch size for evaluating the test set",
+           metavar="B"),
+    Option("optimizer", str, "sgd", "sgd, adam or adamw", choices=("sgd", "adam", "adamw")),
+    Option("lr", float, 0.05, "base learning rate (before --scale-lr and the schedule)"),
+    Option("momentum", float, 0.9, "SGD momentum (0 turns it off)"),
+    Option("nesterov", bool, False, "use Nesterov momentum with SGD"),
+    Option("weight_decay", float, 0.0, "L2 weight decay (decoupled for adamw)",
+           metavar="WD"),
+    Option("schedule", str, "constant", "learning-rate schedule over the steps: constant, "
+           "step, cosine, linear (see the engine's make_schedule)"),
+    Option("warmup_epochs", float, 0.0, "linear learning-rate warm-up from ~0 over this many "
+           "epochs (fractions allowed)", metavar="E"),
+    Option("scale_lr", bool, False, "large-batch rule: multiply lr by the number of "
+           "training ranks; pair it with --warmup-epochs"),
+    Option("seed", int, 0, "seed for weights, shuffling and dropout; the same seed and rank "
+           "count give the same run"),
+    Option("device", str, "cpu", "cpu (NumPy) or gpu (CuPy, one GPU per rank by node-local "
+           "rank)", choices=("cpu", "gpu")),
+    Option("dtype", str, "float32", "float32 or float64 parameters and activations",
+           choices=("float32", "float64")),
+    # parallelism
+    Option("strategy", str, None, "local (one process), allreduce (data parallel) or ps "
+           "(parameter server); default: local on one rank, allreduce on several",
+           "parallelism"),
+    Option("algorithm", str, None, "allreduce algorithm: ring, tree, recursive_doubling, "
+           "mpi or auto (strategy default)", "parallelism"),
+    Option("bucket_mb", float, None, "gradient fusion bucket size in MiB", "parallelism",
+           metavar="MB"),
+    Option("overlap", bool, True, "overlap gradient communication with backward "
+           "(--no-overlap turns it off for comparison)", "parallelism"),
+    Option("compression", str, None, "gradient compression (e.g. topk, onebit, qsgd); "
+           "default none", "parallelism"),
+    Option("ratio", float, None, "compression ratio or density (e.g. 0.01 keeps 1%% of "
+           "gradient entries with topk)", "parallelism"),
+    # outputs
+    Option("out_dir", str, None, "folder for this run's outputs (default "
+           "runs/<name or date-time>)", "outputs", metavar="DIR"),
+    Option("name", str, None, "run name: outputs go to runs/NAME unless --out-dir is given",
+           "outputs"),
+    Option("metrics", str, None, "append one JSON line per epoch to this file (default "
+           "OUT_DIR/metrics.jsonl); the same lines go to stdout", "outputs", metavar="FILE"),
+    Option("save", str, None, "save the final model to this .npz file (default "
+           "OUT_DIR/model.npz)", "outputs", metavar="FILE"),
+    Option("checkpoint_dir", str, None, "folder for checkpoints (default "
+           "OUT_DIR/checkpoints); giving it turns checkpoints on", "outputs", metavar="DIR"),
+    Option("checkpoint_every", int, 0, "write a checkpoint every K steps and at the end "
+           "(0: only at the end, and only when checkpoints are on)", "outputs", metavar="K"),
+    Option("keep_checkpoints", int, 3, "keep the newest N checkpoints", "outputs",
+           metavar="N"),
+    Option("resume", bool, False, "continue from the newest checkpoint in the checkpoint "
+           "folder (bitwise the same result as an uninterrupted run)", "outputs"),
+    Option("progress", bool, True, "progress bar on rank 0 (--no-progress turns it off)",
+           "outputs"),
+    Option("verbose", bool, False, "let every rank log, not only rank 0", "outputs"),
+]
+OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+#: settings that change which samples a step sees: a checkpoint only resumes if they match
+RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "seed", "dtype",
+               "optimizer")
+
+
+class TrainConfig(SimpleNamespace):
+    """The resolved settings, as attributes (``cfg.lr``); ``to_dict()`` for saving."""
+
+    def to_dict(self):
+        return dict(vars(self))
+
+
+def _check_type(opt, value, where):
+    t = opt.type
+    ok = (isinstance(value, bool) if t is bool else
+          isinstance(value, int) and not isinstance(value, bool) if t is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if t is float else
+          isinstance(value, str))
+    if not ok:
+        raise ConfigError(f"{where}: {opt.name} must be {t.__name__}, got {value!r}")
+    return float(value) if t is float else value
+
+
+def load_toml(path):
+    """The flat ``{key: value}`` table of a TOML config file, keys checked and normalized."""
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    out = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in OPTIONS_BY_NAME:
+            raise ConfigError(f"unknown key {key!r} in config file {path}; valid keys: "
+                              f"{', '.join(o.name for o in OPTIONS)}")
+        out[name] = _check_type(OPTIONS_BY_NAME[name], value, f"config file {path}")
+    return out
+
+
+def model_defaults(model):
+    """The engine's recommended settings for ``model``, restricted to known options."""
+    from mpidl.engine.models import MODEL_DEFAULTS, MODELS  # noqa: PLC0415
+
+    if model not in MODELS:
+        raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+    return {k: v for k, v in dict(MODEL_DEFAULTS.get(model, {})).items()
+            if k in OPTIONS_BY_NAME}
+
+
+def resolve(flags=None, config_path=None, use_model_defaults=True):
+    """Merge defaults < model defaults < config file < ``flags`` (only the flags given).
+
+    ``flags``: {option name: value} for the flags that were on the command line.
+    """
+    flags = dict(flags or {})
+    for name in flags:
+        if name not in OPTIONS_BY_NAME:
+            raise ConfigError(f"unknown setting {name!r}")
+    from_file = load_toml(config_path) if config_path else {}
+    values = {o.name: o.default for o in OPTIONS}
+    model = flags.get("model", from_file.get("model", values["model"]))
+    if use_model_defaults:
+        values.update(model_defaults(model))
+    values.update(from_file)
+    values.update(flags)
+    cfg = TrainConfig(**values)
+    cfg.config = os.path.abspath(config_path) if config_path else None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg):
+    """Raise ConfigError for a value out of range; one message naming the setting."""
+    def bad(name, why):
+        raise ConfigError(f"--{name.replace('_', '-')} {why}, got {getattr(cfg, name)!r}")
+
+    for o in OPTIONS:
+        v = getattr(cfg, o.name)
+        if o.choices and v not in o.choices:
+            bad(o.name, f"must be one of {', '.join(o.choices)}")
+    if not cfg.lr > 0:
+        bad("lr", "must be positive")
+    if cfg.epochs < 1:
+        bad("epochs", "must be at least 1")
+    for name in ("batch_size", "eval_batch_size"):
+        if getattr(cfg, name) < 1:
+            bad(name, "must be at least 1")
+    if not 0 <= cfg.momentum < 1:
+        bad("momentum", "must be in [0, 1)")
+    if cfg.weight_decay < 0:
+        bad("weight_decay", "must not be negative")
+    if cfg.warmup_epochs < 0:
+        bad("warmup_epochs", "must not be negative")
+    for name in ("limit_train", "limit_test"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            bad(name, "must be at least 1")
+    if cfg.checkpoint_every < 0:
+        bad("checkpoint_every", "must not be negative (0: only at the end)")
+    if cfg.keep_checkpoints < 1:
+        bad("keep_checkpoints", "must be at least 1")
+    if cfg.bucket_mb is not None and not cfg.bucket_mb > 0:
+        bad("bucket_mb", "must be positive")
+    if cfg.ratio is not None and not 0 < cfg.ratio <= 1:
+        bad("ratio", "must be in (0, 1]")
+    if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum == 0):
+        bad("nesterov", "needs --optimizer sgd with --momentum > 0")
+    return cfg

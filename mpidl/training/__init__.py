@@ -1,0 +1,1 @@
+"""The training front end: the loop (Trainer), checkpoints, metrics, progress, logging."""

@@ -1,0 +1,229 @@
+"""Checkpoints: nested training state in one ``.npz`` file, written atomically.
+
+Format: a NumPy ``.npz`` (zip) file ``ckpt-<step>.npz``. Arrays are stored as members
+named by their path in the state (``model/0.weight``, ``optimizer/state/0.weight/m``);
+everything else (numbers, strings, big integers of RNG states, the nesting itself) is one
+JSON document in the member ``__tree__``. Loading needs no pickle, so a checkpoint cannot
+run code, and ``numpy.load`` alone can inspect one.
+
+Atomic write: the file is written under a temporary name in the same folder, flushed and
+fsync'ed, then ``os.replace``'d onto its final name, and the folder is fsync'ed. A crash
+at any moment leaves either the previous checkpoints only, or the previous ones and the
+complete new one; a leftover temporary file is never taken for a checkpoint, and
+``latest`` falls back to an older checkpoint when the newest cannot be read.
+"""
+
+import json
+import os
+import re
+import tempfile
+import zipfile
+
+import numpy as np
+
+from mpidl.backend import is_gpu_array, to_numpy
+
+FORMAT = "mpidl-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"^ckpt-(\d+)\.npz$")
+_TMP_PREFIX = ".tmp-ckpt-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read."""
+
+
+# -- nested state <-> (JSON tree, arrays)
+
+def _is_array(x):
+    return isinstance(x, np.ndarray) or is_gpu_array(x)
+
+
+def encode(state):
+    """(json-able tree, {member name: ndarray}) for a nested state."""
+    arrays = {}
+
+    def enc(obj, path):
+        if _is_array(obj) or isinstance(obj, np.generic):
+            key = "/".join(path) or "value"
+            while key in arrays or key == "__tree__":
+                key += "_"
+            arrays[key] = to_numpy(obj) if _is_array(obj) else np.asarray(obj)
+            return {"__array__": key, "scalar": isinstance(obj, np.generic)}
+        if isinstance(obj, dict):
+            return {"__dict__": [[enc_key(k), enc(v, path + [str(k)])] for k, v in obj.items()]}
+        if isinstance(obj, (list, tuple)):
+            return {"__list__" if isinstance(obj, list) else "__tuple__":
+                    [enc(v, path + [str(i)]) for i, v in enumerate(obj)]}
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        raise TypeError(f"cannot checkpoint {type(obj).__name__} at {'/'.join(path)}")
+
+    def enc_key(k):
+        if isinstance(k, (str, int)) and not isinstance(k, bool):
+            return k
+        raise TypeError(f"checkpoint keys must be str or int, got {k!r}")
+
+    return enc(state, []), arrays
+
+
+def decode(tree, arrays):
+    """The nested state from ``encode``'s output (arrays come back as NumPy)."""
+    if isinstance(tree, dict):
+        if "__array__" in tree:
+            a = arrays[tree["__array__"]]
+            return a[()] if tree.get("scalar") else a
+        if "__dict__" in tree:
+            return {k: decode(v, arrays) for k, v in tree["__dict__"]}
+        if "__list__" in tree:
+            return [decode(v, arrays) for v in tree["__list__"]]
+        if "__tuple__" in tree:
+            return tuple(decode(v, arrays) for v in tree["__tuple__"])
+    return tree
+
+
+# -- files
+
+def checkpoint_path(directory, step):
+    return os.path.join(directory, f"ckpt-{int(step):09d}.npz")
+
+
+def _fsync_dir(directory):
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_npz_atomic(path, arrays, crash_after_bytes=None):
+    """Write ``arrays`` as an .npz at ``path`` atomically (temp file, fsync, rename).
+
+    ``crash_after_bytes`` is a test hook: stop the process (``os._exit``) after that many
+    bytes of the temporary file are on disk, like a kill in the middle of a write.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".npz", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if crash_after_bytes is not None:
+                import io  # noqa: PLC0415
+
+                buf = io.BytesIO()
+                np.savez(buf, **arrays)
+                f.write(buf.getvalue()[:crash_after_bytes])
+                f.flush()
+                os.fsync(f.fileno())
+                os._exit(1)
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+    return path
+
+
+def save(directory, step, state, keep=None, crash_after_bytes=None):
+    """Write ``state`` as checkpoint ``step`` in ``directory``; keep the newest ``keep``."""
+    tree, arrays = encode(state)
+    doc = json.dumps({"format": FORMAT, "version": VERSION, "step": int(step), "state": tree})
+    arrays["__tree__"] = np.frombuffer(doc.encode("utf-8"), dtype=np.uint8)
+    path = write_npz_atomic(checkpoint_path(directory, step), arrays, crash_after_bytes)
+    if keep:
+        for old in list_checkpoints(directory)[:-keep]:
+            try:
+                os.unlink(old[1])
+            except OSError:
+                pass
+    return path
+
+
+def load(path):
+    """The state saved in checkpoint ``path``; CheckpointError when it cannot be read."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            doc = json.loads(bytes(z["__tree__"]).decode("utf-8"))
+            if doc.get("format") != FORMAT:
+                raise CheckpointError(f"{path} is not an mpidl checkpoint")
+            if doc.get("version", 0) > VERSION:
+                raise CheckpointError(f"{path} has format version {doc['version']}; this "
+                                      f"mpidl reads up to {VERSION}")
+            arrays = {k: z[k] for k in z.files if k != "__tree__"}
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile,
+            json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    return decode(doc["state"], arrays)
+
+
+def list_checkpoints(directory):
+    """[(step, path)] of the finished checkpoints in ``directory``, oldest first."""
+    if not directory or not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        m = _NAME.match(name)
+        if m:
+            found.append((int(m.group(1)), os.path.join(directory, name)))
+    return sorted(found)
+
+
+def latest(directory, warn=None):
+    """(path, state) of the newest readable checkpoint in ``directory``, or (None, None).
+
+    An unreadable newest checkpoint (say a disk that filled up) is reported through
+    ``warn(message)`` and skipped for the one before it.
+    """
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            return path, load(path)
+        except CheckpointError as e:
+            if warn:
+                warn(f"skipping unreadable checkpoint: {e}")
+    return None, None
+
+
+def remove_stale_temporaries(directory):
+    """Delete temporary files left by writes that crashed (never a finished checkpoint)."""
+    if not directory or not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        if name.startswith(_TMP_PREFIX):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
+# -- the final model
+
+def save_model(path, model, meta=None):
+    """The model's parameters and buffers as a plain .npz ({"0.weight": array, ...}).
+
+    ``meta`` (model name, input shape, ...) is stored as JSON in the member ``__meta__``;
+    ``numpy.load(path)["0.weight"]`` reads a parameter without mpidl.
+    """
+    arrays = {name: to_numpy(a) for name, a in model.state_dict().items()}
+    if meta is not None:
+        arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
+    return write_npz_atomic(path, arrays)
+
+
+def load_model_arrays(path):
+    """({name: array}, meta) from a file written by ``save_model``."""
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(bytes(z["__meta__"]).decode()) if "__meta__" in z.files else {}
+        return {k: z[k] for k in z.files if k != "__meta__"}, meta

@@ -1,0 +1,319 @@
+"""The training loop: epochs of sharded batches driven through a Strategy.
+
+The trainer owns data order, the learning-rate schedule, evaluation, metrics, the
+progress bar and checkpoints; the strategy (``mpidl.strategies``) owns what a step does
+across ranks. A checkpoint holds everything the loop needs to continue at the exact batch
+where it stopped — model (with buffers such as BatchNorm statistics and Dropout's mask
+counter), optimizer state, step, epoch, position in the epoch, the epoch's running
+metrics, every rank's RNG states and the strategy's state — so a resumed run ends
+bitwise equal to an uninterrupted one with the same seed and rank count.
+"""
+
+import os
+import time
+
+import numpy as np
+
+from mpidl import backend
+from mpidl.data import BatchLoader, eval_batches
+from mpidl.errors import AgreedUserError, ConfigError
+from mpidl.training import checkpoint as ckpt
+from mpidl.training.log import get_logger
+from mpidl.training.metrics import EpochStats, MetricsWriter
+from mpidl.training.progress import Progress
+
+FAIL_ENV = "MPIDL_FAIL_AT"
+CRASH_IN_CHECKPOINT_ENV = "MPIDL_CRASH_IN_CHECKPOINT"
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the MPIDL_FAIL_AT test hook."""
+
+
+def parse_fail_at(spec):
+    """``"RANK:STEP[,RANK:STEP...]"`` -> {rank: {steps}} (the MPIDL_FAIL_AT test hook)."""
+    out = {}
+    if not spec:
+        return out
+    for part in spec.split(","):
+        try:
+            rank, step = (int(v) for v in part.split(":"))
+        except ValueError:
+            raise ConfigError(f"{FAIL_ENV}={spec!r}: expected RANK:STEP[,RANK:STEP...]") from None
+        out.setdefault(rank, set()).add(step)
+    return out
+
+
+# -- RNG states outside the model's buffers (layers holding Generators, NumPy's global one)
+
+def _walk(layer, path=""):
+    yield path, layer
+    for name, child in getattr(layer, "children", lambda: [])():
+        yield from _walk(child, f"{path}.{name}" if path else name)
+
+
+def rng_states(model):
+    """Every numpy Generator/RandomState a layer holds, plus NumPy's global state."""
+    states = {"numpy_global": np.random.get_state(legacy=False)}
+    for path, layer in _walk(model):
+        for attr, value in sorted(vars(layer).items()):
+            if isinstance(value, np.random.Generator):
+                states[f"{path}:{attr}"] = value.bit_generator.state
+            elif isinstance(value, np.random.RandomState):
+                states[f"{path}:{attr}"] = value.get_state(legacy=False)
+    return states
+
+
+def set_rng_states(model, states):
+    np.random.set_state(states["numpy_global"])
+    for path, layer in _walk(model):
+        for attr, value in vars(layer).items():
+            key = f"{path}:{attr}"
+            if key not in states:
+                continue
+            if isinstance(value, np.random.Generator):
+                value.bit_generator.state = states[key]
+            elif isinstance(value, np.random.RandomState):
+                value.set_state(states[key])
+
+
+class Trainer:
+    """Runs ``cfg.epochs`` epochs of ``strategy`` on ``dataset``; see the module docstring.
+
+    ``schedule(step) -> lr`` is the per-step learning rate; ``eval_loss`` a loss object
+    used for the test set (kept apart from the training loss's cached state).
+    ``paths``: {"metrics", "save", "checkpoint_dir"} (None to skip each).
+    """
+
+    def __init__(self, cfg, model, optimizer, loss, strategy, dataset, schedule_factory,
+                 eval_loss, paths, model_meta=None):
+        self.cfg = cfg
+        self.model, self.optimizer, self.loss = model, optimizer, loss
+        self.strategy = strategy
+        self.dataset = dataset
+        self.eval_loss = eval_loss
+        self.paths = paths
+        self.model_meta = dict(model_meta or {})
+        self.log = get_logger()
+        self.index, self.count = strategy.shard()
+        self.loader = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size,
+                                  shard=(self.index, self.count), seed=cfg.seed,
+                                  drop_last=cfg.drop_last, dtype=cfg.dtype)
+        self.steps_per_epoch = len(self.loader)
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.base_lr = cfg.lr * (self.count if cfg.scale_lr else 1)
+        self.warmup_steps = int(round(cfg.warmup_epochs * self.steps_per_epoch))
+        self.schedule = schedule_factory(self.base_lr, self.total_steps, self.warmup_steps)
+        self.fail_at = parse_fail_at(os.environ.get(FAIL_ENV)).get(strategy.rank, set())
+        crash = os.environ.get(CRASH_IN_CHECKPOINT_ENV)  # "N" or "N:BYTES": test hook
+        self.crash_in_checkpoint = tuple(int(v) for v in crash.split(":")) if crash else None
+        self.checkpoints_written = 0
+        # where the loop stands: the next step's epoch and batch, steps done so far
+        self.step = 0
+        self.epoch = 0
+        self.batch = 0
+        self.stats = EpochStats()
+        self.seconds_before = 0.0  # time spent in earlier (interrupted) runs
+        self.last = {}
+
+    # -- helpers
+    @property
+    def is_root(self):
+        return self.strategy.is_root
+
+    @property
+    def checkpointing(self):
+        return self.paths.get("checkpoint_dir") is not None
+
+    def lr_at(self, step):
+        return float(self.schedule(step))
+
+    # -- the loop
+    def fit(self):
+        cfg, strategy = self.cfg, self.strategy
+        self.t_start = time.perf_counter()
+        strategy.setup(self.model, self.optimizer, self.loss)
+        if cfg.resume:
+            self.restore()
+        if not strategy.trains_on_data:
+            strategy.serve()
+            strategy.finish()
+            return self.last
+        self.metrics = MetricsWriter(self.paths.get("metrics")) if self.is_root else None
+        self.progress = Progress(cfg.progress and self.is_root)
+        self.model.train()
+        images_per_step = self.loader.global_batch_size
+        try:
+            while self.epoch < cfg.epochs:
+                epoch = self.epoch
+                if self.batch < self.steps_per_epoch:
+                    self.progress.start_epoch(epoch + 1, cfg.epochs, self.steps_per_epoch,
+                                              self.batch)
+                t = time.perf_counter()
+                for b, x, y in self.loader.epoch(epoch, start=self.batch):
+                    if self.step in self.fail_at:
+                        raise InjectedFailure(f"{FAIL_ENV}: injected failure on rank "
+                                              f"{strategy.rank} at step {self.step}")
+                    lr = self.lr_at(self.step)
+                    self.optimizer.lr = lr
+                    loss = strategy.train_step(x, y)
+                    self.step += 1
+                    self.batch = b + 1
+                    now = time.perf_counter()
+                    self.stats.add(loss, images_per_step, now - t)
+                    self.progress.update(self.stats.loss_sum / self.stats.steps,
+                                         self.stats.images / max(self.stats.seconds, 1e-9), lr)
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save_checkpoint()
+                    t = time.perf_counter()  # checkpoint time does not count as training
+                self.progress.close()
+                self.end_epoch()
+            if self.checkpointing:
+                self.save_checkpoint()
+            self.save_model()
+        finally:
+            self.progress.close()
+        strategy.finish()
+        return self.last
+
+    def end_epoch(self):
+        """Evaluate, print the epoch's metrics, move to the next epoch."""
+        train = self.strategy.reduce({"loss_sum": self.stats.loss_sum,
+                                      "steps": self.stats.steps}, "sum")
+        test_loss, test_acc = self.evaluate()
+        seconds = self.stats.seconds
+        record = {
+            "epoch": self.epoch + 1,
+            "step": self.step,
+            "lr": self.lr_at(max(self.step - 1, 0)),
+            "train_loss": train["loss_sum"] / max(train["steps"], 1),
+            "test_loss": test_loss,
+            "test_acc": test_acc,
+            "images_per_sec": self.stats.images / seconds if seconds > 0 else 0.0,
+            "epoch_time": seconds,
+            "elapsed": self.elapsed(),
+            "ranks": self.count,
+            "global_batch": self.loader.global_batch_size,
+        }
+        self.last = record
+        if self.metrics is not None:
+            self.metrics.write(record)
+        self.epoch += 1
+        self.batch = 0
+        self.stats = EpochStats()
+
+    def elapsed(self):
+        return self.seconds_before + time.perf_counter() - self.t_start
+
+    def evaluate(self):
+        """(mean loss, accuracy) on the test set: each rank takes a contiguous piece,
+        the sums are added over the ranks."""
+        from mpidl.engine.metrics import accuracy  # noqa: PLC0415
+
+        self.strategy.prepare_eval()
+        self.model.eval()
+        loss_sum, correct, n = 0.0, 0, 0
+        try:
+            for x, y in eval_batches(self.dataset.test_x, self.dataset.test_y,
+                                     self.cfg.eval_batch_size, (self.index, self.count),
+                                     dtype=self.cfg.dtype):
+                logits = self.model.forward(x)
+                loss_sum += float(self.eval_loss.forward(logits, y)) * len(y)
+                correct += accuracy(logits, y)
+                n += len(y)
+        finally:
+            self.model.train()
+        tot = self.strategy.reduce({"loss_sum": loss_sum, "correct": correct, "n": n}, "sum")
+        if tot["n"] == 0:
+            return float("nan"), float("nan")
+        return tot["loss_sum"] / tot["n"], tot["correct"] / tot["n"]
+
+    # -- checkpoints
+    def resume_config(self):
+        from mpidl.config import RESUME_KEYS  # noqa: PLC0415
+
+        out = {k: getattr(self.cfg, k) for k in RESUME_KEYS}
+        out["ranks"] = self.count
+        return out
+
+    def save_checkpoint(self):
+        """Collective: gather every rank's RNG state, then the root writes atomically."""
+        mine = {"rng": rng_states(self.model)}
+        per_rank = self.strategy.gather(mine)
+        strategy_state = self.strategy.state_dict()
+        self.checkpoints_written += 1
+        if not self.is_root:
+            return None
+        crash = None
+        if self.crash_in_checkpoint and self.crash_in_checkpoint[0] == self.checkpoints_written:
+            crash = self.crash_in_checkpoint[1] if len(self.crash_in_checkpoint) > 1 else 4096
+        state = {
+            "config": self.resume_config(),
+            "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
+                         "epoch_stats": self.stats.state_dict(), "elapsed": self.elapsed(),
+                         "last": self.last},
+            "model": dict(self.model.state_dict()),
+            "optimizer": self.optimizer.state_dict(),
+            "ranks": per_rank,
+            "strategy": strategy_state,
+        }
+        path = ckpt.save(self.paths["checkpoint_dir"], self.step, state,
+                         keep=self.cfg.keep_checkpoints, crash_after_bytes=crash)
+        self.log.debug(f"checkpoint {path}")
+        return path
+
+    def restore(self):
+        """Collective: the root finds the newest checkpoint, every rank loads it."""
+        directory = self.paths.get("checkpoint_dir")
+        payload = None
+        if self.is_root:
+            try:
+                ckpt.remove_stale_temporaries(directory)
+                path, state = ckpt.latest(directory, warn=self.log.warning)
+                if path is not None:
+                    self.check_compatible(path, state["config"])
+                payload = ("ok", path, state)
+            except ConfigError as e:
+                payload = ("error", str(e), None)
+        kind, path, state = self.strategy.bcast(payload)
+        if kind == "error":
+            raise AgreedUserError(path)
+        if path is None:
+            self.log.info(f"--resume: no checkpoint in {directory}; starting from scratch")
+            return False
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        set_rng_states(self.model, state["ranks"][self.strategy.rank]["rng"])
+        self.strategy.load_state_dict(state["strategy"])
+        p = state["progress"]
+        self.step, self.epoch, self.batch = int(p["step"]), int(p["epoch"]), int(p["batch"])
+        self.stats = EpochStats.from_state(p["epoch_stats"])
+        self.seconds_before = float(p["elapsed"])
+        self.last = p.get("last") or {}
+        self.log.info(f"resumed from {path}: step {self.step}, epoch {self.epoch + 1}, "
+                      f"batch {self.batch}/{self.steps_per_epoch}")
+        return True
+
+    def check_compatible(self, path, saved):
+        now = self.resume_config()
+        diff = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}"
+                for k in now if saved.get(k) != now[k]]
+        if diff:
+            raise ConfigError(f"cannot resume from {path}: it was written with other settings "
+                              f"({'; '.join(diff)}); use the same settings or another "
+                              "--checkpoint-dir")
+
+    def save_model(self):
+        path = self.paths.get("save")
+        if not path or not self.is_root:
+            return None
+        meta = dict(self.model_meta, step=self.step, epochs=self.epoch,
+                    test_acc=self.last.get("test_acc"))
+        ckpt.save_model(path, self.model, meta)
+        self.log.info(f"saved the model to {path}")
+        return path
+
+
+def device_summary():
+    dev = backend.device()
+    return f"gpu {backend.gpu_id()}" if dev == "gpu" else "cpu"
