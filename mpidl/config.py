@@ -88,6 +88,19 @@ OPTIONS = [
            "default none", "parallelism"),
     Option("ratio", float, None, "compression ratio or density (e.g. 0.01 keeps 1%% of "
            "gradient entries with topk)", "parallelism"),
+    Option("servers", int, None, "--strategy ps: number of server ranks (ranks 0..S-1; "
+           "parameters sharded over them by size); default 1", "parallelism", metavar="S"),
+    Option("mode", str, None, "--strategy ps: sync, async (Downpour), ssp (bounded "
+           "staleness) or backup (first k of n gradients); default sync", "parallelism",
+           choices=(None, "sync", "async", "ssp", "backup")),
+    Option("staleness", int, None, "--mode ssp: a worker may run at most this many clocks "
+           "ahead of the slowest", "parallelism", metavar="S"),
+    Option("wait", int, None, "--mode backup: use the first K gradients of each step, drop "
+           "the late ones (default: workers - 1)", "parallelism", metavar="K"),
+    Option("staleness_aware_lr", bool, False, "--mode async/ssp: divide the learning rate "
+           "by each gradient's staleness", "parallelism"),
+    Option("straggler", str, None, "--strategy ps: slow worker RANK's compute by FACTOR "
+           "(experiments), e.g. 3:2", "parallelism", metavar="RANK:FACTOR"),
     # outputs
     Option("out_dir", str, None, "folder for this run's outputs (default "
            "runs/<name or date-time>)", "outputs", metavar="DIR"),
@@ -219,6 +232,9 @@ def validate(cfg):
         bad("bucket_mb", "must be positive")
     if cfg.ratio is not None and not 0 < cfg.ratio <= 1:
         bad("ratio", "must be in (0, 1]")
+    if cfg.strategy == "ps" and (cfg.resume or cfg.checkpoint_dir or cfg.checkpoint_every):
+        bad("strategy", "does not support checkpoints yet (--checkpoint-dir, "
+            "--checkpoint-every, --resume)")
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum == 0):
         bad("nesterov", "needs --optimizer sgd with --momentum > 0")
     return cfg

@@ -125,7 +125,9 @@ def prepare(args, world):
     name = cfg.strategy or default_strategy(world.size)
     options = {"algorithm": cfg.algorithm, "bucket_mb": cfg.bucket_mb,
                "overlap": None if cfg.overlap else False, "compression": cfg.compression,
-               "ratio": cfg.ratio}
+               "ratio": cfg.ratio, "servers": cfg.servers, "mode": cfg.mode,
+               "staleness": cfg.staleness, "wait": cfg.wait, "straggler": cfg.straggler,
+               "staleness_aware_lr": cfg.staleness_aware_lr or None}
     options = {k: v for k, v in options.items() if v is not None}
     comm = make_comm(world) if world.size > 1 or name != "local" else None
     strategy = make_strategy(name, comm, **options)
