@@ -146,6 +146,10 @@ class Strategy:
     def load_state_dict(self, state):
         """Restore what ``state_dict`` returned on the root; called on every rank."""
 
+    def metrics(self):
+        """Extra {name: number} for the epoch's metrics record (root only; e.g. counts)."""
+        return {}
+
     def finish(self):
         """Called once at the end: flush pending communication, stop helper threads."""
 

@@ -195,6 +195,7 @@ class Trainer:
             "ranks": self.count,
             "global_batch": self.loader.global_batch_size,
         }
+        record.update(self.strategy.metrics())
         self.last = record
         if self.metrics is not None:
             self.metrics.write(record)
