@@ -201,7 +201,9 @@ class ParameterServer:
         """Everyone active waits at the barrier: all get the same (current) parameters."""
         if self.at_barrier and self.at_barrier >= self.active:
             waiting, self.at_barrier = sorted(self.at_barrier), set()
-            self.reply_many(waiting)
+            self.stats.updates = self.version
+            counts = {k: v for k, v in self.stats.as_dict().items() if k != "trace"}
+            self.reply_many(waiting, stats=counts)  # exact: nothing is in flight now
             self._barrier_passed = True
 
     # -- decoding and checking
@@ -302,14 +304,14 @@ class ParameterServer:
     def reply(self, worker):
         self.reply_many([worker])
 
-    def reply_many(self, workers):
+    def reply_many(self, workers, **extra):
         from mpidl.backend import to_numpy
 
         if self._snapshot is None or self._snapshot[0] != self.version:
             arrays = [np.array(to_numpy(self.params[n].data), copy=True) for n in self.names]
             self._snapshot = (self.version, arrays)
         arrays = self._snapshot[1]
-        header = {"kind": "params", "version": self.version, "names": self.names}
+        header = {"kind": "params", "version": self.version, "names": self.names, **extra}
         for w in workers:
             self.sends += send(self.comm, w, TAG_REPLY, TAG_DOWN, header, arrays)
             self.stats.bytes_sent += sum(a.nbytes for a in arrays)

@@ -43,6 +43,7 @@ class PSWorker:
         self.clock = 0
         self.sends = []
         self.server_stats = None
+        self.barrier_stats = None
         self.stats = {"pushes": 0, "messages": 0, "bytes_sent": 0, "bytes_received": 0,
                       "compute_s": 0.0, "straggle_s": 0.0, "wait_s": 0.0, "pulls": 0}
         self._compute_start = time.perf_counter()
@@ -108,7 +109,9 @@ class PSWorker:
         parameters — the same ones on every worker, whatever the mode."""
         for server in self.servers:
             self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, {"kind": "barrier"})
-        self._take_params(self._await("params"))
+        replies = self._await("params")
+        self.barrier_stats = [replies[r][0].get("stats") for r in self.servers]
+        self._take_params(replies)
         self.begin_step()
 
     def _take_params(self, replies):
