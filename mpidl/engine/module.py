@@ -26,14 +26,46 @@ class SparseGrad:
         self.values = values
         self.shape = tuple(shape)
 
+    def coalesce(self):
+        """The same gradient with unique, sorted indices (duplicate rows summed)."""
+        from mpidl.backend import array_module
+
+        xp = array_module(self.values)
+        if len(self.indices) == 0:
+            return SparseGrad(self.indices, self.values, self.shape)
+        unique, inverse = xp.unique(self.indices, return_inverse=True)
+        if len(unique) == len(self.indices):  # no duplicates: just sort
+            order = xp.argsort(self.indices)
+            return SparseGrad(self.indices[order], self.values[order], self.shape)
+        summed = xp.zeros((len(unique),) + tuple(self.values.shape[1:]), dtype=self.values.dtype)
+        scatter_add(summed, inverse.reshape(-1), self.values)
+        return SparseGrad(unique, summed, self.shape)
+
     def to_dense(self):
         from mpidl.backend import array_module
 
         xp = array_module(self.values)
         dense = xp.zeros(self.shape, dtype=self.values.dtype)
         if len(self.indices):
-            xp.add.at(dense, self.indices, self.values)
+            scatter_add(dense, self.indices, self.values)
         return dense
+
+    def __repr__(self):
+        return f"SparseGrad({len(self.indices)} rows of {self.shape})"
+
+
+def scatter_add(target, indices, values):
+    """``target[indices] += values`` with repeated indices summed (NumPy or CuPy)."""
+    from mpidl.backend import is_gpu_array
+
+    if is_gpu_array(target):
+        import cupyx  # noqa: PLC0415 - only reached with CuPy arrays
+
+        cupyx.scatter_add(target, indices, values)
+    else:
+        import numpy as np  # noqa: PLC0415
+
+        np.add.at(target, indices, values)
 
 
 class Parameter:
@@ -63,8 +95,14 @@ class Layer:
 
     Subclasses create parameters with ``self.add_param(name, array)`` and buffers with
     ``self.add_buffer(name, array)``; forward caches what backward needs. Setting
-    ``needs_input_grad = False`` (done by Sequential for its first layer) lets a layer skip
-    computing ``dx`` nobody uses.
+    ``needs_input_grad = False`` (Sequential does it for the layers before its first
+    parameter when its own input needs no gradient) lets a layer skip computing ``dx``
+    nobody uses; its backward then returns None.
+
+    Conventions every layer keeps, so Sequential can chain them without copies:
+    ``backward`` *overwrites* each parameter's ``grad`` (no accumulation), may reuse
+    ``dy``'s memory (callers hand it over and must not read it afterwards), and returns a
+    writable array the caller may in turn modify. ``forward`` never modifies ``x``.
     """
 
     def __init__(self):
@@ -112,6 +150,14 @@ class Layer:
             self._buffers[name] = value
         else:
             raise KeyError(f"{type(self).__name__} has no buffer {name!r}")
+
+    def has_params(self):
+        """Whether this layer or one of its children owns a trainable parameter."""
+        return bool(self._params) or any(c.has_params() for _, c in self.children())
+
+    def num_parameters(self):
+        """Total number of trainable scalars."""
+        return sum(p.size for p in self.parameters())
 
     def zero_grad(self):
         for p in self.parameters():
@@ -184,9 +230,12 @@ class Sequential(Layer):
         self._grad_ready_hooks.append(fn)
 
     def forward(self, x):
-        if self.layers:  # only the first layer's dx leaves this container
-            self.layers[0].needs_input_grad = self.needs_input_grad
+        # A layer needs dx only if this container's input needs it or a parameter sits
+        # before it: the layers up to the first one with parameters skip dx.
+        needs = self.needs_input_grad
         for i, layer in enumerate(self.layers):
+            layer.needs_input_grad = needs
+            needs = needs or layer.has_params()
             try:
                 x = layer.forward(x)
             except ShapeError as e:
@@ -195,6 +244,8 @@ class Sequential(Layer):
 
     def backward(self, dy):
         for i in range(len(self.layers) - 1, -1, -1):
+            if dy is None:  # the layers below have no parameters and nobody wants dx
+                break
             layer = self.layers[i]
             dy = layer.backward(dy)
             if self._grad_ready_hooks:

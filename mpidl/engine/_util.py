@@ -1,0 +1,39 @@
+"""Small helpers shared by the layers (not part of the public API)."""
+
+import numpy as np
+
+from mpidl.backend import array_module
+
+
+def float_dtype(dtype):
+    """``dtype`` as a NumPy float dtype, refusing anything but float32/float64."""
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float64):
+        raise ValueError(f"dtype must be float32 or float64, got {dt}")
+    return dt
+
+
+def as_input(x, dtype):
+    """``x`` in the layer's dtype (integers and the other float width are cast) and its
+    array module. Casting here keeps float64 data from silently promoting a float32
+    model (and running at half speed)."""
+    xp = array_module(x)
+    if not hasattr(x, "dtype"):
+        x = xp.asarray(x)
+    if x.dtype != dtype:
+        x = x.astype(dtype)
+    return x, xp
+
+
+def pair(value, name):
+    """An int or a pair of ints as an ``(h, w)`` tuple of non-negative ints."""
+    if isinstance(value, (int, np.integer)):
+        value = (int(value), int(value))
+    value = tuple(int(v) for v in value)
+    if len(value) != 2 or min(value) < 0:
+        raise ValueError(f"{name} must be an int or a pair of non-negative ints, got {value}")
+    return value
+
+
+def shape_str(x):
+    return str(tuple(int(d) for d in x.shape))

@@ -1,0 +1,50 @@
+"""Inverted dropout with reproducible masks."""
+
+import numpy as np
+
+from mpidl.backend import array_module, to_numpy
+from mpidl.engine.module import Layer
+
+
+class Dropout(Layer):
+    """Zero each element with probability ``p`` in training, scale the rest by
+    ``1 / (1 - p)``; identity in eval mode.
+
+    The mask of the k-th training forward is drawn on the host from
+    ``numpy.random.default_rng((seed, k))`` and moved to the input's device, so masks are
+    the same on CPU and GPU and a run resumed from a checkpoint draws the same masks: k is
+    the buffer ``calls``, saved with the model's state.
+    """
+
+    def __init__(self, p=0.5, seed=0):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"Dropout p must be in [0, 1), got {p}")
+        self.p = float(p)
+        self.seed = int(seed)
+        self.add_buffer("calls", np.zeros((), dtype=np.int64))
+        self._mask = None
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            self._mask = None
+            return x
+        xp = array_module(x)
+        calls = int(to_numpy(self._buffers["calls"]))
+        rng = np.random.default_rng((self.seed, calls))
+        self._buffers["calls"] = xp.asarray(np.int64(calls + 1))
+        keep = rng.random(x.shape, dtype=np.float32) >= self.p
+        mask = keep.astype(x.dtype)
+        mask *= 1.0 / (1.0 - self.p)
+        self._mask = xp.asarray(mask)
+        return x * self._mask
+
+    def backward(self, dy):
+        if not self.needs_input_grad:
+            return None
+        if self._mask is not None:
+            dy *= self._mask
+        return dy
+
+    def __repr__(self):
+        return f"Dropout(p={self.p})"

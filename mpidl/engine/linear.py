@@ -1,0 +1,59 @@
+"""Fully connected layer: ``y = x @ weight + bias``."""
+
+from mpidl.engine._util import as_input, float_dtype, shape_str
+from mpidl.engine.init import initialize
+from mpidl.engine.module import Layer, ShapeError
+
+
+class Linear(Layer):
+    """``y = x @ weight + bias`` over the last axis of ``x``.
+
+    ``weight`` has shape ``(in_features, out_features)`` (the transpose of PyTorch's), so
+    forward is one GEMM without a transposed operand. Leading axes of ``x`` are batch axes.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, init="he_uniform", rng=None,
+                 dtype="float32"):
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"Linear needs positive sizes, got in_features={in_features}, "
+                             f"out_features={out_features}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.dtype = float_dtype(dtype)
+        self.weight = self.add_param("weight", initialize(
+            init, (in_features, out_features), in_features, out_features, rng, self.dtype))
+        self.bias = None
+        if bias:
+            self.bias = self.add_param("bias", initialize(
+                "zeros", (out_features,), in_features, out_features, rng, self.dtype))
+        self._x = None
+
+    def forward(self, x):
+        x, xp = as_input(x, self.dtype)
+        if x.ndim < 2 or x.shape[-1] != self.in_features:
+            got = x.shape[-1] if x.ndim else 0
+            hint = "; add a Flatten before it" if x.ndim > 2 else ""
+            raise ShapeError(f"Linear expects {self.in_features} input features, got {got} "
+                             f"(input shape {shape_str(x)}){hint}")
+        self._x = x
+        x2 = x.reshape(-1, self.in_features)
+        y = x2 @ self.weight.data
+        if self.bias is not None:
+            y += self.bias.data
+        return y.reshape(x.shape[:-1] + (self.out_features,))
+
+    def backward(self, dy):
+        x2 = self._x.reshape(-1, self.in_features)
+        dy2 = dy.reshape(-1, self.out_features)
+        self.weight.grad = x2.T @ dy2
+        if self.bias is not None:
+            self.bias.grad = dy2.sum(axis=0)
+        shape = self._x.shape
+        self._x = None
+        if not self.needs_input_grad:
+            return None
+        return (dy2 @ self.weight.data.T).reshape(shape)
+
+    def __repr__(self):
+        return (f"Linear(in_features={self.in_features}, out_features={self.out_features}"
+                f"{'' if self.bias is not None else ', bias=False'})")

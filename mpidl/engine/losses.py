@@ -1,0 +1,91 @@
+"""Losses: ``value = loss.forward(output, target)`` (a Python float, the batch mean) and
+``dy = loss.backward()`` (the gradient of that mean with respect to ``output``)."""
+
+from mpidl.backend import array_module
+from mpidl.engine._util import shape_str
+from mpidl.engine.metrics import accuracy
+from mpidl.engine.module import ShapeError
+
+
+class Loss:
+    def __call__(self, output, target):
+        return self.forward(output, target)
+
+    @staticmethod
+    def correct(output, labels):
+        """Number of correctly classified rows (see ``mpidl.engine.metrics.accuracy``)."""
+        return accuracy(output, labels)
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+class SoftmaxCrossEntropy(Loss):
+    """Softmax followed by cross-entropy against integer class labels, fused: the
+    gradient is ``(softmax(logits) - onehot(labels)) / N``. Stable for any logits
+    (log-sum-exp after subtracting the row maximum)."""
+
+    def forward(self, logits, labels):
+        xp = array_module(logits)
+        if logits.ndim != 2:
+            raise ShapeError(f"SoftmaxCrossEntropy expects logits (N, classes), got shape "
+                             f"{shape_str(logits)}")
+        n, k = logits.shape
+        labels = xp.asarray(labels)
+        if labels.shape != (n,):
+            raise ShapeError(f"SoftmaxCrossEntropy expects {n} integer labels for logits of "
+                             f"shape {shape_str(logits)}, got labels of shape {shape_str(labels)}")
+        if labels.dtype.kind not in "iu":
+            raise ValueError(f"SoftmaxCrossEntropy labels must be integer class indices, "
+                             f"got dtype {labels.dtype}")
+        if n == 0:
+            raise ShapeError("SoftmaxCrossEntropy got an empty batch")
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= k:
+            raise ValueError(f"SoftmaxCrossEntropy labels must be in [0, {k - 1}] for {k} "
+                             f"classes, got label {lo if lo < 0 else hi}")
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        probs = xp.exp(shifted)
+        sums = probs.sum(axis=1, keepdims=True)
+        rows = xp.arange(n)
+        # loss_i = log(sum_j exp(s_ij)) - s_i,label
+        value = float((xp.log(sums[:, 0]) - shifted[rows, labels]).mean())
+        probs /= sums
+        self._probs, self._labels, self._rows = probs, labels, rows
+        return value
+
+    def backward(self):
+        probs, labels, rows = self._probs, self._labels, self._rows
+        if probs is None:
+            raise RuntimeError("SoftmaxCrossEntropy.backward called before forward")
+        self._probs = None
+        n = probs.shape[0]
+        probs[rows, labels] -= 1.0
+        probs *= 1.0 / n
+        return probs
+
+    _probs = None
+
+
+class MSELoss(Loss):
+    """Mean squared error over all elements (PyTorch's ``reduction="mean"``)."""
+
+    def forward(self, output, target):
+        xp = array_module(output)
+        target = xp.asarray(target)
+        if output.shape != target.shape:
+            raise ShapeError(f"MSELoss expects a target of the output's shape "
+                             f"{shape_str(output)}, got {shape_str(target)}")
+        diff = output - target.astype(output.dtype, copy=False)
+        self._diff = diff
+        return float((diff * diff).mean())
+
+    def backward(self):
+        diff = self._diff
+        if diff is None:
+            raise RuntimeError("MSELoss.backward called before forward")
+        self._diff = None
+        diff *= 2.0 / diff.size
+        return diff
+
+    _diff = None

@@ -1,0 +1,117 @@
+"""Model zoo: ``build_model(name, ...) -> Sequential`` with stable parameter names.
+
+One ``numpy.random.Generator(seed)`` is threaded through the layers in order, so the
+same name, shapes, seed and dtype give bitwise the same model on every rank and device.
+``MODEL_DEFAULTS`` records the training recipe each model was tuned with on
+Fashion-MNIST (inputs scaled to [0, 1]); the CLI uses it for its defaults.
+"""
+
+import math
+
+from mpidl.engine.activations import ReLU
+from mpidl.engine.conv import Conv2d
+from mpidl.engine.dropout import Dropout
+from mpidl.engine.init import as_generator
+from mpidl.engine.linear import Linear
+from mpidl.engine.module import Sequential
+from mpidl.engine.normalization import BatchNorm2d
+from mpidl.engine.pooling import GlobalAvgPool2d, MaxPool2d
+from mpidl.engine.reshape import Flatten
+from mpidl.engine.residual import basic_block
+
+
+def _image_shape(name, input_shape):
+    if len(input_shape) != 3:
+        raise ValueError(f"model {name!r} needs input_shape (channels, height, width), got "
+                         f"{tuple(input_shape)}")
+    return tuple(int(d) for d in input_shape)
+
+
+def mlp(input_shape, num_classes, rng, dtype, hidden=(1024, 1024), dropout=0.0):
+    """Flatten, then Linear+ReLU per hidden width, then a Linear classifier."""
+    layers = [Flatten()]
+    width = math.prod(input_shape)
+    for h in hidden:
+        layers += [Linear(width, h, rng=rng, dtype=dtype), ReLU()]
+        if dropout:
+            layers.append(Dropout(dropout, seed=int(rng.integers(2**31))))
+        width = h
+    layers.append(Linear(width, num_classes, init="glorot_uniform", rng=rng, dtype=dtype))
+    return Sequential(*layers)
+
+
+def cnn(input_shape, num_classes, rng, dtype, channels=(32, 64), hidden=128, dropout=0.25):
+    """Per channel count: conv3x3 (pad 1) + BatchNorm + ReLU + 2x2 max-pool; then
+    Flatten, Linear(hidden) + ReLU (+ Dropout), Linear classifier."""
+    c, h, w = _image_shape("cnn", input_shape)
+    layers = []
+    for out in channels:
+        layers += [Conv2d(c, out, 3, padding=1, bias=False, rng=rng, dtype=dtype),
+                   BatchNorm2d(out, dtype=dtype), ReLU(), MaxPool2d(2)]
+        c, h, w = out, h // 2, w // 2
+    if h < 1 or w < 1:
+        raise ValueError(f"input_shape {tuple(input_shape)} is too small for "
+                         f"{len(channels)} pooling stages")
+    layers += [Flatten(), Linear(c * h * w, hidden, rng=rng, dtype=dtype), ReLU()]
+    if dropout:
+        layers.append(Dropout(dropout, seed=int(rng.integers(2**31))))
+    layers.append(Linear(hidden, num_classes, init="glorot_uniform", rng=rng, dtype=dtype))
+    return Sequential(*layers)
+
+
+def resnet_tiny(input_shape, num_classes, rng, dtype, widths=(16, 32, 64)):
+    """A small ResNet: conv3x3 stem + BN + ReLU, one basic residual block per width
+    (stride 2 from the second on), global average pooling, Linear classifier."""
+    c, _, _ = _image_shape("resnet-tiny", input_shape)
+    layers = [Conv2d(c, widths[0], 3, padding=1, bias=False, rng=rng, dtype=dtype),
+              BatchNorm2d(widths[0], dtype=dtype), ReLU()]
+    prev = widths[0]
+    for k, width in enumerate(widths):
+        layers.append(basic_block(prev, width, stride=1 if k == 0 else 2, rng=rng, dtype=dtype))
+        prev = width
+    layers += [GlobalAvgPool2d(), Linear(prev, num_classes, init="glorot_uniform", rng=rng,
+                                         dtype=dtype)]
+    return Sequential(*layers)
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "resnet-tiny": resnet_tiny}
+
+# Recipes tuned single-process on Fashion-MNIST (pixels / 255, no augmentation); the
+# "expected" figures are test accuracies reached at the last epoch (see the tests'
+# slow marker and bench notes). lr is for batch_size; scale it with the global batch.
+MODEL_DEFAULTS = {
+    "mlp": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False,
+            "weight_decay": 0.0, "batch_size": 128, "epochs": 10, "schedule": "cosine",
+            "warmup_epochs": 0},
+    "cnn": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False,
+            "weight_decay": 5e-4, "batch_size": 128, "epochs": 10, "schedule": "cosine",
+            "warmup_epochs": 0},
+    "resnet-tiny": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False,
+                    "weight_decay": 5e-4, "batch_size": 128, "epochs": 10,
+                    "schedule": "cosine", "warmup_epochs": 0},
+}
+
+
+def build_model(name, input_shape=(1, 28, 28), num_classes=10, seed=0, dtype="float32",
+                **options):
+    """Build model ``name`` (one of ``MODELS``) for inputs of ``input_shape`` (without the
+    batch axis). ``options`` go to the builder (e.g. ``dropout=0.0``, ``hidden=(512,)``).
+
+    The returned model does not compute the gradient of its input (nobody needs the
+    gradient of the data), which saves the first layer's ``dx`` GEMM.
+    """
+    try:
+        builder = MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODELS)}") from None
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    try:
+        model = builder(tuple(input_shape), int(num_classes), as_generator(seed), dtype,
+                        **options)
+    except TypeError as e:
+        if "unexpected keyword" in str(e):
+            raise ValueError(f"model {name!r} does not take option(s) {sorted(options)}: {e}") from None
+        raise
+    model.needs_input_grad = False
+    return model

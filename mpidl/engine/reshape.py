@@ -1,0 +1,47 @@
+"""Shape-only layers."""
+
+from mpidl.engine._util import shape_str
+from mpidl.engine.module import Layer, ShapeError
+
+
+class Flatten(Layer):
+    """``(N, d1, d2, ...) -> (N, d1 * d2 * ...)``, in C (NCHW) order."""
+
+    def forward(self, x):
+        if x.ndim < 1:
+            raise ShapeError(f"Flatten needs a batch axis, got a scalar (shape {shape_str(x)})")
+        self._shape = x.shape
+        return x.reshape(x.shape[0], -1)
+
+    def backward(self, dy):
+        if not self.needs_input_grad:
+            return None
+        return dy.reshape(self._shape)
+
+    def __repr__(self):
+        return "Flatten()"
+
+
+class Reshape(Layer):
+    """Reshape every sample to ``shape`` (the batch axis is kept)."""
+
+    def __init__(self, *shape):
+        super().__init__()
+        self.shape = tuple(int(d) for d in (shape[0] if len(shape) == 1 and
+                                            isinstance(shape[0], (tuple, list)) else shape))
+
+    def forward(self, x):
+        self._shape = x.shape
+        try:
+            return x.reshape((x.shape[0],) + self.shape)
+        except ValueError:
+            raise ShapeError(f"Reshape cannot turn samples of shape {shape_str(x)[1:]} into "
+                             f"{self.shape} (input shape {shape_str(x)})") from None
+
+    def backward(self, dy):
+        if not self.needs_input_grad:
+            return None
+        return dy.reshape(self._shape)
+
+    def __repr__(self):
+        return f"Reshape{self.shape}"
