@@ -1,0 +1,370 @@
+"""Synchronous data parallelism: every rank holds the whole model and averages gradients.
+
+Think Horovod's ``DistributedOptimizer``. At ``setup`` rank 0's parameters are broadcast,
+so every replica starts identical; each step every rank runs forward and backward on its
+own shard of the global batch, the gradients are averaged over the ranks with the
+communicator's all-reduce (``algorithm``: ring, tree, recursive_doubling, mpi or auto),
+and every rank applies the same averaged update. Replicas therefore stay identical and
+N ranks with batch b train like one process with batch N·b.
+
+How a step runs:
+
+* **Fusion** (``mpidl.strategies.fusion``): dense gradients are packed into a few
+  preallocated flat buckets of at most ``bucket_mb`` MiB, laid out once at setup in the
+  reverse of the parameter order (backward's order). One all-reduce per bucket.
+* **Overlap** (default): a grad-ready hook on the model copies each layer's gradients
+  into their bucket as soon as backward produced them; a complete bucket's non-blocking
+  all-reduce starts right away (buckets strictly in index order, so every rank issues the
+  same collectives in the same order) and runs on the communicator's progress thread
+  while backward goes on through earlier layers. After backward the optimizer waits for
+  bucket 0, updates its parameters (``opt.step(names)``), waits for bucket 1, and so on:
+  it waits only for what it needs, and later buckets keep travelling meanwhile.
+* **No overlap** (``overlap=False``, for comparison): backward first, then each bucket
+  all-reduced with a blocking call, then one optimizer step.
+* **Row-sparse gradients** (Embedding's ``SparseGrad``): not fused; after backward each
+  is coalesced and exchanged with ``allgatherv`` of its row indices and values (the
+  result, every rank's rows with values divided by the rank count, is a SparseGrad again,
+  so the optimizer still updates touched rows only). ``sparse="dense"`` densifies them
+  into the buckets instead (better when most rows are touched every step).
+* **Compression** (``compression="topk"`` etc., with ``ratio``): gradients are exchanged
+  tensor by tensor through ``mpidl.compress``'s exchanger (with error feedback) instead of
+  the fused all-reduce; bytes sent per step are reported in the metrics.
+
+Every rank must run the same number of steps: the data loader guarantees it (the last
+global batch of an epoch is padded or dropped on every rank alike), and ``finish``
+checks the step counts agree.
+
+Non-trainable buffers (BatchNorm running statistics) are not touched by the step; they
+are averaged over the ranks before each evaluation and each checkpoint, so every rank
+evaluates and saves the same model.
+"""
+
+import time
+
+from mpidl.backend import array_module
+from mpidl.errors import ConfigError
+from mpidl.strategies.base import Strategy, check_options
+from mpidl.strategies.fusion import MiB, FusionBuffers
+
+ALGORITHMS = ("auto", "ring", "tree", "recursive_doubling", "mpi")
+#: Default fusion buffer size; see bench/results/scaling.json for the measurements.
+DEFAULT_BUCKET_MB = 4.0
+SPARSE_MODES = ("allgather", "dense")
+
+_clock = time.perf_counter
+
+
+class DataParallel(Strategy):
+    """Synchronous all-reduce data parallelism; see the module docstring."""
+
+    name = "allreduce"
+    OPTIONS = ("algorithm", "bucket_mb", "overlap", "compression", "ratio", "sparse")
+
+    def __init__(self, comm=None, algorithm="auto", bucket_mb=None, overlap=True,
+                 compression=None, ratio=None, sparse="allgather", **options):
+        check_options("allreduce", self.OPTIONS, options)
+        super().__init__(comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
+                         compression=compression, ratio=ratio, sparse=sparse)
+        algorithm = algorithm or "auto"
+        if algorithm not in ALGORITHMS:
+            raise ConfigError(f"--algorithm {algorithm!r} is not an allreduce algorithm: "
+                              f"choose one of {', '.join(ALGORITHMS)}")
+        bucket_mb = DEFAULT_BUCKET_MB if bucket_mb is None else float(bucket_mb)
+        if not bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be positive, got {bucket_mb}")
+        if sparse not in SPARSE_MODES:
+            raise ConfigError(f"sparse gradient mode {sparse!r}: choose one of "
+                              f"{', '.join(SPARSE_MODES)}")
+        self.algorithm = algorithm
+        self.bucket_mb = bucket_mb
+        self.overlap = overlap is None or bool(overlap)
+        self.sparse_mode = sparse
+        self.compression = compression
+        self.ratio = ratio
+        self.compressor = self._make_compressor(compression, ratio)
+        self.exchanger = None
+        self.fusion = None
+        self.sparse_params = []   # (name, Parameter) exchanged by allgatherv
+        self._dense_names = []    # every fused parameter, for the no-overlap step
+        self._active = False      # the hook packs only inside train_step's backward
+        self._hooked = False
+        self.timeline = None
+        self.steps = 0
+        self.reset_stats()
+
+    # -- construction helpers ----------------------------------------------------------------
+    @staticmethod
+    def _make_compressor(name, ratio):
+        if not name or name == "none":
+            return None
+        try:
+            from mpidl.compress import make_compressor  # noqa: PLC0415
+        except ImportError:
+            raise ConfigError("--compression needs mpidl.compress, which this installation "
+                              "lacks") from None
+        kw = {} if ratio is None else {"ratio": ratio}
+        try:
+            return make_compressor(name, **kw)
+        except (KeyError, ValueError, TypeError) as e:
+            raise ConfigError(f"--compression {name}: {e}") from None
+
+    @property
+    def communicates(self):
+        return self.comm is not None
+
+    # -- setup ---------------------------------------------------------------------------------
+    def setup(self, model, optimizer, loss):
+        """Broadcast rank 0's parameters and buffers, lay out the fusion buckets, hook backward."""
+        super().setup(model, optimizer, loss)
+        named = model.named_parameters()
+        sparse_names = _sparse_param_names(model) if self.sparse_mode == "allgather" else set()
+        self.sparse_params = [(n, p) for n, p in named if n in sparse_names]
+        dense = [(n, p) for n, p in named if n not in sparse_names]
+        self.timeline = getattr(self.comm, "timeline", None)
+        if self.communicates:
+            for _, p in named:
+                self.comm.bcast(p.data, root=0)
+            self._bcast_buffers()
+        self.fusion = FusionBuffers(dense, int(self.bucket_mb * MiB))
+        self._dense_names = [n for n, _ in dense]
+        if self.compressor is not None and self.communicates:
+            from mpidl.compress import Exchanger  # noqa: PLC0415
+
+            self.exchanger = Exchanger(self.comm, self.compressor)
+        if self.overlap and self.exchanger is None and not self._hooked:
+            hook = getattr(model, "add_grad_ready_hook", None)
+            if hook is not None:
+                hook(self._on_grads_ready)
+                self._hooked = True
+            else:  # a model without hooks: everything is packed after backward
+                self.overlap = False
+
+    def describe(self):
+        """A few lines on the layout (for --verbose logs and reports)."""
+        f = self.fusion
+        head = (f"allreduce: {self.size} rank(s), algorithm {self.algorithm}, "
+                f"{len(f)} bucket(s) of <= {self.bucket_mb:g} MiB ({f.nbytes / MiB:.2f} MiB "
+                f"in all), overlap {'on' if self.overlap else 'off'}")
+        if self.sparse_params:
+            head += f", {len(self.sparse_params)} sparse tensor(s) by allgatherv"
+        return [head] + f.describe()
+
+    # -- one step ------------------------------------------------------------------------------
+    def train_step(self, x, y):
+        model, opt, fusion = self.model, self.optimizer, self.fusion
+        tl = self.timeline
+        opt.zero_grad()
+        t0 = _clock()
+        logits = model.forward(x)
+        loss = self.loss.forward(logits, y)
+        dy = self.loss.backward()
+        t1 = _clock()
+        fusion.begin_step()
+        self._active = self.overlap and self.exchanger is None
+        try:
+            model.backward(dy)
+        finally:
+            self._active = False
+        t2 = _clock()
+        if self.exchanger is not None:
+            self._exchange_compressed()
+            t3 = t4 = _clock()
+            opt.step()
+        elif not self.communicates:  # one process: nothing to average
+            t3 = t4 = t2
+            opt.step()
+        elif self.overlap:
+            # gradients the hook did not see (unused parameters, a layer outside the
+            # hooked container) are packed now; then the remaining buckets go out
+            fusion.pack_rest()
+            self._launch_ready()
+            self._exchange_sparse()
+            t3 = _clock()
+            wait = t3 - t2
+            for b in fusion.buckets:
+                tw = _clock()
+                b.handle.wait()
+                wait += _clock() - tw
+                b.handle = None
+                fusion.unpack(b)
+                opt.step(b.names)
+            if self.sparse_params:
+                opt.step([n for n, _ in self.sparse_params])
+            t4 = _clock()
+            self.stats["wait"] += wait
+            self.stats["optimizer"] += (t4 - t3) - (wait - (t3 - t2))
+        else:
+            fusion.pack_rest()
+            for b in fusion.buckets:
+                self.comm.allreduce(b.buffer, out=b.buffer, op="mean",
+                                    algorithm=self.algorithm, name=f"bucket{b.index}")
+                fusion.unpack(b)
+            self._exchange_sparse()
+            t3 = _clock()
+            opt.step()
+            t4 = _clock()
+            self.stats["wait"] += t3 - t2
+            self.stats["optimizer"] += t4 - t3
+        if not self.communicates or self.exchanger is not None:
+            self.stats["wait"] += t3 - t2
+            self.stats["optimizer"] += t4 - t3
+        self.stats["forward"] += t1 - t0
+        self.stats["backward"] += t2 - t1
+        self.stats["steps"] += 1
+        self.steps += 1
+        if tl is not None:
+            tl.record("compute", "forward", "", 0, t0, t1, 0)
+            tl.record("compute", "backward", "", 0, t1, t2, 0)
+            tl.record("compute", "exchange+update", "", 0, t2, t4, 0)
+        return float(loss)
+
+    def _on_grads_ready(self, names):
+        """Backward hook: pack the layer's gradients; launch the buckets that completed."""
+        if not self._active:
+            return
+        fusion = self.fusion
+        slot = fusion.slot
+        completed = False
+        for name in names:
+            if name in slot:
+                completed = fusion.pack(name) or completed
+        if completed:
+            self._launch_ready()
+
+    def _launch_ready(self):
+        comm, alg = self.comm, self.algorithm
+        for b in self.fusion.ready():
+            b.handle = comm.iallreduce(b.buffer, out=b.buffer, op="mean", algorithm=alg,
+                                       name=f"bucket{b.index}")
+
+    def _exchange_sparse(self):
+        """Average row-sparse gradients: allgatherv every rank's (coalesced) rows."""
+        from mpidl.engine.module import SparseGrad  # noqa: PLC0415
+
+        comm = self.comm
+        for name, p in self.sparse_params:
+            g = p.grad
+            xp = array_module(p.data)
+            if g is None:
+                dim = p.data.shape[1:]
+                g = SparseGrad(xp.zeros(0, dtype=xp.int64),
+                               xp.zeros((0,) + dim, dtype=p.data.dtype), p.data.shape)
+            elif not isinstance(g, SparseGrad):  # a dense gradient after all
+                g = _dense_to_rows(g)
+            g = g.coalesce()
+            idx = xp.ascontiguousarray(g.indices, dtype=xp.int64)
+            vals = xp.ascontiguousarray(g.values, dtype=p.data.dtype)
+            all_idx, _ = comm.allgatherv(idx)
+            all_vals, _ = comm.allgatherv(vals.reshape(-1))
+            all_vals = all_vals.reshape((-1,) + tuple(p.data.shape[1:]))
+            all_vals *= 1.0 / self.size
+            p.grad = SparseGrad(all_idx, all_vals, p.data.shape)
+
+    def _exchange_compressed(self):
+        """Compressed exchange, tensor by tensor in backward's order (fixed on every rank)."""
+        ex = self.exchanger
+        for name, p in reversed(self.model.named_parameters()):
+            g = p.grad
+            if g is None:
+                g = array_module(p.data).zeros_like(p.data)
+            elif not hasattr(g, "shape"):
+                g = g.to_dense()
+            p.grad = ex.exchange(g, name)
+
+    # -- buffers (BatchNorm statistics) ---------------------------------------------------
+    def _bcast_buffers(self):
+        for name, buf in self.model.named_buffers():
+            if hasattr(buf, "shape") and buf.ndim > 0 and buf.flags.c_contiguous:
+                self.comm.bcast(buf, root=0)
+
+    def sync_buffers(self):
+        """Average floating buffers over the ranks (BatchNorm running statistics);
+        collective. Integer buffers (counters) are the same on every rank already."""
+        if not self.communicates or self.size == 1:
+            return
+        for name, buf in self.model.named_buffers():
+            if not hasattr(buf, "dtype") or buf.dtype.kind != "f" or buf.size == 0:
+                continue
+            out = buf.copy() if buf.ndim == 0 else buf
+            self.comm.allreduce(out, out=out, op="mean", algorithm="mpi",
+                                name=f"buffer {name}")
+            if out is not buf:
+                self.model.set_buffer(name, out)
+
+    def prepare_eval(self):
+        self.sync_buffers()
+
+    # -- checkpoints, metrics, end ----------------------------------------------------------
+    def state_dict(self):
+        """Buffers are averaged first so rank 0's copy (the one saved) is every rank's;
+        error-feedback residuals, if compression keeps any, are gathered to the root."""
+        self.sync_buffers()
+        state = {}
+        if self.exchanger is not None and hasattr(self.exchanger, "state_dict"):
+            mine = self.exchanger.state_dict()
+            state["exchanger"] = self.gather(mine)
+        return state
+
+    def load_state_dict(self, state):
+        if self.exchanger is not None and state.get("exchanger") is not None:
+            per_rank = state["exchanger"]
+            if len(per_rank) == self.size and hasattr(self.exchanger, "load_state_dict"):
+                self.exchanger.load_state_dict(per_rank[self.rank])
+
+    def reset_stats(self):
+        self.stats = {"steps": 0, "forward": 0.0, "backward": 0.0, "wait": 0.0,
+                      "optimizer": 0.0}
+
+    def metrics(self):
+        """Mean per-step times of this rank (ms) since the last call, and bytes sent."""
+        s = self.stats
+        n = max(s["steps"], 1)
+        out = {
+            "compute_ms": 1e3 * (s["forward"] + s["backward"] + s["optimizer"]) / n,
+            "wait_ms": 1e3 * s["wait"] / n,
+        }
+        if self.exchanger is not None and hasattr(self.exchanger, "bytes_sent"):
+            total = self.exchanger.bytes_sent
+            out["bytes_sent_per_step"] = (total - getattr(self, "_bytes_before", 0)) / n
+            self._bytes_before = total
+        elif self.fusion is not None:
+            # what an all-reduce moves per rank and step: 2 (p-1)/p of the gradient bytes
+            p = self.size
+            out["bytes_sent_per_step"] = self.fusion.nbytes * 2 * (p - 1) / p
+        self.reset_stats()
+        return out
+
+    def finish(self):
+        """Check every rank ran the same number of steps (the loader's promise)."""
+        if self.communicates and self.size > 1:
+            counts = self.comm.mpi.allgather(self.steps)
+            if len(set(counts)) != 1:
+                raise RuntimeError(f"allreduce: ranks ran different numbers of steps "
+                                   f"{counts}; every rank must see the same number of "
+                                   "batches (use mpidl.data.BatchLoader's sharding)")
+
+
+def _sparse_param_names(model):
+    """Names of parameters whose gradients are row-sparse (Embedding weights)."""
+    from mpidl.engine.embedding import Embedding  # noqa: PLC0415
+
+    names = set()
+
+    def walk(layer, prefix):
+        if isinstance(layer, Embedding) or getattr(layer, "sparse_grad", False):
+            names.update(prefix + n for n in layer._params)
+        for cname, child in layer.children():
+            walk(child, f"{prefix}{cname}.")
+
+    walk(model, "")
+    return names
+
+
+def _dense_to_rows(g):
+    from mpidl.engine.module import SparseGrad  # noqa: PLC0415
+
+    xp = array_module(g)
+    return SparseGrad(xp.arange(g.shape[0], dtype=xp.int64), g, g.shape)
+
+
+STRATEGY = DataParallel

@@ -1,0 +1,164 @@
+"""Tensor fusion: gradients packed into a few preallocated flat buffers ("buckets").
+
+One all-reduce per bucket instead of one per tensor: fewer, larger messages, so the
+per-call latency is paid a few times per step and bandwidth-bound algorithms (the ring)
+run at their best. The layout is fixed once, at setup, and is the same on every rank:
+
+* parameters in the *reverse* of ``named_parameters()`` order, because backward produces
+  the last layers' gradients first, so the first bucket is complete first;
+* a new bucket starts when adding the next parameter would take the current one over
+  ``bucket_bytes`` (a parameter larger than that gets a bucket of its own), or when the
+  dtype changes (a bucket is one flat array of one dtype);
+* every bucket owns one flat array allocated here, and every parameter a view of it, so
+  a step allocates nothing: gradients are copied in with ``copyto`` into those views and,
+  once reduced, the views themselves become the parameters' ``grad``.
+
+Buckets are launched strictly in index order (``FusionBuffers.ready`` below), whatever
+order the gradients arrive in, so every rank issues the same collectives in the same
+order and the sums never depend on timing.
+"""
+
+from mpidl.backend import array_module
+
+MiB = 1 << 20
+
+
+class Bucket:
+    """One fusion buffer: a flat array and, for each of its parameters, a shaped view."""
+
+    __slots__ = ("index", "names", "params", "views", "buffer", "dtype", "nbytes",
+                 "pending", "handle")
+
+    def __init__(self, index, names, params, buffer, views):
+        self.index = index
+        self.names = names            # list of parameter names, in packing order
+        self.params = params          # the matching Parameter objects
+        self.views = views            # buffer views shaped like each parameter
+        self.buffer = buffer          # the flat array all-reduced in place
+        self.dtype = buffer.dtype
+        self.nbytes = buffer.nbytes
+        self.pending = len(names)     # parameters not yet packed in this step
+        self.handle = None            # the in-flight all-reduce, if any
+
+    def __repr__(self):
+        return (f"Bucket({self.index}: {len(self.names)} tensors, "
+                f"{self.nbytes / MiB:.2f} MiB {self.dtype})")
+
+
+def plan(named_params, bucket_bytes):
+    """Group ``(name, Parameter)`` pairs into buckets: a list of lists of pairs.
+
+    Reverse parameter order; a new group when the next parameter would overflow
+    ``bucket_bytes`` or has another dtype. Pure function of names, shapes and dtypes, so
+    every rank computes the same plan.
+    """
+    groups, current, current_bytes, current_dtype = [], [], 0, None
+    for name, p in reversed(list(named_params)):
+        nbytes = p.data.nbytes
+        if current and (p.data.dtype != current_dtype
+                        or current_bytes + nbytes > bucket_bytes):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append((name, p))
+        current_bytes += nbytes
+        current_dtype = p.data.dtype
+    if current:
+        groups.append(current)
+    return groups
+
+
+class FusionBuffers:
+    """The buckets of one model and the per-step bookkeeping of which are complete.
+
+    ``pack(name)`` copies one parameter's gradient into its bucket and says whether that
+    completed the bucket; ``ready()`` yields the buckets that may be launched now (all
+    earlier ones launched, this one complete), in index order.
+    """
+
+    def __init__(self, named_params, bucket_bytes):
+        named_params = list(named_params)
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+        self.bucket_bytes = int(bucket_bytes)
+        self.buckets = []
+        self.slot = {}  # name -> (bucket, view, parameter)
+        for index, group in enumerate(plan(named_params, bucket_bytes)):
+            first = group[0][1].data
+            xp = array_module(first)
+            total = sum(p.data.size for _, p in group)
+            buffer = xp.zeros(total, dtype=first.dtype)
+            views, offset = [], 0
+            for _, p in group:
+                n = p.data.size
+                views.append(buffer[offset:offset + n].reshape(p.data.shape))
+                offset += n
+            bucket = Bucket(index, [n for n, _ in group], [p for _, p in group], buffer,
+                            views)
+            self.buckets.append(bucket)
+            for name, view, p in zip(bucket.names, views, bucket.params):
+                self.slot[name] = (bucket, view, p)
+        self.nbytes = sum(b.nbytes for b in self.buckets)
+        self._next = 0          # index of the next bucket to launch
+        self._packed = set()    # names packed in this step
+
+    def __len__(self):
+        return len(self.buckets)
+
+    def __contains__(self, name):
+        return name in self.slot
+
+    # -- per step ---------------------------------------------------------------------------
+    def begin_step(self):
+        for b in self.buckets:
+            b.pending = len(b.names)
+            b.handle = None
+        self._next = 0
+        self._packed.clear()
+
+    def pack(self, name):
+        """Copy ``name``'s gradient into its bucket (zeros for a missing gradient).
+
+        Returns True when this completed the bucket. A name packed twice in one step (a
+        layer whose backward ran twice) is copied again but counted once.
+        """
+        bucket, view, p = self.slot[name]
+        grad = p.grad
+        xp = array_module(view)
+        if grad is None:  # a parameter backward did not reach: contributes nothing
+            view.fill(0)
+        elif grad is not view:
+            if not hasattr(grad, "shape"):  # a SparseGrad planned into a dense bucket
+                grad = grad.to_dense()
+            xp.copyto(view, grad)
+        if name in self._packed:
+            return False
+        self._packed.add(name)
+        bucket.pending -= 1
+        return bucket.pending == 0
+
+    def pack_rest(self):
+        """Pack every parameter not packed yet in this step (the end of backward)."""
+        for b in self.buckets[self._next:]:
+            if b.pending:
+                for name in b.names:
+                    if name not in self._packed:
+                        self.pack(name)
+
+    def ready(self):
+        """The buckets that can be launched now, in order; marks them launched."""
+        buckets, i = self.buckets, self._next
+        start = i
+        while i < len(buckets) and buckets[i].pending == 0:
+            i += 1
+        self._next = i
+        return buckets[start:i]
+
+    def unpack(self, bucket):
+        """Make the (reduced) views the parameters' gradients: no copy out."""
+        for p, view in zip(bucket.params, bucket.views):
+            p.grad = view
+
+    def describe(self):
+        """One line per bucket, for logs and reports."""
+        return [f"bucket {b.index}: {b.nbytes / MiB:.3f} MiB {b.dtype}, "
+                f"{', '.join(b.names)}" for b in self.buckets]
