@@ -89,6 +89,8 @@ class Poller:
     def __init__(self, comm, first=20e-6, longest=1e-3, stall_warning=120.0, who=""):
         self.comm = comm
         self.first, self.longest = first, longest
+        # longest == 0: block inside MPI instead (MPICH then polls; kept for comparison)
+        self.blocking = longest <= 0
         self.stall_warning = stall_warning
         self.who = who
         self.delay = first
@@ -99,7 +101,7 @@ class Poller:
 
     def nap(self):
         t = time.perf_counter()
-        time.sleep(self.delay)
+        time.sleep(self.delay or self.first)
         self.idle_s += time.perf_counter() - t
         self.delay = min(self.delay * 2, self.longest)
 
@@ -117,6 +119,10 @@ class Poller:
         ``idle()`` is called between probes (e.g. to retire finished sends); after
         ``stall_warning`` seconds one line says what we are waiting for.
         """
+        if self.blocking and timeout is None:
+            status = MPI.Status()
+            self.comm.Probe(source=source, tag=tag, status=status)
+            return status
         start = time.monotonic()
         warned = False
         while True:

@@ -100,6 +100,7 @@ class ParameterServer:
         self._barrier_passed = False
         self._stats_sent = False
         self._snapshot = None
+        self.on_update = None  # called after every update (benchmarks take snapshots)
         self.stats = ServerStats(server=index, rank=self.rank, mode=mode.mode,
                                  pushes_by_worker={w: 0 for w in self.workers},
                                  dropped_by_worker={w: 0 for w in self.workers})
@@ -300,6 +301,8 @@ class ParameterServer:
             self.params[name].grad = None
         self.version += 1
         self.stats.applied += n
+        if self.on_update is not None:
+            self.on_update(self)
 
     def reply(self, worker):
         self.reply_many([worker])

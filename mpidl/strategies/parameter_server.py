@@ -159,6 +159,23 @@ class ParameterServerStrategy(Strategy):
         if self.worker is not None:
             self.worker.barrier()
             self.latest_stats = self.worker.barrier_stats
+            self._average_buffers()
+
+    def _average_buffers(self):
+        """BatchNorm running statistics live on the workers, not the servers: average
+        them over the workers so that every worker evaluates (and saves) one model."""
+        import numpy as np
+
+        from mpidl.backend import to_device, to_numpy
+
+        n = len(self.worker_ranks)
+        for name, buf in self.model.named_buffers():
+            host = to_numpy(buf)
+            if n == 1 or host.dtype.kind != "f":
+                continue
+            total = np.empty_like(host)
+            self.group_comm.Allreduce(np.ascontiguousarray(host), total)
+            self.model.set_buffer(name, to_device(total / host.dtype.type(n)))
 
     def metrics(self):
         """Counts summed over the servers, as of the last barrier (exact: nothing is in
