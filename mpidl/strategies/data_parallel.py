@@ -85,7 +85,6 @@ class DataParallel(Strategy):
         self.exchanger = None
         self.fusion = None
         self.sparse_params = []   # (name, Parameter) exchanged by allgatherv
-        self._dense_names = []    # every fused parameter, for the no-overlap step
         self._active = False      # the hook packs only inside train_step's backward
         self._hooked = False
         self.timeline = None
@@ -119,6 +118,7 @@ class DataParallel(Strategy):
         named = model.named_parameters()
         sparse_names = _sparse_param_names(model) if self.sparse_mode == "allgather" else set()
         self.sparse_params = [(n, p) for n, p in named if n in sparse_names]
+        self._sparse_names = [n for n, _ in self.sparse_params]
         dense = [(n, p) for n, p in named if n not in sparse_names]
         self.timeline = getattr(self.comm, "timeline", None)
         if self.communicates:
@@ -126,7 +126,6 @@ class DataParallel(Strategy):
                 self.comm.bcast(p.data, root=0)
             self._bcast_buffers()
         self.fusion = FusionBuffers(dense, int(self.bucket_mb * MiB))
-        self._dense_names = [n for n, _ in dense]
         if self.compressor is not None and self.communicates:
             from mpidl.compress import Exchanger  # noqa: PLC0415
 
@@ -151,8 +150,7 @@ class DataParallel(Strategy):
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self, x, y):
-        model, opt, fusion = self.model, self.optimizer, self.fusion
-        tl = self.timeline
+        model, opt, fusion, stats = self.model, self.optimizer, self.fusion, self.stats
         opt.zero_grad()
         t0 = _clock()
         logits = model.forward(x)
@@ -160,28 +158,30 @@ class DataParallel(Strategy):
         dy = self.loss.backward()
         t1 = _clock()
         fusion.begin_step()
-        self._active = self.overlap and self.exchanger is None
+        self._active = self.overlap and self.exchanger is None and self.communicates
         try:
-            model.backward(dy)
+            model.backward(dy)  # with overlap, the hook packs and launches buckets
         finally:
             self._active = False
         t2 = _clock()
+        wait = 0.0
         if self.exchanger is not None:
             self._exchange_compressed()
-            t3 = t4 = _clock()
-            opt.step()
-        elif not self.communicates:  # one process: nothing to average
-            t3 = t4 = t2
-            opt.step()
-        elif self.overlap:
-            # gradients the hook did not see (unused parameters, a layer outside the
-            # hooked container) are packed now; then the remaining buckets go out
-            fusion.pack_rest()
-            self._launch_ready()
-            self._exchange_sparse()
             t3 = _clock()
             wait = t3 - t2
-            for b in fusion.buckets:
+            opt.step()
+        elif not self.communicates:  # one process without a communicator
+            opt.step()
+        elif self.overlap:
+            stats["launched_in_backward"] += fusion.launched
+            # gradients the hook did not see (unused parameters, layers outside the
+            # hooked container) are packed now, and the remaining buckets go out
+            fusion.pack_rest()
+            self._launch_ready()
+            ts = _clock()
+            self._exchange_sparse()
+            wait = _clock() - ts
+            for b in fusion.buckets:  # wait only for the bucket the next update needs
                 tw = _clock()
                 b.handle.wait()
                 wait += _clock() - tw
@@ -189,29 +189,26 @@ class DataParallel(Strategy):
                 fusion.unpack(b)
                 opt.step(b.names)
             if self.sparse_params:
-                opt.step([n for n, _ in self.sparse_params])
-            t4 = _clock()
-            self.stats["wait"] += wait
-            self.stats["optimizer"] += (t4 - t3) - (wait - (t3 - t2))
+                opt.step(self._sparse_names)
         else:
             fusion.pack_rest()
+            comm, alg = self.comm, self.algorithm
+            ts = _clock()
             for b in fusion.buckets:
-                self.comm.allreduce(b.buffer, out=b.buffer, op="mean",
-                                    algorithm=self.algorithm, name=f"bucket{b.index}")
+                comm.allreduce(b.buffer, out=b.buffer, op="mean", algorithm=alg,
+                               name=f"bucket{b.index}")
                 fusion.unpack(b)
             self._exchange_sparse()
-            t3 = _clock()
+            wait = _clock() - ts
             opt.step()
-            t4 = _clock()
-            self.stats["wait"] += t3 - t2
-            self.stats["optimizer"] += t4 - t3
-        if not self.communicates or self.exchanger is not None:
-            self.stats["wait"] += t3 - t2
-            self.stats["optimizer"] += t4 - t3
-        self.stats["forward"] += t1 - t0
-        self.stats["backward"] += t2 - t1
-        self.stats["steps"] += 1
+        t4 = _clock()
+        stats["forward"] += t1 - t0
+        stats["backward"] += t2 - t1
+        stats["wait"] += wait
+        stats["update"] += (t4 - t2) - wait
+        stats["steps"] += 1
         self.steps += 1
+        tl = self.timeline
         if tl is not None:
             tl.record("compute", "forward", "", 0, t0, t1, 0)
             tl.record("compute", "backward", "", 0, t1, t2, 0)
@@ -312,15 +309,23 @@ class DataParallel(Strategy):
                 self.exchanger.load_state_dict(per_rank[self.rank])
 
     def reset_stats(self):
+        """Zero the per-step time counters (seconds, summed over steps)."""
         self.stats = {"steps": 0, "forward": 0.0, "backward": 0.0, "wait": 0.0,
-                      "optimizer": 0.0}
+                      "update": 0.0, "launched_in_backward": 0}
+        self._metrics_cache = None
 
     def metrics(self):
-        """Mean per-step times of this rank (ms) since the last call, and bytes sent."""
+        """This rank's mean per-step times (ms) since the previous epoch, and bytes sent.
+
+        compute = forward + backward + optimizer; wait = time blocked on communication
+        that overlap did not hide. Calling it twice in a row gives the same figures.
+        """
         s = self.stats
+        if self._metrics_cache is not None and s["steps"] == 0:
+            return dict(self._metrics_cache)
         n = max(s["steps"], 1)
         out = {
-            "compute_ms": 1e3 * (s["forward"] + s["backward"] + s["optimizer"]) / n,
+            "compute_ms": 1e3 * (s["forward"] + s["backward"] + s["update"]) / n,
             "wait_ms": 1e3 * s["wait"] / n,
         }
         if self.exchanger is not None and hasattr(self.exchanger, "bytes_sent"):
@@ -332,7 +337,8 @@ class DataParallel(Strategy):
             p = self.size
             out["bytes_sent_per_step"] = self.fusion.nbytes * 2 * (p - 1) / p
         self.reset_stats()
-        return out
+        self._metrics_cache = out
+        return dict(out)
 
     def finish(self):
         """Check every rank ran the same number of steps (the loader's promise)."""

@@ -99,6 +99,7 @@ class FusionBuffers:
                 self.slot[name] = (bucket, view, p)
         self.nbytes = sum(b.nbytes for b in self.buckets)
         self._next = 0          # index of the next bucket to launch
+        self.launched = 0       # buckets launched so far in this step
         self._packed = set()    # names packed in this step
 
     def __len__(self):
@@ -113,6 +114,7 @@ class FusionBuffers:
             b.pending = len(b.names)
             b.handle = None
         self._next = 0
+        self.launched = 0
         self._packed.clear()
 
     def pack(self, name):
@@ -150,7 +152,7 @@ class FusionBuffers:
         start = i
         while i < len(buckets) and buckets[i].pending == 0:
             i += 1
-        self._next = i
+        self._next = self.launched = i
         return buckets[start:i]
 
     def unpack(self, bucket):

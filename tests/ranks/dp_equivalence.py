@@ -91,6 +91,9 @@ def run_case(comm, kind, algorithm, overlap, bucket_mb):
     for s in range(STEPS):
         strategy.train_step(x[s][r * B:(r + 1) * B], y[s][r * B:(r + 1) * B])
     strategy.finish()
+    if overlap and len(strategy.fusion) > 1 and not strategy.stats["launched_in_backward"]:
+        raise AssertionError(f"rank {r}: overlap on, {len(strategy.fusion)} buckets, but no "
+                             "bucket was launched during backward (the grad-ready hook)")
     return {k: p.data.copy() for k, p in model.named_parameters()}, len(strategy.fusion)
 
 
