@@ -43,6 +43,9 @@ OPTIONS = [
     Option("data_dir", str, None, "folder holding the dataset files (default: "
            "/usr/share/datasets/<dataset>, or $MPIDL_DATA_DIR/<dataset>)", "model and data",
            metavar="DIR"),
+    Option("init", str, None, "start from the weights of a model saved by mpidl train "
+           "(--save); the network is rebuilt as it was saved (model, input shape, classes)",
+           "model and data", metavar="FILE.npz"),
     Option("limit_train", int, None, "train on the first N training samples only (quick "
            "tests)", "model and data", metavar="N"),
     Option("limit_test", int, None, "evaluate on the first N test samples only",
@@ -122,7 +125,51 @@ OPTIONS = [
            "outputs"),
     Option("verbose", bool, False, "let every rank log, not only rank 0", "outputs"),
 ]
+CORE_OPTIONS = list(OPTIONS)
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+_extended = []
+
+
+def extend_with_strategy_options():
+    """Add the options strategy modules declare (``CLI_OPTIONS``, a list of ``Option``).
+
+    A strategy with settings of its own (``--servers`` for the parameter server, ...)
+    lists them in its module as ``CLI_OPTIONS = [Option("servers", int, None, "...",
+    "parallelism"), ...]``; they become flags, config-file keys and, when set, keyword
+    arguments of the strategy. Called once by the command line before parsing.
+    """
+    if _extended:
+        return OPTIONS
+    _extended.append(True)
+    import importlib  # noqa: PLC0415
+    import pkgutil  # noqa: PLC0415
+
+    import mpidl.strategies as pkg  # noqa: PLC0415
+
+    for m in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if m.name == "base":
+            continue
+        try:
+            module = importlib.import_module(f"mpidl.strategies.{m.name}")
+        except Exception as e:  # noqa: BLE001 - one broken strategy must not break the CLI
+            import logging  # noqa: PLC0415
+
+            logging.getLogger("mpidl").warning(f"strategy module {m.name} failed to import "
+                                               f"({type(e).__name__}: {e}); its options "
+                                               "are missing")
+            continue
+        for o in getattr(module, "CLI_OPTIONS", []):
+            if o.name not in OPTIONS_BY_NAME:
+                OPTIONS.append(o)
+                OPTIONS_BY_NAME[o.name] = o
+    return OPTIONS
+
+
+def strategy_kwargs(cfg):
+    """The parallelism settings that differ from their defaults, for the strategy."""
+    return {o.name: getattr(cfg, o.name) for o in OPTIONS
+            if o.group == "parallelism" and o.name != "strategy"
+            and getattr(cfg, o.name, o.default) != o.default}
 #: settings that change which samples a step sees: a checkpoint only resumes if they match
 RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "seed", "dtype",
                "optimizer")
@@ -195,6 +242,7 @@ def resolve(flags=None, config_path=None, use_model_defaults=True):
     values.update(flags)
     cfg = TrainConfig(**values)
     cfg.config = os.path.abspath(config_path) if config_path else None
+    cfg.given = sorted(set(from_file) | set(flags))  # what the user set explicitly
     validate(cfg)
     return cfg
 

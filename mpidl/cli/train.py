@@ -12,13 +12,14 @@ import argparse
 import os
 import time
 
-from mpidl.config import OPTIONS, resolve
+from mpidl.config import OPTIONS, extend_with_strategy_options, resolve, strategy_kwargs
 from mpidl.errors import ConfigError, UserError
 
 GROUPS = ["model and data", "training", "parallelism", "outputs"]
 
 
 def register(subparsers):
+    extend_with_strategy_options()
     p = subparsers.add_parser(
         "train", help="train a model (one process, or many under mpiexec/srun)",
         description="Train a model on a dataset. Values come from, lowest to highest: "
@@ -102,11 +103,22 @@ def prepare(args, world):
     """Phase 1 (local): everything that can go wrong because of the input. Returns phase 2."""
     from mpidl import backend  # noqa: PLC0415
     from mpidl.data import load_dataset  # noqa: PLC0415
-    from mpidl.strategies import make_strategy  # noqa: PLC0415
+    from mpidl.strategies import make_strategy, strategy_class  # noqa: PLC0415
     from mpidl.training.log import setup_logging  # noqa: PLC0415
 
-    cfg = resolve(given_flags(args), args.config)
+    flags = given_flags(args)
+    cfg = resolve(flags, args.config)
     log = setup_logging(world.rank, cfg.verbose)
+    init = None
+    if cfg.init:
+        init = read_init(cfg.init)
+        saved = init[1].get("model")
+        if saved != cfg.model:
+            if "model" in cfg.given:
+                raise ConfigError(f"--init {cfg.init} holds a {saved!r} model, but --model "
+                                  f"is {cfg.model!r}; drop --model or pick another file")
+            flags["model"] = saved  # and that model's recommended settings
+            cfg = resolve(flags, args.config)
     if cfg.resume and not (cfg.checkpoint_dir or cfg.out_dir or cfg.name):
         raise ConfigError("--resume needs to know where the checkpoints are: give "
                           "--checkpoint-dir DIR, --out-dir DIR or --name NAME")
@@ -119,29 +131,28 @@ def prepare(args, world):
     if cfg.limit_train or cfg.limit_test:
         dataset = dataset.limit(cfg.limit_train, cfg.limit_test)
 
-    model, optimizer, loss, eval_loss = build_model_and_optimizer(cfg, dataset)
+    model, optimizer, loss, eval_loss = build_model_and_optimizer(cfg, dataset, init)
     schedule_factory = make_schedule_factory(cfg)
 
     name = cfg.strategy or default_strategy(world.size)
-    options = {"algorithm": cfg.algorithm, "bucket_mb": cfg.bucket_mb,
-               "overlap": None if cfg.overlap else False, "compression": cfg.compression,
-               "ratio": cfg.ratio, "servers": cfg.servers, "mode": cfg.mode,
-               "staleness": cfg.staleness, "wait": cfg.wait, "straggler": cfg.straggler,
-               "staleness_aware_lr": cfg.staleness_aware_lr or None}
-    options = {k: v for k, v in options.items() if v is not None}
-    comm = make_comm(world) if world.size > 1 or name != "local" else None
-    strategy = make_strategy(name, comm, **options)
+    strategy_class(name)  # a missing strategy module is found now, locally
+    options = strategy_kwargs(cfg)
     cfg.strategy = name
-
-    from mpidl.training.trainer import Trainer  # noqa: PLC0415
-
     meta = {"model": cfg.model, "dataset": dataset.name,
             "input_shape": list(dataset.input_shape), "num_classes": dataset.num_classes,
             "dtype": cfg.dtype, "seed": cfg.seed, "mpidl_config": cfg.to_dict()}
-    trainer = Trainer(cfg, model, optimizer, loss, strategy, dataset, schedule_factory,
-                      eval_loss, paths={}, model_meta=meta)
 
     def job():
+        from mpidl.cli.errors import Agreement  # noqa: PLC0415
+        from mpidl.training.trainer import Trainer  # noqa: PLC0415
+
+        # The Communicator's constructor is collective, so it is built only now that every
+        # rank got through phase 1; the strategy's and loader's checks agree once more.
+        with Agreement(world):
+            comm = make_comm(world) if world.size > 1 or name != "local" else None
+            strategy = make_strategy(name, comm, **options)
+            trainer = Trainer(cfg, model, optimizer, loss, strategy, dataset,
+                              schedule_factory, eval_loss, paths={}, model_meta=meta)
         stamp = strategy.bcast(time.strftime("%Y%m%d-%H%M%S") if strategy.is_root else None)
         out_dir = cfg.out_dir or os.path.join("runs", cfg.name or stamp)
         ckpt_on = bool(cfg.checkpoint_dir or cfg.checkpoint_every or cfg.resume)
@@ -166,19 +177,51 @@ def prepare(args, world):
     return job
 
 
-def build_model_and_optimizer(cfg, dataset):
-    """Model, optimizer and losses; a model that does not fit the data is a UserError."""
+def read_init(path):
+    """(arrays, meta) of a model file saved by ``mpidl train``; errors name the file."""
+    from mpidl.training.checkpoint import load_model_arrays  # noqa: PLC0415
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--init {path}: no such file")
+    try:
+        arrays, meta = load_model_arrays(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"--init {path}: not a model file saved by mpidl train ({e})") from None
+    if not meta.get("model") or "input_shape" not in meta:
+        raise ConfigError(f"--init {path}: the file has no mpidl metadata (model name, input "
+                          "shape); save models with mpidl train --save")
+    return arrays, meta
+
+
+def build_model_and_optimizer(cfg, dataset, init=None):
+    """Model, optimizer and losses; a model that does not fit the data is a UserError.
+
+    With ``init`` (from ``read_init``) the model is built as it was saved and its weights
+    loaded, so data of another shape fails the fit check below with the layer named.
+    """
     from mpidl.engine import ShapeError  # noqa: PLC0415
     from mpidl.engine.losses import SoftmaxCrossEntropy  # noqa: PLC0415
     from mpidl.engine.models import build_model  # noqa: PLC0415
 
-    where = (f"model {cfg.model!r} does not fit dataset {dataset.name!r} (input shape "
-             f"{dataset.input_shape}, {dataset.num_classes} classes)")
+    input_shape, num_classes = dataset.input_shape, dataset.num_classes
+    if init is not None:
+        input_shape = tuple(init[1]["input_shape"])
+        num_classes = int(init[1].get("num_classes", num_classes))
+    where = (f"model {cfg.model!r}" + (f" from {cfg.init} (built for input {input_shape})"
+                                      if init is not None else "") +
+             f" does not fit dataset {dataset.name!r} (input shape {dataset.input_shape}, "
+             f"{dataset.num_classes} classes)")
     try:
-        model = build_model(cfg.model, input_shape=dataset.input_shape,
-                            num_classes=dataset.num_classes, seed=cfg.seed, dtype=cfg.dtype)
-    except ShapeError as e:
+        model = build_model(cfg.model, input_shape=input_shape, num_classes=num_classes,
+                            seed=cfg.seed, dtype=cfg.dtype)
+    except (ShapeError, ValueError) as e:  # the model's arguments come from the user
         raise UserError(f"{where}: {e}") from None
+    if init is not None:
+        try:
+            model.load_state_dict(init[0])
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"--init {cfg.init}: weights do not fit model {cfg.model!r}: "
+                              f"{e}") from None
     check_model_fits(model, dataset, where, cfg.dtype)
     return model, make_optimizer(cfg, model), SoftmaxCrossEntropy(), SoftmaxCrossEntropy()
 
@@ -218,7 +261,11 @@ def make_schedule_factory(cfg):
     from mpidl.engine.schedules import make_schedule  # noqa: PLC0415
 
     def factory(base_lr, total_steps, warmup_steps):
-        return make_schedule(cfg.schedule, base_lr, total_steps, warmup_steps=warmup_steps)
+        extra = {}
+        if cfg.schedule == "step":  # decay by 10x at half and at three quarters
+            extra["milestones"] = [max(1, total_steps // 2), max(1, total_steps * 3 // 4)]
+        return make_schedule(cfg.schedule, base_lr, max(total_steps, 1),
+                             warmup_steps=warmup_steps, **extra)
 
     try:
         factory(cfg.lr, 100, 0)

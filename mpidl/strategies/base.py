@@ -27,6 +27,10 @@ Rules a strategy keeps:
   training rank; the data loader gives rank ``index`` the ``index``-th contiguous piece of
   every global batch (see ``mpidl.data.loader``), so all training ranks run the same
   number of steps.
+* Settings of its own (beyond ``algorithm``, ``bucket_mb``, ``overlap``,
+  ``compression``, ``ratio``) are declared in the module as ``CLI_OPTIONS``, a list of
+  ``mpidl.config.Option`` in the group "parallelism"; they become ``mpidl train`` flags
+  and config keys, and reach ``__init__`` as keyword arguments when set.
 * ``reduce``, ``gather``, ``bcast``, ``barrier``, ``state_dict`` and ``load_state_dict``
   are collective over all ranks of the strategy's communicator: every rank calls them in
   the same order (server ranks included; they may contribute nothing).
@@ -92,6 +96,10 @@ class Strategy:
 
     def prepare_eval(self):
         """Make ``self.model`` hold the parameters to evaluate (e.g. pull from servers)."""
+
+    def metrics(self):
+        """Extra {name: number} for the epoch's metrics line (e.g. parameter-server counts)."""
+        return {}
 
     # -- collectives for the trainer
     def reduce(self, values, op="mean"):

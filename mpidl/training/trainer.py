@@ -196,6 +196,7 @@ class Trainer:
             "global_batch": self.loader.global_batch_size,
         }
         record.update(self.strategy.metrics())
+        record.update(self.strategy.metrics() or {})
         self.last = record
         if self.metrics is not None:
             self.metrics.write(record)
