@@ -1,0 +1,623 @@
+"""``Communicator``: an mpi4py communicator with home-made collectives beside MPI's own.
+
+Every collective takes ``algorithm=``: ``"ring"``, ``"tree"``, ``"recursive_doubling"``,
+``"mpi"`` (MPI's own call) or ``"auto"`` (see ``auto.py``), and works on NumPy or CuPy
+arrays of any shape; the data is treated as the flat C-order sequence of its elements.
+Non-contiguous inputs and outputs are handled (copied to contiguous scratch and back).
+
+Buffer rules:
+
+- ``out=None``: a new array; ``out=x``: in place; any other ``out`` must have the
+  result's size and dtype.
+- ``reduce_scatter`` returns chunk ``rank`` of the flattened reduction; counts are split
+  as evenly as possible, the first ``n % p`` ranks getting one element more
+  (``layout.even_split``).
+- ``reduce`` returns the result on ``root`` and None elsewhere, where ``x`` is untouched.
+- ``allgather`` returns the ``(p * n,)`` concatenation in rank order; ``allgatherv``
+  returns ``(concatenation, counts)`` after exchanging the counts (zero is allowed).
+- float16 sums round to float16 at each addition (see ``ops.py``); integer sums wrap like
+  MPI's; ``op="mean"`` needs floats.
+
+Threads: blocking collectives run on the caller's thread over one duplicate of the MPI
+communicator, non-blocking ones on a progress thread over another (``progress.py``), so
+the two never mix. Each has its own persistent scratch buffers (``buffers.py``).
+
+``close()`` is collective (it may write the gathered timeline); a communicator not closed
+by the program is closed when the interpreter exits, before MPI finalizes.
+"""
+
+import atexit
+import os
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import backend
+from . import auto, native, recursive_doubling, ring, tree
+from .consistency import DESC_BYTES, describe, encode, raise_mismatch
+from .consistency import check as _consistency_check
+from .layout import even_split
+from .ops import check_op, mpi_op, ufunc
+from .progress import EagerProgress, Handle, ProgressThread
+from .timeline import TID_CALLER, TID_PROGRESS, Timeline
+from .transport import DeviceTransport, HostTransport, StagedTransport
+
+ALGORITHMS = ("auto",) + auto.ALGORITHMS
+_DIRECT = frozenset(auto.ALGORITHMS)
+CHECK_MODES = ("first", "always", "off")
+_OFF, _FIRST, _ALWAYS = 0, 1, 2
+DEFAULT_SEGMENT_BYTES = 256 * 1024
+
+_live = weakref.WeakSet()
+
+
+def _close_all():
+    for comm in list(_live):
+        try:
+            comm.close()
+        except Exception:  # exiting anyway; MPI may be unusable
+            pass
+
+
+atexit.register(_close_all)
+
+
+class _Channel:
+    """One duplicate communicator, used by one thread: transports, scratch, check memory."""
+
+    def __init__(self, comm, tid, staging):
+        self.comm = comm
+        self.tid = tid
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.seen = set()
+        self._staging = staging
+        self.host = (StagedTransport(comm, np, pinned=False) if staging == "host"
+                     else HostTransport(comm, np))
+        self._device = None
+
+    def transport(self, gpu):
+        if not gpu:
+            return self.host
+        if self._device is None:
+            cp = backend.cupy_module()
+            if backend.cuda_aware_mpi():
+                self._device = DeviceTransport(self.comm, cp)
+            else:
+                self._device = StagedTransport(self.comm, cp, pinned=True)
+        return self._device
+
+    def free_buffers(self):
+        self.host.free()
+        if self._device is not None:
+            self._device.free()
+
+    def close(self):
+        self.free_buffers()
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+
+def _module(x):
+    """numpy or cupy for an array argument, or a clear TypeError."""
+    if isinstance(x, np.ndarray):
+        return np, False
+    if backend.is_gpu_array(x):
+        return backend.cupy_module(), True
+    raise TypeError(f"expected a NumPy or CuPy array, got {type(x).__name__}: "
+                    "wrap Python data with numpy.asarray first")
+
+
+def _flat(a, xp):
+    """(flat contiguous view or copy of ``a``, whether it is a copy)."""
+    if a.flags.c_contiguous:
+        return a.reshape(-1), False
+    return xp.ascontiguousarray(a).reshape(-1), True
+
+
+class Communicator:
+    """Collectives over an mpi4py communicator (``MPI.COMM_WORLD`` when ``mpi_comm`` is None).
+
+    ``check``: when to run the consistency check (``"first"`` call of each tensor name,
+    ``"always"``, or ``"off"``; ``MPIDL_DEBUG=1`` forces ``"always"``). ``timeline``: path
+    of a Chrome-trace JSON written by ``close()``/``flush_timeline()``.
+    """
+
+    def __init__(self, mpi_comm=None, check="first", timeline=None, *, _staging=None,
+                 _owns=False, _tables=None):
+        comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if check not in CHECK_MODES:
+            raise ValueError(f"check={check!r}: expected one of {', '.join(CHECK_MODES)}")
+        if os.environ.get("MPIDL_DEBUG", "0").lower() in ("1", "true", "yes"):
+            check = "always"
+        self.mpi = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.check = check
+        self._check = {"off": _OFF, "first": _FIRST, "always": _ALWAYS}[check]
+        self._owns = _owns
+        self._closed = False
+
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = local.Get_rank()
+        self.local_size = local.Get_size()
+        local.Free()
+
+        self._main = _Channel(comm.Dup(), TID_CALLER, _staging)
+        self._bg = _Channel(comm.Dup(), TID_PROGRESS, _staging)
+        self._staging = _staging
+
+        # Everyone must resolve "auto" alike: rank 0 reads the tuning file for all.
+        if _tables is None:
+            _tables = comm.bcast(auto.load() if self.rank == 0 else None, root=0)
+        self._tables = _tables
+        self.selector = auto.Selector(self.size, _tables)
+        seg = int(os.environ.get("MPIDL_RING_SEGMENT", DEFAULT_SEGMENT_BYTES))
+        self.segment_bytes = max(seg, 64)
+
+        # Timeline: a path (this communicator owns and writes it) or a parent's recorder.
+        if isinstance(timeline, Timeline):
+            self._timeline, self._owns_timeline = timeline, False
+        elif timeline is not None:
+            self._timeline, self._owns_timeline = Timeline(timeline, comm), True
+        else:
+            self._timeline, self._owns_timeline = None, False
+
+        mode = os.environ.get("MPIDL_PROGRESS", "thread").lower()
+        if mode != "eager" and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+            self._progress = ProgressThread()
+        else:
+            self._progress = EagerProgress()
+        self._algs = {
+            "allreduce": {"ring": self._ar_ring, "tree": self._ar_tree,
+                          "recursive_doubling": self._ar_rd, "mpi": self._ar_mpi},
+        }
+        _live.add(self)
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def progress_mode(self):
+        """"thread" (a progress thread runs non-blocking collectives) or "eager"."""
+        return self._progress.mode
+
+    def __repr__(self):
+        return (f"<mpidl Communicator rank {self.rank}/{self.size} "
+                f"local {self.local_rank}/{self.local_size} progress={self.progress_mode}>")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def split(self, color, key=0):
+        """A new Communicator over the ranks that pass the same ``color`` (ordered by key)."""
+        sub = self.mpi.Split(color, key)
+        return Communicator(sub, check=self.check, timeline=self._timeline,
+                            _staging=self._staging, _owns=True, _tables=self._tables)
+
+    def barrier(self):
+        self._main.comm.Barrier()
+
+    def free_buffers(self):
+        """Give the persistent scratch and staging memory back (they regrow on demand)."""
+        self._main.free_buffers()
+        self._bg.free_buffers()
+
+    def flush_timeline(self):
+        """Write the timeline file now (collective); returns the path written here or None."""
+        if self._timeline is None or not self._owns_timeline:
+            return None
+        return self._timeline.flush(self._main.comm)
+
+    def close(self):
+        """Finish queued non-blocking collectives, write the timeline, free the duplicate
+        communicators. Collective; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        self._progress.close()
+        if MPI.Is_finalized():
+            return
+        if self._owns_timeline:
+            self._timeline.flush(self._main.comm)
+        self._main.close()
+        self._bg.close()
+        if self._owns:
+            self.mpi.Free()
+
+    # ------------------------------------------------------------------ helpers
+    def _resolve(self, kind, algorithm, nbytes):
+        if algorithm == "auto":
+            return self.selector.choose(kind, nbytes)
+        if algorithm in _DIRECT:
+            return algorithm
+        raise ValueError(f"unknown algorithm {algorithm!r} for {kind}: expected one of "
+                         f"{', '.join(ALGORITHMS)}")
+
+    def _verify(self, ch, kind, name, shape, dtype, op=None, alg=None, root=None):
+        """Run the consistency check if this call needs one (see consistency.py)."""
+        key = (kind, name) if name is not None else (kind, shape, dtype, op, alg, root)
+        if self._check == _ALWAYS or key not in ch.seen:
+            _consistency_check(ch.comm, kind, name,
+                               describe(kind, name, shape, dtype, op, alg, root))
+            ch.seen.add(key)
+
+    def _submit(self, kind, name, gpu, fn, *args):
+        """Queue ``fn(*args)`` on the progress thread; returns its Handle."""
+        if self._closed:
+            raise RuntimeError("communicator is closed")
+        handle = Handle(kind, name, self._timeline)
+        if gpu:
+            # The progress thread has its own CUDA device and stream state: make it use
+            # this thread's device and wait for the kernels that produced the input.
+            cp = backend.cupy_module()
+            event = cp.cuda.Event(block=True, disable_timing=True)
+            event.record()
+            return self._progress.submit(handle, _on_device, cp.cuda.Device().id, event,
+                                         fn, args)
+        return self._progress.submit(handle, fn, *args)
+
+    # ------------------------------------------------------------------ allreduce
+    def allreduce(self, x, out=None, op="sum", algorithm="auto", name=None):
+        """Reduce ``x`` over all ranks with ``op``; every rank gets the result (bitwise
+        identical on all ranks). ``out=None``: new array; ``out=x``: in place."""
+        return self._allreduce(self._main, *self._prep_allreduce(x, out, op, algorithm), name)
+
+    def iallreduce(self, x, out=None, op="sum", algorithm="auto", name=None):
+        """Non-blocking ``allreduce``: returns a Handle; ``wait()`` gives the result.
+        ``x`` (and ``out``) must not change until then."""
+        args = self._prep_allreduce(x, out, op, algorithm)
+        return self._submit("allreduce", name, args[-1], self._allreduce, self._bg, *args,
+                            name)
+
+    def _prep_allreduce(self, x, out, op, algorithm):
+        xp, gpu = _module(x)
+        dtype = x.dtype
+        if op != "sum" or dtype.kind not in "iuf":
+            check_op(op, dtype)
+        alg = self._resolve("allreduce", algorithm, x.nbytes)
+        back = None
+        if out is x:
+            src, copied = _flat(x, xp)
+            dst = src
+            if copied:
+                back = x
+        else:
+            if out is None:
+                out = xp.empty(x.shape, dtype=dtype)
+            elif out.shape != x.shape or out.dtype != dtype or type(out) is not type(x):
+                raise ValueError(f"allreduce: out has shape {out.shape} {out.dtype}, "
+                                 f"expected {x.shape} {dtype} ({type(x).__name__})")
+            src = _flat(x, xp)[0]
+            dst, copied = _flat(out, xp)
+            if copied:
+                back = out
+        return x, out, src, dst, back, op, alg, xp, gpu
+
+    def _allreduce(self, ch, x, out, src, dst, back, op, alg, xp, gpu, name):
+        t = ch.transport(True) if gpu else ch.host
+        if self._check:
+            self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
+        tl = self._timeline
+        if tl is not None:
+            start = tl.clock()
+        if self.size > 1 and src.size:
+            self._algs["allreduce"][alg](t, src, dst, op, xp)
+        elif dst is not src:
+            t.copy(dst, src)
+        if op == "mean":
+            xp.divide(dst, self.size, out=dst)
+        result = out if out is not None else x
+        if back is not None:
+            back[...] = dst.reshape(back.shape)
+        if tl is not None:
+            tl.record("allreduce", name, alg, src.nbytes, start, tl.clock(), ch.tid, op=op)
+        return result
+
+    def _ar_ring(self, t, src, dst, op, xp):
+        counts, displs = even_split(src.size, self.size)
+        seg = max(1, self.segment_bytes // src.itemsize)
+        ring.allreduce(t, src, dst, ufunc(xp, op), counts, displs, seg)
+
+    def _ar_tree(self, t, src, dst, op, xp):
+        tree.allreduce(t, src, dst, ufunc(xp, op))
+
+    def _ar_rd(self, t, src, dst, op, xp):
+        recursive_doubling.allreduce(t, src, dst, ufunc(xp, op))
+
+    def _ar_mpi(self, t, src, dst, op, xp):
+        native.allreduce(t, src, dst, mpi_op(op))
+
+    # ------------------------------------------------------------------ reduce_scatter
+    def reduce_scatter(self, x, out=None, op="sum", algorithm="auto", name=None):
+        """Reduce ``x`` (flattened, n elements) over all ranks; return this rank's chunk:
+        ``counts[rank]`` elements at ``displs[rank]`` of ``layout.even_split(n, p)`` (the
+        first ``n % p`` ranks get one element more)."""
+        return self._reduce_scatter(self._main, *self._prep_rs(x, out, op, algorithm), name)
+
+    def ireduce_scatter(self, x, out=None, op="sum", algorithm="auto", name=None):
+        args = self._prep_rs(x, out, op, algorithm)
+        return self._submit("reduce_scatter", name, args[-1], self._reduce_scatter, self._bg,
+                            *args, name)
+
+    def _prep_rs(self, x, out, op, algorithm):
+        xp, gpu = _module(x)
+        check_op(op, x.dtype)
+        alg = self._resolve("reduce_scatter", algorithm, x.nbytes)
+        counts, displs = even_split(x.size, self.size)
+        mine = counts[self.rank]
+        if out is None:
+            out = xp.empty(mine, dtype=x.dtype)
+        elif out is x or out.size != mine or out.dtype != x.dtype or type(out) is not type(x):
+            raise ValueError(f"reduce_scatter: out must be a separate {type(x).__name__} of "
+                             f"{mine} {x.dtype} elements (this rank's chunk), got "
+                             f"{out.size} {out.dtype}")
+        src = _flat(x, xp)[0]
+        dst, copied = _flat(out, xp)
+        return x, out, src, dst, out if copied else None, op, alg, counts, displs, xp, gpu
+
+    def _reduce_scatter(self, ch, x, out, src, dst, back, op, alg, counts, displs, xp, gpu,
+                        name):
+        t = ch.transport(True) if gpu else ch.host
+        if self._check:
+            self._verify(ch, "reduce_scatter", name, x.shape, x.dtype, op, alg)
+        tl = self._timeline
+        start = tl.clock() if tl is not None else 0.0
+        n = src.size
+        if self.size == 1 or n == 0:
+            if dst.size:
+                t.copy(dst, src)
+        elif alg == "mpi":
+            native.reduce_scatter(t, src, dst, mpi_op(op), counts)
+        else:
+            fn = ufunc(xp, op)
+            work = t.scratch.get("work", n, src.dtype)
+            if alg == "ring":
+                seg = max(1, self.segment_bytes // src.itemsize)
+                ring.reduce_scatter(t, src, work, dst, fn, counts, displs, seg)
+            elif alg == "tree":
+                tree.reduce_scatter(t, src, work, dst, fn, counts, displs)
+            else:
+                recursive_doubling.reduce_scatter(t, src, work, dst, fn, counts, displs)
+        if op == "mean":
+            xp.divide(dst, self.size, out=dst)
+        if back is not None:
+            back[...] = dst.reshape(back.shape)
+        if tl is not None:
+            tl.record("reduce_scatter", name, alg, src.nbytes, start, tl.clock(), ch.tid, op=op)
+        return out
+
+    # ------------------------------------------------------------------ reduce
+    def reduce(self, x, root=0, out=None, op="sum", algorithm="auto", name=None):
+        """Reduce ``x`` over all ranks to ``root``: returns the result there (``out=x``: in
+        place), None on other ranks (whose ``x`` and ``out`` are left untouched)."""
+        return self._reduce(self._main, *self._prep_reduce(x, root, out, op, algorithm), name)
+
+    def ireduce(self, x, root=0, out=None, op="sum", algorithm="auto", name=None):
+        args = self._prep_reduce(x, root, out, op, algorithm)
+        return self._submit("reduce", name, args[-1], self._reduce, self._bg, *args, name)
+
+    def _prep_reduce(self, x, root, out, op, algorithm):
+        xp, gpu = _module(x)
+        check_op(op, x.dtype)
+        if not 0 <= root < self.size:
+            raise ValueError(f"reduce: root {root} is not a rank of this communicator "
+                             f"(size {self.size})")
+        alg = self._resolve("reduce", algorithm, x.nbytes)
+        src, _ = _flat(x, xp)
+        back = dst = None
+        if self.rank == root:
+            if out is x:
+                dst = src
+                back = x if not x.flags.c_contiguous else None
+            else:
+                if out is None:
+                    out = xp.empty(x.shape, dtype=x.dtype)
+                elif out.size != x.size or out.dtype != x.dtype or type(out) is not type(x):
+                    raise ValueError(f"reduce: out has {out.size} {out.dtype}, expected "
+                                     f"{x.size} {x.dtype}")
+                dst, copied = _flat(out, xp)
+                back = out if copied else None
+        return x, root, out, src, dst, back, op, alg, xp, gpu
+
+    def _reduce(self, ch, x, root, out, src, dst, back, op, alg, xp, gpu, name):
+        t = ch.transport(True) if gpu else ch.host
+        if self._check:
+            self._verify(ch, "reduce", name, x.shape, x.dtype, op, alg, root)
+        tl = self._timeline
+        start = tl.clock() if tl is not None else 0.0
+        is_root = self.rank == root
+        n = src.size
+        if self.size == 1 or n == 0:
+            if is_root and dst is not src:
+                t.copy(dst, src)
+        elif alg == "mpi":
+            native.reduce(t, src, dst, root, mpi_op(op))
+        else:
+            work = dst if is_root else t.scratch.get("work", n, src.dtype)
+            fn = ufunc(xp, op)
+            if alg == "ring":
+                counts, displs = even_split(n, self.size)
+                seg = max(1, self.segment_bytes // src.itemsize)
+                ring.reduce(t, src, work, root, fn, counts, displs, seg)
+            elif alg == "tree":
+                tree.reduce(t, src, work, root, fn)
+            else:
+                recursive_doubling.reduce(t, src, work, root, fn)
+        if tl is not None:
+            tl.record("reduce", name, alg, src.nbytes, start, tl.clock(), ch.tid, op=op)
+        if not is_root:
+            return None
+        if op == "mean":
+            xp.divide(dst, self.size, out=dst)
+        if back is not None:
+            back[...] = dst.reshape(back.shape)
+        return out if out is not None else x
+
+    # ------------------------------------------------------------------ bcast
+    def bcast(self, x, root=0, algorithm="auto", name=None):
+        """Broadcast ``x`` from ``root`` into ``x`` on every rank (in place); returns ``x``."""
+        return self._bcast(self._main, *self._prep_bcast(x, root, algorithm), name)
+
+    def ibcast(self, x, root=0, algorithm="auto", name=None):
+        args = self._prep_bcast(x, root, algorithm)
+        return self._submit("bcast", name, args[-1], self._bcast, self._bg, *args, name)
+
+    def _prep_bcast(self, x, root, algorithm):
+        xp, gpu = _module(x)
+        if not 0 <= root < self.size:
+            raise ValueError(f"bcast: root {root} is not a rank of this communicator "
+                             f"(size {self.size})")
+        alg = self._resolve("bcast", algorithm, x.nbytes)
+        buf, copied = _flat(x, xp)
+        return x, root, buf, x if copied else None, alg, xp, gpu
+
+    def _bcast(self, ch, x, root, buf, back, alg, xp, gpu, name):
+        t = ch.transport(True) if gpu else ch.host
+        if self._check:
+            self._verify(ch, "bcast", name, x.shape, x.dtype, None, alg, root)
+        tl = self._timeline
+        start = tl.clock() if tl is not None else 0.0
+        n = buf.size
+        if self.size > 1 and n:
+            if alg == "mpi":
+                native.bcast(t, buf, root)
+            elif alg == "tree":
+                tree.bcast(t, buf, root)
+            else:
+                counts, displs = even_split(n, self.size)
+                if alg == "ring":
+                    seg = max(1, self.segment_bytes // buf.itemsize)
+                    ring.bcast(t, buf, root, counts, displs, seg, tree)
+                else:
+                    recursive_doubling.bcast(t, buf, root, counts, displs, tree)
+        if back is not None:
+            back[...] = buf.reshape(back.shape)
+        if tl is not None:
+            tl.record("bcast", name, alg, buf.nbytes, start, tl.clock(), ch.tid, root=root)
+        return x
+
+    # ------------------------------------------------------------------ allgather(v)
+    def allgather(self, x, out=None, algorithm="auto", name=None):
+        """Concatenate every rank's ``x`` (same size everywhere) in rank order: ``(p*n,)``."""
+        return self._allgather(self._main, *self._prep_allgather(x, out, algorithm), name)
+
+    def iallgather(self, x, out=None, algorithm="auto", name=None):
+        args = self._prep_allgather(x, out, algorithm)
+        return self._submit("allgather", name, args[-1], self._allgather, self._bg, *args,
+                            name)
+
+    def _prep_allgather(self, x, out, algorithm):
+        xp, gpu = _module(x)
+        n, p = x.size, self.size
+        alg = self._resolve("allgather", algorithm, x.nbytes)
+        if out is None:
+            out = xp.empty(p * n, dtype=x.dtype)
+        elif (out.size != p * n or out.dtype != x.dtype or type(out) is not type(x)
+              or not out.flags.c_contiguous):
+            raise ValueError(f"allgather: out must be a contiguous {type(x).__name__} of "
+                             f"{p * n} {x.dtype} elements, got {out.size} {out.dtype}")
+        return x, out, alg, xp, gpu
+
+    def _allgather(self, ch, x, out, alg, xp, gpu, name):
+        t = ch.transport(True) if gpu else ch.host
+        if self._check:
+            self._verify(ch, "allgather", name, x.shape, x.dtype, None, alg)
+        tl = self._timeline
+        start = tl.clock() if tl is not None else 0.0
+        n, p = x.size, self.size
+        flat = out.reshape(-1)
+        mine = flat[self.rank * n:(self.rank + 1) * n]
+        mine[...] = x.reshape(-1)
+        if p > 1 and n:
+            self._gather_blocks(t, flat, (n,) * p, tuple(range(0, p * n, n)), alg)
+        if tl is not None:
+            tl.record("allgather", name, alg, x.nbytes, start, tl.clock(), ch.tid)
+        return out
+
+    def _gather_blocks(self, t, buf, counts, displs, alg):
+        if alg == "mpi":
+            native.allgatherv(t, buf, counts, displs)
+        elif alg == "ring":
+            seg = max(1, self.segment_bytes // buf.itemsize)
+            ring.allgatherv(t, buf, counts, displs, seg)
+        elif alg == "tree":
+            tree.allgatherv(t, buf, counts, displs)
+        else:
+            recursive_doubling.allgatherv(t, buf, counts, displs)
+
+    def allgatherv(self, x, algorithm="auto", name=None):
+        """Concatenate every rank's ``x`` (flattened; sizes may differ, zero included) in
+        rank order. Returns ``(concatenation, counts)``; the counts are exchanged first
+        (together with the consistency check's description, so checking costs nothing)."""
+        return self._allgatherv(self._main, *self._prep_allgatherv(x, algorithm), name)
+
+    def iallgatherv(self, x, algorithm="auto", name=None):
+        """Non-blocking ``allgatherv``: ``wait()`` returns ``(concatenation, counts)``."""
+        args = self._prep_allgatherv(x, algorithm)
+        return self._submit("allgatherv", name, args[-1], self._allgatherv, self._bg, *args,
+                            name)
+
+    def _prep_allgatherv(self, x, algorithm):
+        xp, gpu = _module(x)
+        if algorithm != "auto":
+            self._resolve("allgatherv", algorithm, 0)
+        return x, algorithm, xp, gpu
+
+    def _allgatherv(self, ch, x, algorithm, xp, gpu, name):
+        t = ch.transport(True) if gpu else ch.host
+        tl = self._timeline
+        start = tl.clock() if tl is not None else 0.0
+        p = self.size
+        # One exchange carries the counts and (when checking) the call's description.
+        desc = None
+        if self._check:
+            desc = describe("allgatherv", name, None, x.dtype, None,
+                            algorithm if algorithm != "auto" else "auto")
+        counts = _exchange_counts(ch.comm, x.size, desc, "allgatherv", name)
+        displs = [0] * p
+        for i in range(1, p):
+            displs[i] = displs[i - 1] + counts[i - 1]
+        total = displs[-1] + counts[-1]
+        alg = self._resolve("allgatherv", algorithm, total * x.itemsize // max(p, 1))
+        out = xp.empty(total, dtype=x.dtype)
+        lo = displs[self.rank]
+        out[lo:lo + x.size] = x.reshape(-1)
+        if p > 1 and total:
+            self._gather_blocks(t, out, tuple(counts), tuple(displs), alg)
+        if tl is not None:
+            tl.record("allgatherv", name, alg, total * x.itemsize, start, tl.clock(), ch.tid)
+        return out, counts
+
+
+def _exchange_counts(comm, n, desc, kind, name):
+    """All-gather one count per rank; with ``desc``, also check that ranks agree."""
+    p = comm.Get_size()
+    if desc is None:
+        counts = np.empty(p, dtype=np.int64)
+        comm.Allgather(np.array([n], dtype=np.int64), counts)
+        return [int(c) for c in counts]
+    mine = np.zeros(8 + DESC_BYTES, dtype=np.uint8)
+    mine[:8] = np.frombuffer(np.int64(n).tobytes(), dtype=np.uint8)
+    mine[8:] = encode(desc)
+    table = np.empty((p, 8 + DESC_BYTES), dtype=np.uint8)
+    comm.Allgather(mine, table)
+    descs = table[:, 8:]
+    if not (descs == descs[0]).all():
+        raise_mismatch(descs, kind, name)
+    return [int(c) for c in np.ascontiguousarray(table[:, :8]).view(np.int64).reshape(-1)]
+
+
+def _on_device(device_id, event, fn, args):
+    """Run ``fn`` on the progress thread with the issuing thread's CUDA device, after the
+    kernels that produced its input (``event``); finish the device work before returning."""
+    cp = backend.cupy_module()
+    with cp.cuda.Device(device_id):
+        event.synchronize()
+        result = fn(*args)
+        cp.cuda.get_current_stream().synchronize()
+    return result
+

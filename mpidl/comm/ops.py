@@ -1,0 +1,48 @@
+"""Reduction operators: their names, MPI counterparts and the array functions that apply them.
+
+``"mean"`` is a sum followed by one division by the number of ranks, so it needs a
+floating dtype. float16 sums add in float16: NumPy and CuPy compute each ``a + b`` in
+float32 and round the result once to float16, the same arithmetic MPI's own MPIX_C_FLOAT16
+sum uses. So each of the p-1 additions of a reduction rounds once to half precision: the
+error is at most about ``(p - 1) * 2**-11 * sum(|x_i|)`` (plus overflow above 65504).
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+OPS = ("sum", "mean", "max", "min")
+
+_MPI_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_UFUNC_NAMES = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
+# Kinds of dtype a reduction accepts: signed/unsigned ints, floats (bool and complex not).
+_REDUCIBLE_KINDS = "iuf"
+
+
+def check_op(op, dtype):
+    """Raise a clear error unless ``op`` can reduce arrays of ``dtype``."""
+    if op not in _MPI_OPS:
+        raise ValueError(f"unknown reduction op {op!r}: expected one of {', '.join(OPS)}")
+    if dtype.kind not in _REDUCIBLE_KINDS:
+        raise TypeError(f"cannot reduce dtype {dtype} with op {op!r}: "
+                        "reductions take integer or floating arrays")
+    if op == "mean" and dtype.kind != "f":
+        raise TypeError(f"op 'mean' needs a floating dtype, got {dtype}: "
+                        "use op='sum' and divide, or cast to float first")
+
+
+def mpi_op(op):
+    """The MPI operation that implements ``op`` (``mean`` is SUM, divided afterwards)."""
+    return _MPI_OPS[op]
+
+
+def ufunc(xp, op):
+    """The element-wise function of module ``xp`` (numpy or cupy) that combines two arrays."""
+    return getattr(xp, _UFUNC_NAMES[op])
+
+
+def mpi_datatype(dtype):
+    """The predefined MPI datatype of a NumPy dtype (float16 is MPIX_C_FLOAT16)."""
+    try:
+        return MPI.Datatype.fromcode(np.dtype(dtype).char)
+    except Exception as exc:  # KeyError / ValueError across mpi4py versions
+        raise TypeError(f"MPI has no datatype for {np.dtype(dtype)}") from exc
