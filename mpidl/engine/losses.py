@@ -55,9 +55,10 @@ class SoftmaxCrossEntropy(Loss):
         return value
 
     def backward(self):
-        probs, labels, rows = self._probs, self._labels, self._rows
+        probs = self._probs
         if probs is None:
             raise RuntimeError("SoftmaxCrossEntropy.backward called before forward")
+        labels, rows = self._labels, self._rows
         self._probs = None
         n = probs.shape[0]
         probs[rows, labels] -= 1.0
