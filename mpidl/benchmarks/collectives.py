@@ -314,7 +314,7 @@ def machine_info(comm=None):
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
         "mem_GiB": mem_gib, "python": platform.python_version(), "numpy": np.__version__,
-        "mpi4py": mpi4py.__version__, "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi4py": mpi4py.__version__, "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
         "mpidl": mpidl.__version__, "commit": commit,
         "ranks": comm.size if comm is not None else None,
         "env": {k: os.environ[k] for k in ("MPIR_CVAR_ENABLE_HEAVY_YIELD", "OMP_NUM_THREADS",
@@ -445,8 +445,9 @@ def validate(args):
     return args
 
 
-def relaunch(argv, nprocs):
-    """Run this benchmark under ``mpiexec -n nprocs``; returns its exit status."""
+def relaunch(argv, nprocs, script=None):
+    """Run this benchmark (or ``script``) under ``mpiexec -n nprocs``; returns its exit
+    status."""
     import shutil  # noqa: PLC0415
 
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -460,8 +461,8 @@ def relaunch(argv, nprocs):
         env.pop("MPIR_CVAR_ENABLE_HEAVY_YIELD", None)
     else:
         env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
-    cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py",
-           "-m", "mpidl.benchmarks.collectives"] + list(argv)
+    target = [script] if script else ["-m", "mpidl.benchmarks.collectives"]
+    cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "mpi4py"] + target + list(argv)
     return subprocess.call(cmd, env=env)
 
 

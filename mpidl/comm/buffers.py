@@ -21,22 +21,32 @@ class Scratch:
     def __init__(self, xp):
         self.xp = xp
         self._bufs = {}
+        self._views = {}  # (slot, n, dtype) -> view: repeated sizes skip the slicing
 
     def get(self, slot, n, dtype):
         """A 1-D array of ``n`` elements of ``dtype`` (contents undefined), reused across calls."""
+        view = self._views.get((slot, n, dtype))
+        if view is not None:
+            return view
         key = (slot, dtype)
         buf = self._bufs.get(key)
         if buf is None or buf.size < n:
             size = -(-max(n, 1) // _ALIGN) * _ALIGN
             buf = self.xp.empty(size, dtype=dtype)
             self._bufs[key] = buf
-        return buf[:n]
+            self._views = {k: v for k, v in self._views.items() if k[0] != slot or k[2] != dtype}
+        view = buf[:n]
+        if len(self._views) > 64:
+            self._views.clear()
+        self._views[(slot, n, dtype)] = view
+        return view
 
     def nbytes(self):
         return sum(b.nbytes for b in self._bufs.values())
 
     def free(self):
         self._bufs.clear()
+        self._views.clear()
 
 
 def _pinned_empty(nbytes):

@@ -169,10 +169,9 @@ class Communicator:
             self._progress = ProgressThread()
         else:
             self._progress = EagerProgress()
-        self._algs = {
-            "allreduce": {"ring": self._ar_ring, "tree": self._ar_tree,
-                          "recursive_doubling": self._ar_rd, "mpi": self._ar_mpi},
-        }
+        self._allreduce_algs = {"ring": self._ar_ring, "tree": tree.allreduce,
+                                "recursive_doubling": recursive_doubling.allreduce,
+                                "mpi": self._ar_mpi}
         _live.add(self)
 
     # ------------------------------------------------------------------ basics
@@ -238,7 +237,8 @@ class Communicator:
                          f"{', '.join(ALGORITHMS)}")
 
     def _verify(self, ch, kind, name, shape, dtype, op=None, alg=None, root=None):
-        """Run the consistency check if this call needs one (see consistency.py)."""
+        """Run the consistency check if this call needs one (see consistency.py): named
+        tensors on their first call, unnamed ones on each new signature."""
         key = (kind, name) if name is not None else (kind, shape, dtype, op, alg, root)
         if self._check == _ALWAYS or key not in ch.seen:
             _consistency_check(ch.comm, kind, name,
@@ -274,61 +274,65 @@ class Communicator:
                             name)
 
     def _prep_allreduce(self, x, out, op, algorithm):
-        xp, gpu = _module(x)
+        # The small-message path is all overhead: keep this lean (no helper calls for
+        # the common case of contiguous NumPy arrays and a sum).
+        if type(x) is np.ndarray:
+            xp, gpu = np, False
+        else:
+            xp, gpu = _module(x)
         dtype = x.dtype
         if op != "sum" or dtype.kind not in "iuf":
             check_op(op, dtype)
-        alg = self._resolve("allreduce", algorithm, x.nbytes)
+        alg = algorithm if algorithm in _DIRECT else self._resolve("allreduce", algorithm,
+                                                                   x.nbytes)
         back = None
-        if out is x:
-            src, copied = _flat(x, xp)
-            dst = src
-            if copied:
+        if x.flags.c_contiguous:
+            src = x if x.ndim == 1 else x.reshape(-1)
+        else:
+            src = xp.ascontiguousarray(x).reshape(-1)
+            if out is x:
                 back = x
+        if out is x:
+            dst = src
         else:
             if out is None:
                 out = xp.empty(x.shape, dtype=dtype)
             elif out.shape != x.shape or out.dtype != dtype or type(out) is not type(x):
                 raise ValueError(f"allreduce: out has shape {out.shape} {out.dtype}, "
                                  f"expected {x.shape} {dtype} ({type(x).__name__})")
-            src = _flat(x, xp)[0]
-            dst, copied = _flat(out, xp)
-            if copied:
+            if out.flags.c_contiguous:
+                dst = out if out.ndim == 1 else out.reshape(-1)
+            else:
+                dst = xp.empty(out.size, dtype=dtype)
                 back = out
         return x, out, src, dst, back, op, alg, xp, gpu
 
     def _allreduce(self, ch, x, out, src, dst, back, op, alg, xp, gpu, name):
         t = ch.transport(True) if gpu else ch.host
-        if self._check:
+        if self._check and (name is None or self._check == _ALWAYS
+                            or ("allreduce", name) not in ch.seen):
             self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
         tl = self._timeline
         if tl is not None:
             start = tl.clock()
         if self.size > 1 and src.size:
-            self._algs["allreduce"][alg](t, src, dst, op, xp)
+            self._allreduce_algs[alg](t, src, dst, ufunc(xp, op) if alg != "mpi" else op)
         elif dst is not src:
             t.copy(dst, src)
         if op == "mean":
             xp.divide(dst, self.size, out=dst)
-        result = out if out is not None else x
         if back is not None:
             back[...] = dst.reshape(back.shape)
         if tl is not None:
             tl.record("allreduce", name, alg, src.nbytes, start, tl.clock(), ch.tid, op=op)
-        return result
+        return x if out is None else out
 
-    def _ar_ring(self, t, src, dst, op, xp):
+    def _ar_ring(self, t, src, dst, fn):
         counts, displs = even_split(src.size, self.size)
-        seg = max(1, self.segment_bytes // src.itemsize)
-        ring.allreduce(t, src, dst, ufunc(xp, op), counts, displs, seg)
+        ring.allreduce(t, src, dst, fn, counts, displs, max(1, self.segment_bytes // src.itemsize))
 
-    def _ar_tree(self, t, src, dst, op, xp):
-        tree.allreduce(t, src, dst, ufunc(xp, op))
-
-    def _ar_rd(self, t, src, dst, op, xp):
-        recursive_doubling.allreduce(t, src, dst, ufunc(xp, op))
-
-    def _ar_mpi(self, t, src, dst, op, xp):
+    @staticmethod
+    def _ar_mpi(t, src, dst, op):
         native.allreduce(t, src, dst, mpi_op(op))
 
     # ------------------------------------------------------------------ reduce_scatter

@@ -92,7 +92,8 @@ def raise_mismatch(table, kind, name):
     odd = min(groups.values(), key=len)
     label = repr(name) if name is not None else "<unnamed>"
     raise CollectiveMismatchError(
-        f"ranks disagree on {kind} of tensor {label} ({_ranks(odd)} differ from the rest); "
+        f"ranks disagree on {kind} of tensor {label} ({_ranks(odd)} "
+        f"{'differs' if len(odd) == 1 else 'differ'} from the rest); "
         "every rank must pass the same name, shape, dtype, op and algorithm:\n"
         + "\n".join(lines))
 

@@ -35,14 +35,27 @@ def mpi_op(op):
     return _MPI_OPS[op]
 
 
+_ufuncs = {}
+
+
 def ufunc(xp, op):
     """The element-wise function of module ``xp`` (numpy or cupy) that combines two arrays."""
-    return getattr(xp, _UFUNC_NAMES[op])
+    fn = _ufuncs.get((xp, op))
+    if fn is None:
+        fn = _ufuncs[(xp, op)] = getattr(xp, _UFUNC_NAMES[op])
+    return fn
+
+
+_datatypes = {}
 
 
 def mpi_datatype(dtype):
     """The predefined MPI datatype of a NumPy dtype (float16 is MPIX_C_FLOAT16)."""
-    try:
-        return MPI.Datatype.fromcode(np.dtype(dtype).char)
-    except Exception as exc:  # KeyError / ValueError across mpi4py versions
-        raise TypeError(f"MPI has no datatype for {np.dtype(dtype)}") from exc
+    dt = _datatypes.get(dtype)
+    if dt is None:
+        try:
+            dt = MPI.Datatype.fromcode(np.dtype(dtype).char)
+        except Exception as exc:  # KeyError / ValueError across mpi4py versions
+            raise TypeError(f"MPI has no datatype for {np.dtype(dtype)}") from exc
+        _datatypes[dtype] = dt
+    return dt
