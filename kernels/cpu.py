@@ -76,79 +76,120 @@ def l2norm(x):
 
 
 @njit(cache=True, parallel=True)
-def maxabs(x):
-    n = x.size
+def _max_abs_bits(xb):
+    n = xb.size
     nb = (n + BLOCK - 1) // BLOCK
-    part = np.zeros(nb, np.float32)
+    part = np.zeros(nb, np.uint32)
     for b in prange(nb):
-        m = np.float32(0)
-        for i in range(b * BLOCK, min(n, (b + 1) * BLOCK)):
-            a = abs(x[i])
-            if not a <= m:  # also true for NaN, which then sticks
-                m = a
+        m = np.uint32(0)
+        for i in range(np.uint64(b * BLOCK), np.uint64(min(n, (b + 1) * BLOCK))):
+            a = xb[i] & np.uint32(0x7FFFFFFF)
+            m = a if a > m else m
         part[b] = m
-    m = np.float32(0)
-    for b in range(nb):
-        if not part[b] <= m:
-            m = part[b]
-    return m
+    return part.max() if nb else np.uint32(0)
+
+
+def maxabs(x):
+    """max |x| through the bit patterns: integer order is float order for |x|, and every
+    NaN pattern lies above +inf, so one NaN makes the result NaN."""
+    m = _max_abs_bits(x.view(np.uint32))
+    return np.float32(np.nan) if m > 0x7F800000 else np.array([m], np.uint32).view(
+        np.float32)[0]
 
 
 # ---------------------------------------------------------------- 1-bit signs
-@njit(cache=True, parallel=True, fastmath=FM_SUM)
+# Hot loops index with unsigned integers: Numba then drops its negative-index wraparound
+# check, and LLVM vectorises the loop (a signed range(lo, hi) loop ran 4-5x slower).
+_U = np.uint64
+_PACK8 = np.uint64(0x0102040810204080)  # 8 flag bytes (0/1) -> 1 byte, flag j at bit j
+
+
+@njit(cache=True, inline="always")
+def _unit(u, per, size, n):
+    """Work unit u of the 1-bit kernels: (chunk, lo, hi), a BLOCK-long piece of one chunk."""
+    c = u // per
+    lo = c * size + (u - c * per) * BLOCK
+    hi = min(min(n, (c + 1) * size), lo + BLOCK)
+    return c, lo, hi
+
+
+@njit(cache=True, fastmath=FM_SUM)
+def _abs_sum_r(x, r, lo, hi):
+    s = 0.0
+    for i in range(_U(lo), _U(hi)):
+        s += abs(x[i] + r[i])
+    return s
+
+
+@njit(cache=True, fastmath=FM_SUM)
+def _abs_sum(x, lo, hi):
+    s = 0.0
+    for i in range(_U(lo), _U(hi)):
+        s += abs(x[i])
+    return s
+
+
+@njit(cache=True, parallel=True)
 def _chunk_abs_sums(x, r, use_r, size, nc):
-    """Sum of |x + r| (float64) over each chunk of ``size``; chunks split into BLOCKs."""
+    """First pass: sum of |x + r| (float64) over each chunk of ``size`` elements."""
     n = x.size
-    per = (size + BLOCK - 1) // BLOCK  # work units per chunk
+    per = (size + BLOCK - 1) // BLOCK
     part = np.zeros(nc * per, np.float64)
     for u in prange(nc * per):
-        c = u // per
-        lo = c * size + (u - c * per) * BLOCK
-        hi = min(min(n, (c + 1) * size), lo + BLOCK)
-        s = 0.0
-        if use_r:
-            for i in range(lo, hi):
-                s += abs(x[i] + r[i])
-        else:
-            for i in range(lo, hi):
-                s += abs(x[i])
-        part[u] = s
+        c, lo, hi = _unit(u, per, size, n)
+        part[u] = _abs_sum_r(x, r, lo, hi) if use_r else _abs_sum(x, lo, hi)
     sums = np.zeros(nc, np.float64)
     for u in range(nc * per):
         sums[u // per] += part[u]
     return sums
 
 
+@njit(cache=True)
+def _flags_to_bits(flags, m, bits, b0):
+    """Pack flags[0:m] (bytes 0/1) into bits[b0:], 8 per byte, flag j at bit j."""
+    words = flags.view(np.uint64)
+    full = m // 8
+    for q in range(_U(0), _U(full)):
+        bits[_U(b0) + q] = np.uint8((words[q] * _PACK8) >> _U(56))
+    if full * 8 < m:
+        acc = np.uint32(0)
+        for j in range(full * 8, m):
+            acc |= np.uint32(flags[j]) << np.uint32(j - full * 8)
+        bits[b0 + full] = np.uint8(acc)
+
+
+@njit(cache=True)
+def _signs_ef(x, r, sc, lo, hi, flags):
+    ns = -sc
+    for j in range(_U(0), _U(hi - lo)):
+        i = _U(lo) + j
+        v = x[i] + r[i]
+        neg = v < 0
+        flags[j] = np.uint8(neg)
+        r[i] = v - (ns if neg else sc)
+
+
+@njit(cache=True)
+def _signs(x, lo, hi, flags):
+    for j in range(_U(0), _U(hi - lo)):
+        flags[j] = np.uint8(x[_U(lo) + j] < 0)
+
+
 @njit(cache=True, parallel=True)
 def _pack_signs(x, r, use_r, scales, size, bits):
-    """Second pass: 8 signs per byte (branch-free), and r <- v - (+-scale) in the same pass."""
+    """Second pass: signs to flag bytes (and r <- v -+ scale) in a vectorised loop, then
+    8 flags per byte with one multiply; the flags stay in cache."""
     n = x.size
-    full = n // 8
-    nblk = (full + BLOCK // 8 - 1) // (BLOCK // 8)
-    for blk in prange(nblk):
-        b0 = blk * (BLOCK // 8)
-        b1 = min(full, b0 + BLOCK // 8)
-        for b in range(b0, b1):
-            sc = scales[(b * 8) // size]
-            acc = np.uint32(0)
-            for j in range(8):
-                i = b * 8 + j
-                v = x[i] + r[i] if use_r else x[i]
-                neg = v < 0
-                acc |= np.uint32(neg) << np.uint32(j)
-                if use_r:
-                    r[i] = v - (-sc if neg else sc)
-            bits[b] = np.uint8(acc)
-    if full * 8 < n:  # the last, partial byte
-        acc = np.uint32(0)
-        for i in range(full * 8, n):
-            sc = scales[i // size]
-            v = x[i] + r[i] if use_r else x[i]
-            neg = v < 0
-            acc |= np.uint32(neg) << np.uint32(i - full * 8)
-            if use_r:
-                r[i] = v - (-sc if neg else sc)
-        bits[full] = np.uint8(acc)
+    nc = scales.size
+    per = (size + BLOCK - 1) // BLOCK
+    for u in prange(nc * per):
+        c, lo, hi = _unit(u, per, size, n)
+        flags = np.empty(BLOCK, np.uint8)
+        if use_r:
+            _signs_ef(x, r, scales[c], lo, hi, flags)
+        else:
+            _signs(x, lo, hi, flags)
+        _flags_to_bits(flags, hi - lo, bits, lo // 8)
 
 
 def pack_signs(x, residual, chunk):
@@ -168,12 +209,15 @@ def pack_signs(x, residual, chunk):
 @njit(cache=True, parallel=True)
 def _unpack_signs(bits, scales, size, out):
     n = out.size
-    nblk = (n + BLOCK - 1) // BLOCK
-    for blk in prange(nblk):
-        for i in range(blk * BLOCK, min(n, (blk + 1) * BLOCK)):
-            sc = scales[i // size]
-            neg = (bits[i >> 3] >> np.uint8(i & 7)) & np.uint8(1)
-            out[i] = -sc if neg else sc
+    nc = scales.size
+    per = (size + BLOCK - 1) // BLOCK
+    for u in prange(nc * per):
+        c, lo, hi = _unit(u, per, size, n)
+        sc = scales[c]
+        ns = -sc
+        for i in range(_U(lo), _U(hi)):
+            neg = (bits[i >> _U(3)] >> (i & _U(7))) & _U(1)
+            out[i] = ns if neg else sc
 
 
 def unpack_signs(bits, scales, n, chunk):
@@ -189,28 +233,46 @@ def _key(a):
     return np.float32(np.inf) if m != m else m
 
 
+@njit(cache=True, inline="always")
+def _block_max_bits(xb, lo, hi):
+    """Largest |x| bit pattern in [lo, hi) as uint32: for non-negative floats the integer
+    order is the float order, and every NaN lies above +inf (so NaN blocks get scanned)."""
+    m = np.uint32(0)
+    for i in range(_U(lo), _U(hi)):
+        a = xb[i] & np.uint32(0x7FFFFFFF)
+        m = a if a > m else m
+    return m
+
+
 @njit(cache=True)
 def threshold_select(x, tau, r, use_r):
     """One pass: v = x (+ r); |v| > tau is sent as sign * tau; r keeps v minus what was sent.
 
-    Indices and sign bits go into buffers sized for n entries: np.empty / np.zeros leave
-    their pages untouched, so only the pages that receive entries are ever written.
+    Blocks of 32: v is written to r and the block's largest |v| found without branches;
+    only blocks that reach tau are scanned. Indices and sign bits go into buffers sized
+    for n entries: np.empty / np.zeros leave untouched pages unwritten.
     """
     n = x.size
     idx = np.empty(n, np.int64)
     signs = np.zeros((n + 7) // 8, np.uint8)
+    vb = r.view(np.uint32) if use_r else x.view(np.uint32)
+    tau_bits = np.array([tau], np.float32).view(np.uint32)[0]
     k = 0
-    for i in range(n):
-        v = x[i] + r[i] if use_r else x[i]
-        if _key(v) > tau:
-            neg = v < 0
-            idx[k] = i
-            signs[k >> 3] |= np.uint8(neg) << np.uint8(k & 7)
-            k += 1
-            if use_r:
-                r[i] = v - (-tau if neg else tau)
-        elif use_r:
-            r[i] = v
+    for lo in range(0, n, 32):
+        hi = min(n, lo + 32)
+        if use_r:
+            for i in range(_U(lo), _U(hi)):
+                r[i] = x[i] + r[i]
+        if _block_max_bits(vb, lo, hi) > tau_bits:
+            for i in range(lo, hi):
+                v = r[i] if use_r else x[i]
+                if _key(v) > tau:
+                    neg = v < 0
+                    idx[k] = i
+                    signs[k >> 3] |= np.uint8(neg) << np.uint8(k & 7)
+                    k += 1
+                    if use_r:
+                        r[i] = v - (-tau if neg else tau)
     return idx[:k].copy(), signs[:(k + 7) // 8].copy()
 
 
@@ -266,21 +328,19 @@ def topk_exact(x, k):
 def _select_at_least(x, t, cap):
     """Indices whose key is >= t and > 0, in order; count -1 once more than ``cap`` pass.
 
-    A block of 32 is scanned only when its largest key reaches t; the block maximum is a
-    branch-free loop that vectorises, so the pass runs near memory speed when few pass.
+    A block of 32 is scanned only when its largest |x| bit pattern reaches t's (a
+    vectorised integer max), so the pass runs near memory speed when few entries pass.
     """
     n = x.size
+    xb = x.view(np.uint32)
+    t_bits = np.array([t], np.float32).view(np.uint32)[0]
+    if t_bits == 0:
+        t_bits = np.uint32(1)  # key > 0 as well
     out = np.empty(cap, np.int64)
     k = 0
-    nb = n // 32
-    for b in range(nb + 1):
-        lo = b * 32
+    for lo in range(0, n, 32):
         hi = min(n, lo + 32)
-        m = np.float32(0)
-        for i in range(lo, hi):
-            a = _key(x[i])
-            m = a if a > m else m
-        if m >= t and m > 0:
+        if _block_max_bits(xb, lo, hi) >= t_bits:
             for i in range(lo, hi):
                 a = _key(x[i])
                 if a >= t and a > 0:
@@ -321,87 +381,97 @@ def topk_sampled(x, k, sample, m_rank):
 @njit(cache=True, inline="always")
 def _level(a, mult, s, u):
     lv = abs(a) * mult
-    if not lv > 0:  # 0 and NaN
-        return 0
     fl = np.floor(lv)
-    q = fl + (np.float32(1) if u < lv - fl else np.float32(0))
-    return np.int32(min(q, s))
+    q = min(fl + (np.float32(1) if u < lv - fl else np.float32(0)), s)
+    return np.int32(q) if lv > 0 else np.int32(0)  # 0 and NaN give level 0
+
+
+@njit(cache=True)
+def _codes(x, mult, levels, seed, lo, hi, codes):
+    s = np.float32(levels)
+    for j in range(_U(0), _U(hi - lo)):
+        i = _U(lo) + j
+        a = x[i]
+        lev = _level(a, mult, s, _uniform(seed, i))
+        codes[j] = np.uint8(levels - lev if a < 0 else levels + lev)
+
+
+@njit(cache=True)
+def _pack_groups(codes, m, width, out, g0):
+    """codes[0:m] -> ``width`` bits each; 8 codes make exactly ``width`` bytes (group g0 on)."""
+    for g in range((m + 7) // 8):
+        word = np.uint64(0)
+        for j in range(min(8, m - 8 * g)):
+            word |= np.uint64(codes[8 * g + j]) << np.uint64(j * width)
+        base = (g0 + g) * width
+        for b in range(min(width, out.size - base)):
+            out[base + b] = np.uint8((word >> np.uint64(8 * b)) & np.uint64(0xFF))
+
+
+@njit(cache=True)
+def _unpack_groups(packed, width, n, g0, codes, m):
+    """The inverse of _pack_groups for codes [8 * g0, 8 * g0 + m)."""
+    mask = np.uint64((1 << width) - 1)
+    for g in range((m + 7) // 8):
+        word = np.uint64(0)
+        base = (g0 + g) * width
+        for b in range(min(width, packed.size - base)):
+            word |= np.uint64(packed[base + b]) << np.uint64(8 * b)
+        for j in range(min(8, m - 8 * g)):
+            codes[8 * g + j] = np.uint8((word >> np.uint64(j * width)) & mask)
 
 
 @njit(cache=True, parallel=True)
 def quantize(x, mult, levels, seed, width):
-    """Codes levels +- level, 8 codes to ``width`` bytes (one 64-bit word), groups in parallel."""
+    """Codes levels +- level per element (vectorised, dither from the hash), then packed."""
     n = x.size
-    s = np.float32(levels)
     out = np.empty((n * width + 7) // 8, np.uint8)
-    ngroups = (n + 7) // 8
-    for g in prange(ngroups):
-        word = np.uint64(0)
-        for j in range(8):
-            i = g * 8 + j
-            if i < n:
-                a = x[i]
-                lev = _level(a, mult, s, _uniform(seed, i))
-                code = levels - lev if a < 0 else levels + lev
-                word |= np.uint64(code) << np.uint64(j * width)
-        base = g * width
-        for b in range(width):
-            if base + b < out.size:
-                out[base + b] = np.uint8((word >> np.uint64(8 * b)) & np.uint64(0xFF))
+    for u in prange((n + BLOCK - 1) // BLOCK):
+        lo = u * BLOCK
+        hi = min(n, lo + BLOCK)
+        codes = np.empty(BLOCK, np.uint8)
+        _codes(x, mult, levels, seed, lo, hi, codes)
+        _pack_groups(codes, hi - lo, width, out, lo // 8)
     return out
 
 
 @njit(cache=True, parallel=True)
 def _dequantize(packed, step, levels, width, n, out):
-    """Values (code - levels) * step; returns the number of codes above 2 * levels."""
-    ngroups = (n + 7) // 8
-    mask = np.uint64((1 << width) - 1)
-    bad = 0
-    for g in prange(ngroups):
-        word = np.uint64(0)
-        base = g * width
-        for b in range(width):
-            if base + b < packed.size:
-                word |= np.uint64(packed[base + b]) << np.uint64(8 * b)
-        for j in range(8):
-            i = g * 8 + j
-            if i < n:
-                code = np.int64((word >> np.uint64(j * width)) & mask)
-                if code > 2 * levels:
-                    bad += 1
-                out[i] = np.float32(code - levels) * step
-    return bad
+    """Values (code - levels) * step; returns how many codes exceed 2 * levels."""
+    nb = (n + BLOCK - 1) // BLOCK
+    bad = np.zeros(nb, np.int64)
+    for u in prange(nb):
+        lo = u * BLOCK
+        hi = min(n, lo + BLOCK)
+        codes = np.empty(BLOCK, np.uint8)
+        _unpack_groups(packed, width, n, lo // 8, codes, hi - lo)
+        cnt = 0
+        for j in range(_U(0), _U(hi - lo)):
+            c = np.int32(codes[j])
+            cnt += c > 2 * levels
+            out[_U(lo) + j] = np.float32(c - levels) * step
+        bad[u] = cnt
+    return bad.sum()
 
 
 @njit(cache=True, parallel=True)
 def pack_bits(codes, width):
     n = codes.size
     out = np.empty((n * width + 7) // 8, np.uint8)
-    for g in prange((n + 7) // 8):
-        word = np.uint64(0)
-        for j in range(8):
-            i = g * 8 + j
-            if i < n:
-                word |= np.uint64(codes[i]) << np.uint64(j * width)
-        for b in range(width):
-            if g * width + b < out.size:
-                out[g * width + b] = np.uint8((word >> np.uint64(8 * b)) & np.uint64(0xFF))
+    for u in prange((n + BLOCK - 1) // BLOCK):
+        lo = u * BLOCK
+        _pack_groups(codes[lo:min(n, lo + BLOCK)], min(n, lo + BLOCK) - lo, width, out,
+                     lo // 8)
     return out
 
 
 @njit(cache=True, parallel=True)
 def unpack_bits(packed, width, n):
     out = np.empty(n, np.uint8)
-    mask = np.uint64((1 << width) - 1)
-    for g in prange((n + 7) // 8):
-        word = np.uint64(0)
-        for b in range(width):
-            if g * width + b < packed.size:
-                word |= np.uint64(packed[g * width + b]) << np.uint64(8 * b)
-        for j in range(8):
-            i = g * 8 + j
-            if i < n:
-                out[i] = np.uint8((word >> np.uint64(j * width)) & mask)
+    for u in prange((n + BLOCK - 1) // BLOCK):
+        lo = u * BLOCK
+        hi = min(n, lo + BLOCK)
+        _unpack_groups(packed, width, n, lo // 8, out[lo:hi], hi - lo)
     return out
 
 

@@ -48,10 +48,6 @@ def randomk_indices(n, k, seed):
 
 
 # ---------------------------------------------------------------- reductions
-def abs_sum(x):
-    return float(np.sum(np.abs(x), dtype=np.float64))
-
-
 def l2norm(x):
     """sqrt(sum x^2) accumulated in float64, returned as float32."""
     return np.float32(np.sqrt(np.sum(np.square(x, dtype=np.float64))))
@@ -85,15 +81,16 @@ def pack_signs(x, residual=None, chunk=0):
     size = n if chunk == 0 else chunk
     nc = chunk_count(n, chunk)
     scales = np.zeros(nc, np.float32)
-    for c in range(nc):
-        part = v[c * size:(c + 1) * size]
-        if part.size:
-            scales[c] = np.float32(abs_sum(part) / part.size)
+    if n:
+        starts = np.arange(0, n, size)
+        sums = np.add.reduceat(np.abs(v).astype(np.float64), starts)
+        scales[:] = sums / np.diff(np.append(starts, n))
     neg = v < 0
     bits = np.packbits(neg, bitorder="little")
     if residual is not None:
         per = np.repeat(scales, size)[:n] if n else np.zeros(0, np.float32)
-        residual[:] = v - np.where(neg, -per, per)
+        with np.errstate(invalid="ignore"):  # inf - inf: NaN, by the documented rule
+            residual[:] = v - np.where(neg, -per, per)
     return bits, scales
 
 
