@@ -485,8 +485,8 @@ def run(args, out=print):
             out("note: 1 rank; run under 'mpiexec -n 2' (or pass --np 2) to measure "
                 "communication")
         if getattr(args, "tune", False):
-            path, tables = tune(comm, args.collective_list, repeats=max(2, args.repeats // 2),
-                                log=out if root else None)
+            path, tables = tune(comm, args.collective_list, sizes=args.size_list,
+                                repeats=max(2, args.repeats // 2), log=out if root else None)
             if root:
                 out(f"tuning saved to {path}")
             return tables, info

@@ -4,8 +4,8 @@ The choice comes from a table of size thresholds per collective and per p. A tun
 (``mpidl bench collectives --tune``, under ``mpiexec -n P``) measures every algorithm and
 saves the fastest per size to a JSON file: ``$MPIDL_TUNING`` if set, else
 ``$XDG_CACHE_HOME/mpidl/tuning.json`` (``~/.cache/mpidl/tuning.json``). The file holds
-one table per p; a run at a p that was not tuned uses the nearest tuned p below it, and
-without any file the defaults below apply. Rank 0 reads the file and broadcasts it, so
+one table per p; a run at a p that was not tuned uses the nearest tuned p below it (or,
+if none is below, the smallest tuned p), and without any file the defaults below apply. Rank 0 reads the file and broadcasts it, so
 every rank decides alike (a disagreement would deadlock).
 
 File format::

@@ -1,0 +1,76 @@
+"""The collectives benchmark end to end: ``mpidl bench collectives`` (under mpiexec and
+launching itself), bench/collectives.py writing JSON + PNG, and ``--tune`` feeding
+``algorithm="auto"``. Tiny sizes and iteration counts: this checks the plumbing, not
+the figures."""
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from mpirun import mpiexec_path, run_command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIDL = shutil.which("mpidl", path=os.path.dirname(sys.executable)) or shutil.which("mpidl")
+FAST = ["--sizes", "4,4KiB,64KiB", "--iters", "3", "--repeats", "1"]
+
+
+@pytest.mark.skipif(MPIDL is None, reason="mpidl command not installed")
+def test_cli_under_mpiexec_prints_table():
+    launch = run_command([mpiexec_path(), "-n", "2", MPIDL, "bench", "collectives", *FAST,
+                          "--algorithms", "ring,tree,recursive_doubling,mpi,auto"],
+                         timeout=120).check()
+    out = launch.output
+    assert "allreduce  p=2" in out, out
+    for col in ("native us", "ring us", "tree us", "recursive_doubling us", "mpi us",
+                "auto us", "64 KiB"):
+        assert col in out, out
+    assert "goal" in out
+
+
+@pytest.mark.skipif(MPIDL is None, reason="mpidl command not installed")
+def test_cli_launches_itself_with_np_and_other_collectives():
+    launch = run_command([MPIDL, "bench", "collectives", "--np", "2", *FAST,
+                          "--collective", "allgather,bcast"], timeout=120).check()
+    assert "allgather  p=2" in launch.output and "bcast  p=2" in launch.output, launch.output
+
+
+@pytest.mark.skipif(MPIDL is None, reason="mpidl command not installed")
+def test_cli_rejects_bad_arguments_with_one_line():
+    launch = run_command([MPIDL, "bench", "collectives", "--sizes", "lots"], timeout=60)
+    assert launch.returncode == 2, launch.output
+    assert "mpidl: error: mpidl bench collectives: bad size 'lots'" in launch.output
+
+
+def test_runner_writes_json_and_png(tmp_path):
+    launch = run_command([sys.executable, os.path.join(ROOT, "bench", "collectives.py"),
+                          "--np", "2", "--sizes", "4,1MiB", "--iters", "2", "--repeats", "2",
+                          "--out-dir", tmp_path], timeout=180).check()
+    doc = json.loads((tmp_path / "collectives_p2.json").read_text())
+    assert (tmp_path / "collectives_p2.png").stat().st_size > 10_000
+    info = doc["info"]
+    for key in ("cpu", "cores", "python", "numpy", "mpi4py", "mpi", "mpidl", "date"):
+        assert info.get(key) not in (None, ""), key
+    rows = {(r["bytes"], r["algorithm"]) for r in doc["results"]}
+    for size in (4, 1 << 20):
+        for alg in ("native", "ring", "tree", "recursive_doubling", "mpi"):
+            assert (size, alg) in rows
+    r = next(r for r in doc["results"] if r["bytes"] == 1 << 20 and r["algorithm"] == "ring")
+    assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (2 - 1) / 2)
+    assert len(r["lat_us_runs"]) == 2 and r["speedup_vs_native"] > 0
+    assert doc["goals"], launch.output
+
+
+def test_tune_writes_thresholds_that_auto_uses(tmp_path):
+    path = tmp_path / "tuning.json"
+    run_command([mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+                 "mpidl.benchmarks.collectives", "--tune", "--collective", "allreduce,bcast",
+                 "--sizes", "4,64KiB", "--repeats", "2"], timeout=180,
+                env={"MPIDL_TUNING": str(path)}).check()
+    tables = json.loads(path.read_text())["tables"]
+    entries = tables["allreduce"]["2"]
+    assert entries[-1][0] is None
+    assert all(alg in ("ring", "tree", "recursive_doubling", "mpi") for _, alg in entries)
+    assert "bcast" in tables

@@ -1,0 +1,29 @@
+"""Every algorithm of every collective equals MPI's native result, on real ranks.
+
+One launch per p runs tests/ranks/comm_equivalence.py (grid of collectives x algorithms x
+dtypes x counts, >= 4M elements, a seeded random draw, non-blocking forms, the staging
+transport); a deadlock becomes a timeout with every rank's output.
+"""
+
+import os
+
+import pytest
+
+from mpirun import run_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "ranks", "comm_equivalence.py")
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+def test_every_algorithm_equals_native(p):
+    launch = run_ranks(p, [SCRIPT], timeout=300).check()
+    assert f"EQUIVALENCE OK p={p}" in launch.output, launch.output
+    for section in ("grid", "large", "random", "nonblocking", "staged"):
+        assert f"section {section}:" in launch.output, launch.output
+
+
+def test_random_draws_with_another_seed():
+    launch = run_ranks(3, [SCRIPT, "--sections", "random", "--seed", "99"], timeout=120)
+    launch.check()
+    assert "EQUIVALENCE OK p=3" in launch.output, launch.output
