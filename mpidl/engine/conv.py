@@ -54,13 +54,22 @@ class Conv2d(Layer):
         return n, ho, wo
 
     def forward(self, x):
-        x, _ = as_input(x, self.dtype)
+        x, xp = as_input(x, self.dtype)
         n, ho, wo = self._out_shape(x)
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         f, c = self.out_channels, self.in_channels
         buf = to_nhwc_padded(x, ph, pw)
-        cols = im2col(buf, kh, kw, sh, sw, ho, wo)  # (N*Ho*Wo, kh*kw*C)
         wmat = self.weight.data.transpose(2, 3, 1, 0).reshape(kh * kw * c, f)
+        if c == 1:
+            # One input channel (grey images): a window row is only kw floats, too short
+            # for a fast strided copy. Build the transposed matrix instead, one contiguous
+            # row per kernel offset; the GEMMs take it transposed at no cost.
+            cols_t = xp.empty((kh * kw, n * ho * wo), dtype=x.dtype)
+            for o, (i, j) in enumerate((i, j) for i in range(kh) for j in range(kw)):
+                cols_t[o].reshape(n, ho, wo)[...] = buf[offset_slice(i, j, sh, sw, ho, wo)][..., 0]
+            cols = cols_t.T
+        else:
+            cols = im2col(buf, kh, kw, sh, sw, ho, wo)  # (N*Ho*Wo, kh*kw*C)
         y = cols @ wmat
         if self.bias is not None:
             y += self.bias.data
