@@ -73,8 +73,13 @@ def run_mpidl(args):
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    timeline = args.timeline if args.strategy != "local" else None
-    comm = Communicator(world, timeline=timeline) if args.strategy != "local" else None
+    # one process: the all-reduce strategy without a communicator is the plain local
+    # step (no packing, no communication) that still reports its time split
+    local = args.strategy == "local" or size == 1
+    timeline = None if local else args.timeline
+    comm = None if local else Communicator(world, timeline=timeline)
+    if local:
+        args.strategy = "allreduce"
     rng = np.random.default_rng(0)
     layers = [Flatten()]
     for a, b in zip(SIZES[:-2], SIZES[1:-1]):
@@ -83,7 +88,7 @@ def run_mpidl(args):
     model = Sequential(*layers)
     opt = SGD(model.named_parameters(), lr=LR, momentum=MOMENTUM)
     options = {}
-    if args.strategy != "local":
+    if not local:
         options = {"algorithm": args.algorithm, "overlap": not args.no_overlap}
         if args.bucket_mb:
             options["bucket_mb"] = args.bucket_mb
@@ -117,7 +122,7 @@ def run_mpidl(args):
     # the step of the slowest rank sets the pace: take per step the max over ranks
     per_step = np.max(np.array([g["times"] for g in gathered]), axis=0)
     result = {"framework": "mpidl", "ranks": size, "batch_per_rank": args.batch,
-              "global_batch": args.batch * size, "strategy": args.strategy,
+              "global_batch": args.batch * size, "strategy": "local" if local else args.strategy,
               "algorithm": args.algorithm, "overlap": not args.no_overlap,
               "bucket_mb": getattr(strategy, "bucket_mb", None), "steps": n,
               "layout": describe}

@@ -75,8 +75,11 @@ class FusionBuffers:
     earlier ones launched, this one complete), in index order.
     """
 
-    def __init__(self, named_params, bucket_bytes):
+    def __init__(self, named_params, bucket_bytes, scale=1.0):
         named_params = list(named_params)
+        # gradients are multiplied by ``scale`` on their way in (1/N: the all-reduce then
+        # sums, and the mean costs no extra pass over the buckets)
+        self.scale = float(scale)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
         self.bucket_bytes = int(bucket_bytes)
@@ -118,7 +121,7 @@ class FusionBuffers:
         self._packed.clear()
 
     def pack(self, name):
-        """Copy ``name``'s gradient into its bucket (zeros for a missing gradient).
+        """Copy ``name``'s gradient (times ``scale``) into its bucket (zeros if missing).
 
         Returns True when this completed the bucket. A name packed twice in one step (a
         layer whose backward ran twice) is copied again but counted once.
@@ -131,7 +134,10 @@ class FusionBuffers:
         elif grad is not view:
             if not hasattr(grad, "shape"):  # a SparseGrad planned into a dense bucket
                 grad = grad.to_dense()
-            xp.copyto(view, grad)
+            if self.scale == 1.0:
+                xp.copyto(view, grad)
+            else:
+                xp.multiply(grad, self.scale, out=view)
         if name in self._packed:
             return False
         self._packed.add(name)
