@@ -26,8 +26,10 @@ How a step runs:
 * **Row-sparse gradients** (Embedding's ``SparseGrad``): not fused; after backward each
   is coalesced and exchanged with ``allgatherv`` of its row indices and values (the
   result, every rank's rows with values divided by the rank count, is a SparseGrad again,
-  so the optimizer still updates touched rows only). ``sparse="dense"`` densifies them
-  into the buckets instead (better when most rows are touched every step).
+  so the optimizer still updates touched rows only). ``sparse_grads="dense"``
+  (``--sparse-grads dense``) densifies them into the buckets instead: better when most
+  rows are touched every step; the optimizer then sees dense gradients (SGD's momentum
+  decays on untouched rows too, as in one process given dense gradients).
 * **Compression** (``compression="topk"`` etc., with ``ratio``): gradients are exchanged
   tensor by tensor through ``mpidl.compress``'s exchanger (with error feedback) instead of
   the fused all-reduce; bytes sent per step are reported in the metrics.
@@ -44,6 +46,8 @@ evaluates and saves the same model.
 import time
 
 from mpidl.backend import array_module
+from mpidl.config import Option
+from mpidl.engine.module import SparseGrad
 from mpidl.errors import ConfigError
 from mpidl.strategies.base import Strategy, check_options
 from mpidl.strategies.fusion import MiB, FusionBuffers
@@ -55,18 +59,26 @@ SPARSE_MODES = ("allgather", "dense")
 
 _clock = time.perf_counter
 
+#: flags of this strategy beyond the common parallelism ones (``mpidl train --help``)
+CLI_OPTIONS = [
+    Option("sparse_grads", str, None, "--strategy allreduce: exchange row-sparse (Embedding) "
+           "gradients by allgather of the touched rows, or dense inside the fused buckets "
+           "(default allgather)", "parallelism", choices=(None,) + SPARSE_MODES),
+]
+
 
 class DataParallel(Strategy):
     """Synchronous all-reduce data parallelism; see the module docstring."""
 
     name = "allreduce"
-    OPTIONS = ("algorithm", "bucket_mb", "overlap", "compression", "ratio", "sparse")
+    OPTIONS = ("algorithm", "bucket_mb", "overlap", "compression", "ratio", "sparse_grads")
 
     def __init__(self, comm=None, algorithm="auto", bucket_mb=None, overlap=True,
-                 compression=None, ratio=None, sparse="allgather", **options):
+                 compression=None, ratio=None, sparse_grads=None, **options):
         check_options("allreduce", self.OPTIONS, options)
         super().__init__(comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
-                         compression=compression, ratio=ratio, sparse=sparse)
+                         compression=compression, ratio=ratio, sparse_grads=sparse_grads)
+        sparse = sparse_grads or "allgather"
         algorithm = algorithm or "auto"
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"--algorithm {algorithm!r} is not an allreduce algorithm: "
@@ -75,7 +87,7 @@ class DataParallel(Strategy):
         if not bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be positive, got {bucket_mb}")
         if sparse not in SPARSE_MODES:
-            raise ConfigError(f"sparse gradient mode {sparse!r}: choose one of "
+            raise ConfigError(f"--sparse-grads {sparse!r}: choose one of "
                               f"{', '.join(SPARSE_MODES)}")
         self.algorithm = algorithm
         self.bucket_mb = bucket_mb
@@ -242,8 +254,6 @@ class DataParallel(Strategy):
 
     def _exchange_sparse(self):
         """Average row-sparse gradients: allgatherv every rank's (coalesced) rows."""
-        from mpidl.engine.module import SparseGrad  # noqa: PLC0415
-
         comm = self.comm
         for name, p in self.sparse_params:
             g = p.grad
@@ -270,7 +280,7 @@ class DataParallel(Strategy):
             g = p.grad
             if g is None:
                 g = array_module(p.data).zeros_like(p.data)
-            elif not hasattr(g, "shape"):
+            elif isinstance(g, SparseGrad):
                 g = g.to_dense()
             p.grad = ex.exchange(g, name)
 
@@ -373,8 +383,6 @@ def _sparse_param_names(model):
 
 
 def _dense_to_rows(g):
-    from mpidl.engine.module import SparseGrad  # noqa: PLC0415
-
     xp = array_module(g)
     return SparseGrad(xp.arange(g.shape[0], dtype=xp.int64), g, g.shape)
 

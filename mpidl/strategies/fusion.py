@@ -19,6 +19,7 @@ order and the sums never depend on timing.
 """
 
 from mpidl.backend import array_module
+from mpidl.engine.module import SparseGrad
 
 MiB = 1 << 20
 
@@ -132,7 +133,7 @@ class FusionBuffers:
         if grad is None:  # a parameter backward did not reach: contributes nothing
             view.fill(0)
         elif grad is not view:
-            if not hasattr(grad, "shape"):  # a SparseGrad planned into a dense bucket
+            if isinstance(grad, SparseGrad):  # planned into a dense bucket (sparse="dense")
                 grad = grad.to_dense()
             if self.scale == 1.0:
                 xp.copyto(view, grad)

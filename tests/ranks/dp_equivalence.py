@@ -21,11 +21,11 @@ import time
 import numpy as np
 
 from mpidl.comm import Communicator
-from mpidl.engine import (SGD, Embedding, Flatten, Linear, ReLU, Sequential,
-                          SoftmaxCrossEntropy, Tanh)
+from mpidl.engine import (SGD, BatchNorm1d, Embedding, Flatten, Linear, ReLU, Sequential,
+                          SoftmaxCrossEntropy, SparseGrad, Tanh)
 from mpidl.strategies import make_strategy
 
-STEPS = 4
+STEPS = 6
 B = 3              # per-rank batch
 TOL = 1e-12        # float64: only summation order differs from the reference
 ALGORITHMS = ("auto", "ring", "tree", "recursive_doubling", "mpi")
@@ -65,8 +65,10 @@ def optimizer(model):
     return SGD(model.named_parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
-def reference(kind, n):
-    """One process, batch n*B: the plain forward/backward/step loop."""
+def reference(kind, n, densify=False):
+    """One process, batch n*B: the plain forward/backward/step loop (``densify``: the
+    Embedding's row-sparse gradient made dense before the step, which is what
+    sparse="dense" gives the optimizer: dense momentum instead of lazy)."""
     model = BUILD[kind](seed=3)
     opt, loss = optimizer(model), SoftmaxCrossEntropy()
     x, y = data(kind, n * B)
@@ -74,18 +76,22 @@ def reference(kind, n):
         opt.zero_grad()
         loss.forward(model.forward(x[s]), y[s])
         model.backward(loss.backward())
+        if densify:
+            for _, p in model.named_parameters():
+                if isinstance(p.grad, SparseGrad):
+                    p.grad = p.grad.to_dense()
         opt.step()
     return {k: p.data.copy() for k, p in model.named_parameters()}
 
 
-def run_case(comm, kind, algorithm, overlap, bucket_mb):
+def run_case(comm, kind, algorithm, overlap, bucket_mb, sparse="allgather"):
     n, r = comm.size, comm.rank
     # rank 0's model is the reference's; the others start from other weights, which the
     # strategy's broadcast must overwrite
     model = BUILD[kind](seed=3 if r == 0 else 100 + r)
     opt, loss = optimizer(model), SoftmaxCrossEntropy()
     strategy = make_strategy("allreduce", comm, algorithm=algorithm, overlap=overlap,
-                             bucket_mb=bucket_mb)
+                             bucket_mb=bucket_mb, sparse_grads=sparse)
     strategy.setup(model, opt, loss)
     x, y = data(kind, n * B)
     for s in range(STEPS):
@@ -95,6 +101,35 @@ def run_case(comm, kind, algorithm, overlap, bucket_mb):
         raise AssertionError(f"rank {r}: overlap on, {len(strategy.fusion)} buckets, but no "
                              "bucket was launched during backward (the grad-ready hook)")
     return {k: p.data.copy() for k, p in model.named_parameters()}, len(strategy.fusion)
+
+
+def check_batchnorm_buffers(comm):
+    """BatchNorm running statistics differ per rank during training (each sees its own
+    shard); before evaluation the strategy averages them, so every rank evaluates the
+    same model."""
+    n, r = comm.size, comm.rank
+    rng = np.random.default_rng(3)
+    model = Sequential(Linear(12, 8, rng=rng, dtype="float64"),
+                       BatchNorm1d(8, dtype="float64"), ReLU(),
+                       Linear(8, 5, rng=rng, dtype="float64"))
+    strategy = make_strategy("allreduce", comm)
+    strategy.setup(model, optimizer(model), SoftmaxCrossEntropy())
+    x, y = data("mlp", n * B)
+    for s in range(STEPS):
+        strategy.train_step(x[s][r * B:(r + 1) * B], y[s][r * B:(r + 1) * B])
+    buffers = {k: np.array(v) for k, v in model.named_buffers()}
+    mean = {k: sum(comm.mpi.allgather(v)) / n for k, v in buffers.items()}
+    strategy.prepare_eval()
+    synced = {k: np.array(v) for k, v in model.named_buffers()}
+    digests = comm.mpi.allgather(digest(synced))
+    if len(set(digests)) != 1:
+        raise AssertionError(f"rank {r}: BatchNorm buffers differ across ranks after "
+                             "prepare_eval")
+    for k in synced:
+        np.testing.assert_allclose(synced[k], mean[k], rtol=1e-12, atol=1e-14)
+    if r == 0:
+        print(f"[N={n}] BatchNorm running statistics averaged over the ranks before "
+              "evaluation", flush=True)
 
 
 def digest(params):
@@ -110,22 +145,25 @@ def main():
     comm = Communicator()
     n, r = comm.size, comm.rank
     refs = {kind: reference(kind, n) for kind in BUILD}
+    refs["embed", "dense"] = reference("embed", n, densify=True)
     cases = [("mlp", a, o, bmb) for a in ALGORITHMS for o in (True, False)
              for bmb in BUCKETS_MB]
     sparse_algs = ("auto",) if quick else ("ring", "mpi")
     cases += [("embed", a, o, 4.0) for a in sparse_algs for o in (True, False)]
     if quick:
         cases = [c for c in cases if c[1] in ("auto", "ring")]
+    # Embedding gradients densified into the buckets instead of allgatherv
+    cases += [("embed", "auto", o, 0.0004, "dense") for o in (True, False)]
     t0 = time.perf_counter()
     worst = 0.0
-    for kind, alg, overlap, bmb in cases:
-        params, nbuckets = run_case(comm, kind, alg, overlap, bmb)
-        ref = refs[kind]
+    for kind, alg, overlap, bmb, *sparse in cases:
+        params, nbuckets = run_case(comm, kind, alg, overlap, bmb, *sparse)
+        ref = refs[(kind, sparse[0]) if sparse else kind]
         diff = max(float(np.max(np.abs(params[k] - ref[k]))) for k in ref)
         worst = max(worst, diff)
         digests = comm.mpi.allgather(digest(params))
         label = (f"{kind} algorithm={alg} overlap={overlap} bucket_mb={bmb} "
-                 f"({nbuckets} buckets)")
+                 f"{'sparse=' + sparse[0] + ' ' if sparse else ''}({nbuckets} buckets)")
         if r == 0:
             print(f"[N={n}] {label}: max |param - reference| = {diff:.2e}", flush=True)
         if len(set(digests)) != 1:
@@ -133,6 +171,7 @@ def main():
         if not diff <= TOL:
             raise AssertionError(f"rank {r}: {label}: parameters differ from the one-process "
                                  f"batch-{n * B} reference by {diff:.3e} > {TOL}")
+    check_batchnorm_buffers(comm)
     comm.close()
     if r == 0:
         print(f"[N={n}] ALL OK: {len(cases)} cases, {STEPS} steps each, worst difference "
