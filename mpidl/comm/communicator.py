@@ -191,8 +191,12 @@ class Communicator:
         self.close()
 
     def split(self, color, key=0):
-        """A new Communicator over the ranks that pass the same ``color`` (ordered by key)."""
-        sub = self.mpi.Split(color, key)
+        """A new Communicator over the ranks that pass the same ``color`` (ordered by
+        ``key``, then rank). Collective. ``color=None`` (MPI.UNDEFINED) joins no group and
+        returns None."""
+        sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
+        if sub == MPI.COMM_NULL:
+            return None
         return Communicator(sub, check=self.check, timeline=self._timeline,
                             _staging=self._staging, _owns=True, _tables=self._tables)
 

@@ -35,6 +35,14 @@ def main(tmpdir):
     got = sub.allreduce(np.array([RANK], np.int64), algorithm="ring", name="split")
     assert got[0] == sum(members), (got, members)
     sub.barrier()
+    # color None (MPI.UNDEFINED): that rank joins no group
+    rest = comm.split(None if RANK == 0 else 7)
+    if RANK == 0:
+        assert rest is None
+    else:
+        assert rest.size == P - 1
+        assert rest.allreduce(np.ones(2), algorithm="tree")[0] == P - 1
+        rest.close()
 
     # progress without spinning: issue, sleep without touching MPI, then test()
     if comm.progress_mode == "thread":
