@@ -121,7 +121,8 @@ class Communicator:
 
     ``check``: when to run the consistency check (``"first"`` call of each tensor name,
     ``"always"``, or ``"off"``; ``MPIDL_DEBUG=1`` forces ``"always"``). ``timeline``: path
-    of a Chrome-trace JSON written by ``close()``/``flush_timeline()``.
+    of a Chrome-trace JSON written by ``close()``/``flush_timeline()`` (rank 0's path, or
+    the first rank's that gave one, is used by all). The constructor is collective.
     """
 
     def __init__(self, mpi_comm=None, check="first", timeline=None, *, _staging=None,
@@ -148,9 +149,19 @@ class Communicator:
         self._bg = _Channel(comm.Dup(), TID_PROGRESS, _staging)
         self._staging = _staging
 
-        # Everyone must resolve "auto" alike: rank 0 reads the tuning file for all.
-        if _tables is None:
-            _tables = comm.bcast(auto.load() if self.rank == 0 else None, root=0)
+        # One exchange at start-up: everyone must resolve "auto" alike, so rank 0 reads
+        # the tuning file for all; and a timeline path given on some ranks only still
+        # gives every rank the same one (its writing is collective).
+        if _tables is None or not isinstance(timeline, (Timeline, type(None))):
+            mine = (auto.load() if self.rank == 0 and _tables is None else None,
+                    None if timeline is None or isinstance(timeline, Timeline)
+                    else str(timeline))
+            everyone = comm.allgather(mine)
+            if _tables is None:
+                _tables = everyone[0][0]
+            paths = [path for _, path in everyone if path is not None]
+            if paths:
+                timeline = paths[0]
         self._tables = _tables
         self.selector = auto.Selector(self.size, _tables)
         seg = int(os.environ.get("MPIDL_RING_SEGMENT", DEFAULT_SEGMENT_BYTES))

@@ -104,6 +104,15 @@ def main(tmpdir):
         doc = json.load(f)
     assert {e["pid"] for e in doc["traceEvents"]} == {RANK}
     c2.close()
+
+    # a path given on rank 0 only still makes one file with every rank in it
+    only0 = os.path.join(tmpdir, "only0.json")
+    c3 = Communicator(timeline=only0 if RANK == 0 else None)
+    c3.allreduce(np.ones(4), name="o")
+    c3.close()
+    if RANK == 0:
+        with open(only0) as f:
+            assert {e["pid"] for e in json.load(f)["traceEvents"]} == set(range(P))
     W.Barrier()
     if RANK == 0:
         print("MISC OK", flush=True)
