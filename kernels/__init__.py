@@ -25,8 +25,8 @@ rank shows up instead of being hidden:
 - ``threshold_select``, ``topk_*``: NaN counts as the largest magnitude, so it is always
   selected. Top-k sends values, so the NaN reaches every rank. Threshold sends only a
   sign (NaN reads as positive: +tau), and the residual keeps the NaN.
-- ``quantize``: the scale (an L2 norm or max) is NaN/Inf, so every decoded value is NaN;
-  the codes themselves are clamped and always valid.
+- ``quantize``: a chunk's scale (its L2 norm or max) is NaN/Inf, so every decoded value
+  of that chunk is NaN; the codes themselves are clamped and always valid.
 - ``to_fp16``: IEEE conversion: NaN stays NaN, |x| > 65504 becomes +-inf.
 - Zero gradients give well-formed payloads of the normal shape (1-bit: zero scale;
   sparse: a header with k = 0), never an empty message a peer would wait for in vain.
@@ -43,14 +43,30 @@ import numpy as np
 from . import reference, wire
 from .wire import PayloadError
 
+try:  # only to recognise CuPy arrays' module; nothing here needs CuPy
+    from mpidl.backend import cupy_module
+except ImportError:  # kernels used on their own
+    def cupy_module():
+        import cupy  # noqa: PLC0415
+
+        return cupy
+
 __all__ = [
     "PayloadError", "pack_signs", "unpack_signs", "threshold_select", "topk_exact",
     "topk_sampled", "sample_size", "sample_indices", "randomk_indices", "hash_uniform",
-    "l2norm", "maxabs", "quantize", "dequantize", "code_width", "pack_bits", "unpack_bits",
+    "chunk_norms", "l2norm", "maxabs", "quantize", "dequantize", "code_width", "pack_bits", "unpack_bits",
     "to_fp16", "from_fp16", "encode_sparse", "decode_sparse", "scatter_add", "reference",
 ]
 
 _SEED_MASK = (1 << 64) - 1
+
+
+def _check_chunk(chunk):
+    chunk = int(chunk)
+    if chunk < 0 or chunk % 8:
+        raise ValueError(f"chunk must be 0 (one scale per tensor) or a positive multiple of "
+                         f"8, got {chunk}")
+    return chunk
 
 
 def _is_gpu(a):
@@ -102,14 +118,6 @@ def _count(value, what, upper=None):
 
 
 # ---------------------------------------------------------------- 1-bit signs
-def _check_chunk(chunk):
-    chunk = int(chunk)
-    if chunk < 0 or chunk % 8:
-        raise ValueError(f"chunk must be 0 (one scale per tensor) or a positive multiple of "
-                         f"8, got {chunk}")
-    return chunk
-
-
 def pack_signs(x, residual=None, chunk=0):
     """1-bit compression: ``(bits, scales)`` of v = x (+ residual), residual updated in place.
 
@@ -209,16 +217,30 @@ def hash_uniform(seed, count, like=None):
 
 
 # ---------------------------------------------------------------- quantization
+def _chunks(n, chunk):
+    """(elements per chunk, number of chunks) for kernels; chunk 0 = one per tensor."""
+    return (max(n, 1), 1) if chunk == 0 else (chunk, -(-n // chunk))
+
+
+def chunk_norms(x, chunk=0, kind="l2"):
+    """Per-chunk L2 norm (float64 accumulation) or max |x| ("max"), float32, NaN propagates.
+
+    One value per chunk of ``chunk`` elements; chunk 0 gives one value for the tensor.
+    """
+    x = _flat(x, "chunk_norms: x")
+    if kind not in ("l2", "max"):
+        raise ValueError(f"chunk_norms: kind must be 'l2' or 'max', got {kind!r}")
+    return _impl(x).chunk_norms(x, _check_chunk(chunk), kind)
+
+
 def l2norm(x):
-    """||x||_2 accumulated in float64, as float32 (NaN/Inf propagate)."""
-    x = _flat(x, "l2norm: x")
-    return np.float32(_impl(x).l2norm(x))
+    """||x||_2 accumulated in float64, as a float32 scalar (NaN/Inf propagate)."""
+    return np.float32(chunk_norms(x, 0, "l2")[0])
 
 
 def maxabs(x):
-    """max |x| as float32 (NaN if any entry is NaN)."""
-    x = _flat(x, "maxabs: x")
-    return np.float32(_impl(x).maxabs(x))
+    """max |x| as a float32 scalar (NaN if any entry is NaN)."""
+    return np.float32(chunk_norms(x, 0, "max")[0])
 
 
 def code_width(levels):
@@ -234,34 +256,52 @@ def _check_levels(levels):
     return levels
 
 
-def quantize(x, scale, levels, seed):
+def _scales(scales, n, chunk, like, what):
+    """The per-chunk scales as a float32 array of the right length (a scalar is allowed
+    for one chunk), on the backend of ``like``."""
+    mod = cupy_module() if _is_gpu(like) else np
+    scales = mod.asarray(scales, dtype=mod.float32).reshape(-1)
+    want = reference.chunk_count(n, chunk)
+    if scales.size != want:
+        raise PayloadError(f"{what}: {scales.size} scales, {n} elements in chunks of "
+                           f"{chunk or n} need {want}")
+    return mod, scales
+
+
+def quantize(x, scales, levels, seed, chunk=0):
     """Stochastic quantization of x / scale to ``levels`` levels per sign, bit-packed.
 
-    QSGD: scale = l2norm(x); TernGrad: scale = maxabs(x), levels = 1. Returns uint8 codes
-    packed ``code_width(levels)`` bits each; see ``reference.quantize`` for the rule.
+    One scale per chunk (chunk 0: one per tensor): QSGD uses ``chunk_norms(x, chunk)``,
+    TernGrad ``chunk_norms(x, chunk, "max")`` with levels = 1. Returns uint8 codes packed
+    ``code_width(levels)`` bits each; see ``reference.quantize`` for the rule.
     """
     x = _flat(x, "quantize: x")
     levels = _check_levels(levels)
-    scale = np.float32(scale)
-    s = np.float32(levels)
-    if scale > 0:
-        mult = s / scale
-    else:
-        mult = np.float32(0) if scale == 0 else np.float32(np.nan)
-    return _impl(x).quantize(x, np.float32(mult), levels, _seed(seed), code_width(levels))
+    chunk = _check_chunk(chunk)
+    mod, scales = _scales(scales, x.size, chunk, x, "quantize")
+    s = mod.float32(levels)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mult = s / scales
+    mults = mod.where(scales > 0, mult, mod.where(scales == 0, mod.float32(0),
+                                                  mod.float32(np.nan))).astype(mod.float32)
+    return _impl(x).quantize(x, mults, levels, _seed(seed), code_width(levels),
+                             _chunks(x.size, chunk)[0])
 
 
-def dequantize(packed, scale, levels, n):
+def dequantize(packed, scales, levels, n, chunk=0):
     """Decode ``quantize``; a payload of the wrong size or with impossible codes raises."""
     levels = _check_levels(levels)
+    chunk = _check_chunk(chunk)
     packed = _flat(packed, "dequantize: packed", np.uint8)
     n = _count(n, "n")
     width = code_width(levels)
     if packed.size != (n * width + 7) // 8:
         raise PayloadError(f"quantized payload has {packed.size} bytes, {n} codes of "
                            f"{width} bits need {(n * width + 7) // 8}")
-    step = np.float32(np.float32(scale) / np.float32(levels))
-    out, bad = _impl(packed).dequantize(packed, step, levels, width, n)
+    mod, scales = _scales(scales, n, chunk, packed, "dequantize")
+    steps = (scales / mod.float32(levels)).astype(mod.float32)
+    out, bad = _impl(packed).dequantize(packed, steps, levels, width, n,
+                                        _chunks(n, chunk)[0])
     if bad:
         raise PayloadError(f"quantized payload holds {bad} codes above {2 * levels}, "
                            f"impossible for {levels} levels")

@@ -65,38 +65,6 @@ def hash_uniform(seed, count):
     return out
 
 
-# ---------------------------------------------------------------- reductions
-@njit(cache=True, parallel=True, fastmath=FM_SUM)
-def l2norm(x):
-    s = 0.0
-    for i in prange(x.size):
-        v = np.float64(x[i])
-        s += v * v
-    return np.float32(np.sqrt(s))
-
-
-@njit(cache=True, parallel=True)
-def _max_abs_bits(xb):
-    n = xb.size
-    nb = (n + BLOCK - 1) // BLOCK
-    part = np.zeros(nb, np.uint32)
-    for b in prange(nb):
-        m = np.uint32(0)
-        for i in range(np.uint64(b * BLOCK), np.uint64(min(n, (b + 1) * BLOCK))):
-            a = xb[i] & np.uint32(0x7FFFFFFF)
-            m = a if a > m else m
-        part[b] = m
-    return part.max() if nb else np.uint32(0)
-
-
-def maxabs(x):
-    """max |x| through the bit patterns: integer order is float order for |x|, and every
-    NaN pattern lies above +inf, so one NaN makes the result NaN."""
-    m = _max_abs_bits(x.view(np.uint32))
-    return np.float32(np.nan) if m > 0x7F800000 else np.array([m], np.uint32).view(
-        np.float32)[0]
-
-
 # ---------------------------------------------------------------- 1-bit signs
 # Hot loops index with unsigned integers: Numba then drops its negative-index wraparound
 # check, and LLVM vectorises the loop (a signed range(lo, hi) loop ran 4-5x slower).
@@ -129,19 +97,68 @@ def _abs_sum(x, lo, hi):
     return s
 
 
+@njit(cache=True, fastmath=FM_SUM)
+def _sq_sum(x, lo, hi):
+    s = 0.0
+    for i in range(_U(lo), _U(hi)):
+        v = np.float64(x[i])
+        s += v * v
+    return s
+
+
+@njit(cache=True)
+def _max_bits(xb, lo, hi):
+    """Largest |x| bit pattern in [lo, hi) as uint32: for non-negative floats the integer
+    order is the float order, and every NaN lies above +inf (so one NaN wins)."""
+    m = np.uint32(0)
+    for i in range(_U(lo), _U(hi)):
+        a = xb[i] & np.uint32(0x7FFFFFFF)
+        m = a if a > m else m
+    return m
+
+
+# reduction modes of _chunk_reduce
+ABS_SUM, ABS_SUM_R, SQ_SUM, MAX_BITS = 0, 1, 2, 3
+
+
 @njit(cache=True, parallel=True)
-def _chunk_abs_sums(x, r, use_r, size, nc):
-    """First pass: sum of |x + r| (float64) over each chunk of ``size`` elements."""
+def _chunk_reduce(x, r, mode, size, nc):
+    """Per chunk of ``size``: sum |x| / sum |x + r| / sum x^2 (float64), or the max |x|
+    bit pattern (mode MAX_BITS), over BLOCK-long work units in parallel."""
     n = x.size
     per = (size + BLOCK - 1) // BLOCK
     part = np.zeros(nc * per, np.float64)
+    xb = x.view(np.uint32)
     for u in prange(nc * per):
         c, lo, hi = _unit(u, per, size, n)
-        part[u] = _abs_sum_r(x, r, lo, hi) if use_r else _abs_sum(x, lo, hi)
-    sums = np.zeros(nc, np.float64)
+        if mode == ABS_SUM_R:
+            part[u] = _abs_sum_r(x, r, lo, hi)
+        elif mode == ABS_SUM:
+            part[u] = _abs_sum(x, lo, hi)
+        elif mode == SQ_SUM:
+            part[u] = _sq_sum(x, lo, hi)
+        else:
+            part[u] = np.float64(_max_bits(xb, lo, hi))  # exact: < 2**32
+    out = np.zeros(nc, np.float64)
     for u in range(nc * per):
-        sums[u // per] += part[u]
-    return sums
+        c = u // per
+        if mode == MAX_BITS:
+            out[c] = max(out[c], part[u])
+        else:
+            out[c] += part[u]
+    return out
+
+
+def chunk_norms(x, chunk, kind):
+    n = x.size
+    size = max(n, 1) if chunk == 0 else chunk
+    nc = 1 if chunk == 0 else -(-n // chunk)
+    if kind == "l2":
+        return np.sqrt(_chunk_reduce(x, x, SQ_SUM, size, nc)).astype(np.float32)
+    bits = _chunk_reduce(x, x, MAX_BITS, size, nc).astype(np.uint32)
+    out = bits.view(np.float32).copy()
+    out[bits > 0x7F800000] = np.nan
+    return out
 
 
 @njit(cache=True)
@@ -198,7 +215,7 @@ def pack_signs(x, residual, chunk):
     nc = 1 if chunk == 0 else -(-n // chunk)
     use_r = residual is not None
     r = residual if use_r else x
-    sums = _chunk_abs_sums(x, r, use_r, size, nc)
+    sums = _chunk_reduce(x, r, ABS_SUM_R if use_r else ABS_SUM, size, nc)
     counts = np.minimum(size, n - size * np.arange(nc, dtype=np.int64))
     scales = (sums / np.maximum(counts, 1)).astype(np.float32)
     bits = np.empty((n + 7) // 8, np.uint8)
@@ -409,7 +426,7 @@ def _pack_groups(codes, m, width, out, g0):
 
 
 @njit(cache=True)
-def _unpack_groups(packed, width, n, g0, codes, m):
+def _unpack_groups(packed, width, g0, codes, m):
     """The inverse of _pack_groups for codes [8 * g0, 8 * g0 + m)."""
     mask = np.uint64((1 << width) - 1)
     for g in range((m + 7) // 8):
@@ -422,34 +439,36 @@ def _unpack_groups(packed, width, n, g0, codes, m):
 
 
 @njit(cache=True, parallel=True)
-def quantize(x, mult, levels, seed, width):
-    """Codes levels +- level per element (vectorised, dither from the hash), then packed."""
+def quantize(x, mults, levels, seed, width, size):
+    """Codes levels +- level per element (vectorised, dither from the hash), then packed;
+    one multiplier (levels / scale) per chunk of ``size``."""
     n = x.size
     out = np.empty((n * width + 7) // 8, np.uint8)
-    for u in prange((n + BLOCK - 1) // BLOCK):
-        lo = u * BLOCK
-        hi = min(n, lo + BLOCK)
+    per = (size + BLOCK - 1) // BLOCK
+    for u in prange(mults.size * per):
+        c, lo, hi = _unit(u, per, size, n)
         codes = np.empty(BLOCK, np.uint8)
-        _codes(x, mult, levels, seed, lo, hi, codes)
+        _codes(x, mults[c], levels, seed, lo, hi, codes)
         _pack_groups(codes, hi - lo, width, out, lo // 8)
     return out
 
 
 @njit(cache=True, parallel=True)
-def _dequantize(packed, step, levels, width, n, out):
+def _dequantize(packed, steps, levels, width, size, out):
     """Values (code - levels) * step; returns how many codes exceed 2 * levels."""
-    nb = (n + BLOCK - 1) // BLOCK
-    bad = np.zeros(nb, np.int64)
-    for u in prange(nb):
-        lo = u * BLOCK
-        hi = min(n, lo + BLOCK)
+    n = out.size
+    per = (size + BLOCK - 1) // BLOCK
+    bad = np.zeros(steps.size * per, np.int64)
+    for u in prange(steps.size * per):
+        c, lo, hi = _unit(u, per, size, n)
+        step = steps[c]
         codes = np.empty(BLOCK, np.uint8)
-        _unpack_groups(packed, width, n, lo // 8, codes, hi - lo)
+        _unpack_groups(packed, width, lo // 8, codes, hi - lo)
         cnt = 0
         for j in range(_U(0), _U(hi - lo)):
-            c = np.int32(codes[j])
-            cnt += c > 2 * levels
-            out[_U(lo) + j] = np.float32(c - levels) * step
+            code = np.int32(codes[j])
+            cnt += code > 2 * levels
+            out[_U(lo) + j] = np.float32(code - levels) * step
         bad[u] = cnt
     return bad.sum()
 
@@ -471,7 +490,7 @@ def unpack_bits(packed, width, n):
     for u in prange((n + BLOCK - 1) // BLOCK):
         lo = u * BLOCK
         hi = min(n, lo + BLOCK)
-        _unpack_groups(packed, width, n, lo // 8, out[lo:hi], hi - lo)
+        _unpack_groups(packed, width, lo // 8, out[lo:hi], hi - lo)
     return out
 
 
@@ -660,9 +679,9 @@ def _scatter_add(out, indices, values):
 
 
 # ---------------------------------------------------------------- wrappers
-def dequantize(packed, step, levels, width, n):
+def dequantize(packed, steps, levels, width, n, size):
     out = np.empty(n, np.float32)
-    return out, _dequantize(packed, step, levels, width, n, out)
+    return out, _dequantize(packed, steps, levels, width, size, out)
 
 
 def to_fp16(x):

@@ -63,33 +63,47 @@ def hash_uniform(seed, count):
 
 
 # ---------------------------------------------------------------- reductions
-_l2 = cp.ReductionKernel("T x", "float64 y", "(double)x * (double)x", "a + b",
-                         "y = sqrt(a)", "0", "mpidl_l2norm")
-_maxabs = cp.ReductionKernel("T x", "T y", "abs(x)", "(a != a || a > b) ? a : b", "y = a",
-                             "0", "mpidl_maxabs")
+ABS_SUM, ABS_SUM_R, SQ_SUM = 0, 1, 2  # modes of cuda/onebit.cu's chunk_sums
 
 
-def l2norm(x):
-    return _f32(float(_l2(x))) if x.size else _f32(0)
+def _chunks(n, chunk):
+    size = max(n, 1) if chunk == 0 else chunk
+    return size, (1 if chunk == 0 else -(-n // chunk)), (size + _BLOCK - 1) // _BLOCK
 
 
-def maxabs(x):
-    return _f32(float(_maxabs(x))) if x.size else _f32(0)
+def _chunk_sums(x, r, mode, chunk):
+    n = x.size
+    size, nc, per = _chunks(n, chunk)
+    sums = cp.zeros(nc, cp.float64)
+    if n:
+        _module("onebit").get_function("chunk_sums")(
+            (nc * per,), (_THREADS,),
+            (x, r, _i32(mode), _i64(n), _i64(size), _i64(per), _i64(_BLOCK), sums))
+    return sums
+
+
+def chunk_norms(x, chunk, kind):
+    if kind == "l2":
+        return cp.sqrt(_chunk_sums(x, x, SQ_SUM, chunk)).astype(cp.float32)
+    n = x.size
+    size, nc, per = _chunks(n, chunk)
+    bits = cp.zeros(nc, cp.uint32)
+    if n:
+        _module("onebit").get_function("chunk_max_bits")(
+            (nc * per,), (_THREADS,),
+            (x, _i64(n), _i64(size), _i64(per), _i64(_BLOCK), bits))
+    out = bits.view(cp.float32).copy()
+    out[bits > 0x7F800000] = cp.nan
+    return out
 
 
 # ---------------------------------------------------------------- 1-bit signs
 def pack_signs(x, residual, chunk):
     n = x.size
-    size = max(n, 1) if chunk == 0 else chunk
-    nc = 1 if chunk == 0 else -(-n // chunk)
     use_r = residual is not None
     r = residual if use_r else x
-    per = (size + _BLOCK - 1) // _BLOCK
-    sums = cp.zeros(nc, cp.float64)
-    if n:
-        fn = _module("onebit").get_function("chunk_abs_sums")
-        fn((nc * per,), (_THREADS,), (x, r, _i32(use_r), _i64(n), _i64(size), _i64(per),
-                                      _i64(_BLOCK), sums))
+    size, nc, _ = _chunks(n, chunk)
+    sums = _chunk_sums(x, r, ABS_SUM_R if use_r else ABS_SUM, chunk)
     counts = cp.minimum(size, n - size * cp.arange(nc, dtype=cp.int64))
     scales = (sums / cp.maximum(counts, 1)).astype(cp.float32)
     bits = cp.empty((n + 7) // 8, cp.uint8)
@@ -162,19 +176,19 @@ def topk_sampled(x, k, sample, m_rank):
 
 
 # ---------------------------------------------------------------- quantization
-def quantize(x, mult, levels, seed, width):
+def quantize(x, mults, levels, seed, width, size):
     n = x.size
     out = cp.empty((n * width + 7) // 8, cp.uint8)
-    _launch("quantize", "quantize", (n + 7) // 8, x, _i64(n), _f32(mult), _i32(levels),
-            _u64(seed), _i32(width), _i64(out.size), out)
+    _launch("quantize", "quantize", (n + 7) // 8, x, _i64(n), mults, _i64(size),
+            _i32(levels), _u64(seed), _i32(width), _i64(out.size), out)
     return out
 
 
-def dequantize(packed, step, levels, width, n):
+def dequantize(packed, steps, levels, width, n, size):
     out = cp.empty(n, cp.float32)
     bad = cp.zeros(1, cp.uint64)
-    _launch("quantize", "dequantize", (n + 7) // 8, packed, _i64(packed.size), _f32(step),
-            _i32(levels), _i32(width), _i64(n), out, bad)
+    _launch("quantize", "dequantize", (n + 7) // 8, packed, _i64(packed.size), steps,
+            _i64(size), _i32(levels), _i32(width), _i64(n), out, bad)
     return out, int(bad[0])
 
 

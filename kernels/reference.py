@@ -48,14 +48,40 @@ def randomk_indices(n, k, seed):
 
 
 # ---------------------------------------------------------------- reductions
+def chunk_count(n, chunk):
+    """Chunks of ``chunk`` elements in n (chunk 0: the whole tensor, always one chunk)."""
+    return 1 if chunk == 0 else -(-n // chunk)
+
+
+def per_element(values, n, chunk):
+    """Per-chunk ``values`` repeated over their chunks' elements (length n)."""
+    size = n if chunk == 0 else chunk
+    return np.repeat(values, size)[:n] if n else np.zeros(0, values.dtype)
+
+
+def _chunk_starts(n, chunk):
+    return np.arange(0, n, n if chunk == 0 else chunk)
+
+
+def chunk_norms(x, chunk=0, kind="l2"):
+    """Per-chunk L2 norm (accumulated in float64) or max |x|, as float32; NaN propagates."""
+    n = x.size
+    out = np.zeros(chunk_count(n, chunk), np.float32)
+    if n:
+        starts = _chunk_starts(n, chunk)
+        if kind == "l2":
+            out[:] = np.sqrt(np.add.reduceat(np.square(x, dtype=np.float64), starts))
+        else:
+            out[:] = np.maximum.reduceat(np.abs(x), starts)
+    return out
+
+
 def l2norm(x):
-    """sqrt(sum x^2) accumulated in float64, returned as float32."""
-    return np.float32(np.sqrt(np.sum(np.square(x, dtype=np.float64))))
+    return chunk_norms(x, 0, "l2")[0]
 
 
 def maxabs(x):
-    """max |x| as float32 (NaN if any entry is NaN; 0 for an empty array)."""
-    return np.float32(np.max(np.abs(x))) if x.size else np.float32(0)
+    return chunk_norms(x, 0, "max")[0]
 
 
 def magnitude(x):
@@ -66,10 +92,6 @@ def magnitude(x):
 
 
 # ---------------------------------------------------------------- 1-bit signs
-def chunk_count(n, chunk):
-    return 1 if chunk == 0 else -(-n // chunk)
-
-
 def pack_signs(x, residual=None, chunk=0):
     """1-bit signs of v = x (+ residual) and the mean |v| of each chunk (all of v if chunk=0).
 
@@ -78,17 +100,15 @@ def pack_signs(x, residual=None, chunk=0):
     """
     n = x.size
     v = x + residual if residual is not None else x.copy()
-    size = n if chunk == 0 else chunk
-    nc = chunk_count(n, chunk)
-    scales = np.zeros(nc, np.float32)
+    scales = np.zeros(chunk_count(n, chunk), np.float32)
     if n:
-        starts = np.arange(0, n, size)
+        starts = _chunk_starts(n, chunk)
         sums = np.add.reduceat(np.abs(v).astype(np.float64), starts)
         scales[:] = sums / np.diff(np.append(starts, n))
     neg = v < 0
     bits = np.packbits(neg, bitorder="little")
     if residual is not None:
-        per = np.repeat(scales, size)[:n] if n else np.zeros(0, np.float32)
+        per = per_element(scales, n, chunk)
         with np.errstate(invalid="ignore"):  # inf - inf: NaN, by the documented rule
             residual[:] = v - np.where(neg, -per, per)
     return bits, scales
@@ -96,8 +116,7 @@ def pack_signs(x, residual=None, chunk=0):
 
 def unpack_signs(bits, scales, n, chunk=0):
     neg = np.unpackbits(bits, count=n, bitorder="little").astype(bool)
-    size = n if chunk == 0 else chunk
-    per = np.repeat(scales, size)[:n] if n else np.zeros(0, np.float32)
+    per = per_element(scales, n, chunk)
     return np.where(neg, -per, per).astype(np.float32)
 
 
@@ -167,19 +186,28 @@ def code_width(levels):
     return int(2 * levels).bit_length()
 
 
-def quantize(x, scale, levels, seed):
+def quant_multipliers(scales, levels):
+    """levels / scale per chunk in float32: 0 for a zero scale, NaN for a NaN scale."""
+    scales = np.asarray(scales, np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mult = np.float32(levels) / scales
+    return np.where(scales > 0, mult, np.where(scales == 0, np.float32(0),
+                                               np.float32(np.nan))).astype(np.float32)
+
+
+def quantize(x, scales, levels, seed, chunk=0):
     """Stochastic quantization of x / scale to ``levels`` levels per sign, packed.
 
-    QSGD with scale = ||x||_2, TernGrad with scale = max|x| and levels = 1. Level
-    l = |x| * (levels / scale), rounded up with probability frac(l) (dither from
-    hash_uniform(seed, i)), clamped to [0, levels]; NaN gives level 0. The code is
-    levels + l for x >= 0, levels - l for x < 0, packed in code_width(levels) bits.
+    One scale per chunk (chunk 0: per tensor). QSGD: scale = the chunk's L2 norm;
+    TernGrad: max |x|, levels = 1. Level l = |x| * (levels / scale) in float32, rounded
+    up with probability frac(l) (dither: hash_uniform(seed, i)), clamped to [0, levels];
+    NaN gives level 0. The code is levels + l for x >= 0, levels - l for x < 0, packed
+    in code_width(levels) bits.
     """
-    scale = np.float32(scale)
     s = np.float32(levels)
-    mult = s / scale if scale > 0 else np.float32(0) if scale == 0 else np.float32(np.nan)
+    mult = per_element(quant_multipliers(scales, levels), x.size, chunk)
     with np.errstate(invalid="ignore"):
-        lv = np.abs(x) * np.float32(mult)
+        lv = np.abs(x) * mult
         fl = np.floor(lv)
         up = hash_uniform(seed, x.size) < (lv - fl)
         level = np.minimum(fl + up.astype(np.float32), s)
@@ -189,14 +217,16 @@ def quantize(x, scale, levels, seed):
     return pack_bits(codes, code_width(levels))
 
 
-def dequantize(packed, scale, levels, n):
+def dequantize(packed, scales, levels, n, chunk=0):
     """Values of quantize's codes: (code - levels) * (scale / levels). Bad codes raise."""
     codes = unpack_bits(packed, code_width(levels), n)
     if n and codes.max() > 2 * levels:
         raise wire.PayloadError(f"quantized payload holds code {int(codes.max())}, "
                                 f"more than {2 * levels} for {levels} levels")
-    step = np.float32(scale) / np.float32(levels)
-    return (codes.astype(np.float32) - np.float32(levels)) * step
+    step = per_element((np.asarray(scales, np.float32) / np.float32(levels)).astype(
+        np.float32), n, chunk)
+    with np.errstate(invalid="ignore"):  # 0 * inf: NaN, by the documented rule
+        return (codes.astype(np.float32) - np.float32(levels)) * step
 
 
 def pack_bits(codes, width):

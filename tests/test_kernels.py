@@ -205,23 +205,29 @@ def test_random_indices_match_reference(xp):
 # ---------------------------------------------------------------- quantization
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_norms_match_reference(xp, n, kind):
+@pytest.mark.parametrize("chunk", [0, 8, 1024])
+def test_norms_match_reference(xp, n, kind, chunk):
     x = make(n, kind)
-    np.testing.assert_allclose(K.l2norm(xp.asarray(x)), R.l2norm(x), rtol=1e-6)
-    same_bits(np.float32(K.maxabs(xp.asarray(x))), R.maxabs(x))
+    l2 = K.chunk_norms(xp.asarray(x), chunk)
+    np.testing.assert_allclose(host(l2), R.chunk_norms(x, chunk, "l2"), rtol=1e-6)
+    same_bits(K.chunk_norms(xp.asarray(x), chunk, "max"), R.chunk_norms(x, chunk, "max"))
+    if chunk == 0:
+        np.testing.assert_allclose(K.l2norm(xp.asarray(x)), R.l2norm(x), rtol=1e-6)
+        same_bits(np.float32(K.maxabs(xp.asarray(x))), R.maxabs(x))
 
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("levels", [1, 2, 4, 7, 127])
-def test_quantize_matches_reference(xp, n, kind, levels):
+@pytest.mark.parametrize("levels,chunk", [(1, 0), (2, 8), (4, 0), (7, 512), (127, 0),
+                                          (1, 1024)])
+def test_quantize_matches_reference(xp, n, kind, levels, chunk):
     x = make(n, kind)
-    scale = R.l2norm(x) if levels > 1 else R.maxabs(x)
-    packed = K.quantize(xp.asarray(x), scale, levels, 9)
-    same_bits(packed, R.quantize(x, scale, levels, np.uint64(9)))
-    out = K.dequantize(packed, scale, levels, n)
-    same_bits(out, R.dequantize(host(packed), scale, levels, n))
-    if kind == "nonfinite" and n:
+    scales = R.chunk_norms(x, chunk, "l2" if levels > 1 else "max")
+    packed = K.quantize(xp.asarray(x), xp.asarray(scales), levels, 9, chunk)
+    same_bits(packed, R.quantize(x, scales, levels, np.uint64(9), chunk))
+    out = K.dequantize(packed, xp.asarray(scales), levels, n, chunk)
+    same_bits(out, R.dequantize(host(packed), scales, levels, n, chunk))
+    if kind == "nonfinite" and n and chunk == 0:
         assert np.isnan(host(out)).all()  # a NaN scale reaches every value
     if kind == "zeros":
         assert not host(out).any()
@@ -243,6 +249,8 @@ def test_quantize_payload_errors():
         K.dequantize(np.full(4, 0xFF, np.uint8), 1.0, 1, 16)  # code 3 > 2 for TernGrad
     with pytest.raises(ValueError, match="levels"):
         K.quantize(np.ones(4, np.float32), 1.0, 128, 0)
+    with pytest.raises(PayloadError, match="scales"):
+        K.dequantize(np.zeros(8, np.uint8), np.ones(3, np.float32), 1, 32, chunk=8)
 
 
 @pytest.mark.parametrize("width", range(1, 9))

@@ -5,19 +5,19 @@
 
 extern "C" {
 
-// Sum of |x + r| (r only if use_r) over each chunk; block b handles unit b of the chunk
-// pieces, `block` elements long, and adds its sum to sums[chunk] (double atomics).
-__global__ void chunk_abs_sums(const float* __restrict__ x, const float* __restrict__ r,
-                               int use_r, long long n, long long size, long long per,
-                               long long block, double* __restrict__ sums) {
+// Per-chunk sums (double): mode 0 |x|, 1 |x + r|, 2 x^2. Block b handles work unit b,
+// a piece of `block` elements of chunk b / per, and adds its sum to sums[chunk].
+__global__ void chunk_sums(const float* __restrict__ x, const float* __restrict__ r, int mode,
+                           long long n, long long size, long long per, long long block,
+                           double* __restrict__ sums) {
     long long u = blockIdx.x;
     long long c = u / per;
     long long lo = c * size + (u - c * per) * block;
     long long hi = min(min(n, (c + 1) * size), lo + block);
     double s = 0.0;
     for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-        float v = use_r ? x[i] + r[i] : x[i];
-        s += (double)fabsf(v);
+        float v = mode == 1 ? __fadd_rn(x[i], r[i]) : x[i];
+        s += mode == 2 ? (double)v * (double)v : (double)fabsf(v);
     }
     __shared__ double part[256];
     part[threadIdx.x] = s;
@@ -27,6 +27,27 @@ __global__ void chunk_abs_sums(const float* __restrict__ x, const float* __restr
         __syncthreads();
     }
     if (threadIdx.x == 0) atomicAdd(&sums[c], part[0]);
+}
+
+// Per-chunk max of the |x| bit patterns: integer order is float order for |x|, and every
+// NaN pattern lies above +inf, so one NaN makes the chunk's maximum a NaN.
+__global__ void chunk_max_bits(const float* __restrict__ x, long long n, long long size,
+                               long long per, long long block, unsigned int* __restrict__ out) {
+    long long u = blockIdx.x;
+    long long c = u / per;
+    long long lo = c * size + (u - c * per) * block;
+    long long hi = min(min(n, (c + 1) * size), lo + block);
+    unsigned int m = 0;
+    for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x)
+        m = max(m, __float_as_uint(x[i]) & 0x7FFFFFFFu);
+    __shared__ unsigned int part[256];
+    part[threadIdx.x] = m;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) part[threadIdx.x] = max(part[threadIdx.x], part[threadIdx.x + w]);
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) atomicMax(&out[c], part[0]);
 }
 
 // One thread per output byte: 8 signs, and r <- v - (+-scale) for the same 8 elements.

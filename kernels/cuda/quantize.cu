@@ -47,8 +47,9 @@ __device__ __forceinline__ unsigned int quant_code(float a, float mult, int leve
     return (unsigned int)(a < 0.0f ? levels - lev : levels + lev);
 }
 
-// One thread per group of 8 elements -> `width` bytes.
-__global__ void quantize(const float* __restrict__ x, long long n, float mult, int levels,
+// One thread per group of 8 elements -> `width` bytes; one multiplier per chunk of `size`.
+__global__ void quantize(const float* __restrict__ x, long long n,
+                         const float* __restrict__ mults, long long size, int levels,
                          unsigned long long seed, int width, long long nout,
                          unsigned char* __restrict__ out) {
     long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -57,7 +58,7 @@ __global__ void quantize(const float* __restrict__ x, long long n, float mult, i
     for (int j = 0; j < 8; ++j) {
         long long i = g * 8 + j;
         if (i >= n) break;
-        word |= (unsigned long long)quant_code(x[i], mult, levels,
+        word |= (unsigned long long)quant_code(x[i], mults[i / size], levels,
                                                uniform24(seed, (unsigned long long)i)) << (j * width);
     }
     for (int b = 0; b < width && g * width + b < nout; ++b)
@@ -66,8 +67,9 @@ __global__ void quantize(const float* __restrict__ x, long long n, float mult, i
 
 // One thread per group: codes back to (code - levels) * step; counts codes > 2 levels.
 __global__ void dequantize(const unsigned char* __restrict__ packed, long long npacked,
-                           float step, int levels, int width, long long n,
-                           float* __restrict__ out, unsigned long long* __restrict__ bad) {
+                           const float* __restrict__ steps, long long size, int levels,
+                           int width, long long n, float* __restrict__ out,
+                           unsigned long long* __restrict__ bad) {
     long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g * 8 >= n) return;
     unsigned long long word = 0;
@@ -80,7 +82,7 @@ __global__ void dequantize(const unsigned char* __restrict__ packed, long long n
         if (i >= n) break;
         int c = (int)((word >> (j * width)) & mask);
         nbad += c > 2 * levels;
-        out[i] = __fmul_rn((float)(c - levels), step);
+        out[i] = __fmul_rn((float)(c - levels), steps[i / size]);
     }
     if (nbad) atomicAdd(bad, nbad);
 }
