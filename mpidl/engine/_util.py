@@ -13,12 +13,13 @@ def float_dtype(dtype):
     return dt
 
 
-def as_input(x, dtype):
-    """``x`` in the layer's dtype (integers and the other float width are cast) and its
-    array module. Casting here keeps float64 data from silently promoting a float32
-    model (and running at half speed)."""
-    xp = array_module(x)
-    if not hasattr(x, "dtype"):
+def as_input(x, dtype, like=None):
+    """``x`` in the layer's dtype (integers and the other float width are cast) and on
+    the device of ``like`` (a parameter), with its array module. Casting here keeps
+    float64 data from silently promoting a float32 model (and running at half speed);
+    moving here lets a host batch enter a GPU model."""
+    xp = array_module(like if like is not None else x)
+    if not hasattr(x, "dtype") or array_module(x) is not xp:
         x = xp.asarray(x)
     if x.dtype != dtype:
         x = x.astype(dtype)

@@ -54,7 +54,7 @@ class Conv2d(Layer):
         return n, ho, wo
 
     def forward(self, x):
-        x, xp = as_input(x, self.dtype)
+        x, xp = as_input(x, self.dtype, self.weight.data)
         n, ho, wo = self._out_shape(x)
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         f, c = self.out_channels, self.in_channels

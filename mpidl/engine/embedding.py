@@ -27,7 +27,7 @@ class Embedding(Layer):
             self.dtype))
 
     def forward(self, ids):
-        xp = array_module(ids)
+        xp = array_module(self.weight.data)
         ids = xp.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise ShapeError(f"Embedding expects integer ids, got dtype {ids.dtype} "

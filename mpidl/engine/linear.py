@@ -29,7 +29,7 @@ class Linear(Layer):
         self._x = None
 
     def forward(self, x):
-        x, xp = as_input(x, self.dtype)
+        x, xp = as_input(x, self.dtype, self.weight.data)
         if x.ndim < 2 or x.shape[-1] != self.in_features:
             got = x.shape[-1] if x.ndim else 0
             hint = "; add a Flatten before it" if x.ndim > 2 else ""

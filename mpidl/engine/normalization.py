@@ -63,7 +63,7 @@ class _BatchNorm(Layer):
     _ones = None
 
     def forward(self, x):
-        x, xp = as_input(x, self.dtype)
+        x, xp = as_input(x, self.dtype, self._buffers["running_mean"])
         self._check(x)
         x2, tshape = self._rows(x)
         count = x2.shape[0]
@@ -161,7 +161,7 @@ class LayerNorm(Layer):
                                                           dtype=self.dtype))
 
     def forward(self, x):
-        x, xp = as_input(x, self.dtype)
+        x, xp = as_input(x, self.dtype, self.weight.data if self.weight is not None else None)
         k = len(self.normalized_shape)
         if x.ndim <= k or tuple(x.shape[-k:]) != self.normalized_shape:
             raise ShapeError(f"LayerNorm expects inputs ending in {self.normalized_shape} "

@@ -69,7 +69,9 @@ class MaxPool2d(_Pool2d):
                 xp.maximum(best, s, out=best)
                 # idx = where(better, o, idx), as two cheap passes: every index stored so
                 # far is < o, so the maximum picks o exactly where this offset wins.
-                xp.maximum(idx, better * idx.dtype.type(o), out=idx)
+                won = better.astype(idx.dtype)
+                won *= o
+                xp.maximum(idx, won, out=idx)
         self._idx, self._bufshape, self._xshape = idx, buf.shape, x.shape
         return best.transpose(0, 3, 1, 2)
 
