@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import statistics
@@ -71,9 +72,19 @@ def have_torch():
     return True
 
 
-def mpiexec():
+def launcher():
+    """The command prefix that starts ranks (it must take ``-n N``): $MPIDL_MPIEXEC (e.g.
+    "srun --mpi=pmi2", set by slurm/scaling.sbatch), else the mpiexec beside this Python
+    (the mpich wheel's), else the one on PATH."""
+    explicit = os.environ.get("MPIDL_MPIEXEC")
+    if explicit:
+        return shlex.split(explicit)
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.path.exists(beside) else shutil.which("mpiexec")
+    found = beside if os.path.exists(beside) else shutil.which("mpiexec")
+    if not found:
+        raise SystemExit("bench/scaling.py: no mpiexec found (pip install mpich, or set "
+                         "MPIDL_MPIEXEC to the launcher command)")
+    return [found]
 
 
 def free_port():
@@ -83,7 +94,10 @@ def free_port():
 
 
 def configurations(args, torch):
-    """(key, ranks, worker arguments) for every launch of one repeat."""
+    """(key, ranks, worker arguments) for every launch of one repeat.
+
+    The key names the configuration: ``mpidl n=2 b=128 overlap`` is 2 ranks, 128 images
+    per rank, overlap on; ``torch n=2 b=128`` the same with PyTorch (DDP for n > 1)."""
     out = []
 
     def add(key, n, fw, batch, *extra):
@@ -111,7 +125,7 @@ def configurations(args, torch):
 
 def launch(n, worker_args, args, tmp, key, rep):
     out = os.path.join(tmp, f"r{rep}-{abs(hash(key))}.json")
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpidl.benchmarks.scaling"]
+    cmd = launcher() + ["-n", str(n), sys.executable, "-m", "mpidl.benchmarks.scaling"]
     cmd += worker_args + ["--steps", str(args.steps), "--warmup", str(args.warmup),
                           "--out", out]
     timeline = None

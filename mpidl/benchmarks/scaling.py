@@ -201,7 +201,7 @@ def timeline_summary(path, pid=0, last_steps=None):
 
 def _env_rank():
     for r, s in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                 ("RANK", "WORLD_SIZE")):
+                 ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"), ("RANK", "WORLD_SIZE")):
         if r in os.environ and s in os.environ:
             return int(os.environ[r]), int(os.environ[s])
     return 0, 1
