@@ -37,8 +37,8 @@ def test_cnn_names_are_stable():
 
 def test_resnet_uses_residual_blocks():
     names = [n for n, _ in build_model("resnet-tiny").named_parameters()]
-    assert "3.body.0.weight" in names and "4.shortcut.0.weight" in names
-    assert "3.shortcut.0.weight" not in names  # the first block keeps its width: identity
+    assert "4.body.0.weight" in names and "5.shortcut.0.weight" in names
+    assert "4.shortcut.0.weight" not in names  # the first block keeps its width: identity
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -59,12 +59,15 @@ def cnn(input_shape, num_classes, rng, dtype, channels=(32, 64), hidden=128, dro
     return Sequential(*layers)
 
 
-def resnet_tiny(input_shape, num_classes, rng, dtype, widths=(16, 32, 64)):
-    """A small ResNet: conv3x3 stem + BN + ReLU, one basic residual block per width
-    (stride 2 from the second on), global average pooling, Linear classifier."""
+def resnet_tiny(input_shape, num_classes, rng, dtype, widths=(16, 32, 64), stem_pool=True):
+    """A small ResNet: conv3x3 stem + BN + ReLU (+ 2x2 max-pool, so the blocks run at a
+    quarter of the pixels: 4x cheaper on CPU), one basic residual block per width (stride
+    2 from the second on), global average pooling, Linear classifier."""
     c, _, _ = _image_shape("resnet-tiny", input_shape)
     layers = [Conv2d(c, widths[0], 3, padding=1, bias=False, rng=rng, dtype=dtype),
               BatchNorm2d(widths[0], dtype=dtype), ReLU()]
+    if stem_pool:
+        layers.append(MaxPool2d(2))
     prev = widths[0]
     for k, width in enumerate(widths):
         layers.append(basic_block(prev, width, stride=1 if k == 0 else 2, rng=rng, dtype=dtype))
