@@ -1,0 +1,101 @@
+"""Compressed gradient exchange: compressors, memories (error feedback), the exchanger.
+
+    from mpidl.compress import make_compressor, Exchanger
+    compressor = make_compressor("topk", ratio=0.001)      # error feedback attached
+    exchanger = Exchanger(comm, compressor)
+    grad = exchanger.exchange(grad, "0.weight")            # the mean over the ranks
+    exchanger.bytes_sent                                   # per rank, cumulative
+
+One module per algorithm:
+
+=========  =============================================  ==========  ================
+name       what travels                                   summable    default memory
+=========  =============================================  ==========  ================
+none       the gradient                                   yes         -
+fp16       the gradient in float16                        yes         -
+onebit     1 sign bit per entry + mean |v| per chunk      no          error feedback
+threshold  entries with |v| > tau, as +-tau (Strom)       no          error feedback
+topk       the k largest |v| (indices + values)           no          error feedback
+dgc        sampled-threshold top-k (DGC)                  no          DGC momentum
+randomk    k values at shared random indices              yes         error feedback
+qsgd       stochastic levels per bucket (4 bits at 7)     no          -
+terngrad   -s / 0 / +s per entry (2 bits)                 no          -
+powersgd   rank-r factors P, Q (two all-reduces)          (own)       its own EF
+=========  =============================================  ==========  ================
+"""
+
+import inspect
+
+from .base import Compressor, Ctx, Memory, ResidualMemory
+from .dgc import DGCCompressor, DGCMemory
+from .exchange import Exchanger
+from .fp16 import FP16Compressor
+from .none import NoneCompressor
+from .onebit import OneBitCompressor
+from .powersgd import PowerSGDCompressor
+from .qsgd import QSGDCompressor
+from .randomk import RandomKCompressor
+from .terngrad import TernGradCompressor
+from .threshold import ThresholdCompressor
+from .topk import TopKCompressor
+
+COMPRESSORS = {c.name: c for c in (
+    NoneCompressor, FP16Compressor, OneBitCompressor, ThresholdCompressor, TopKCompressor,
+    DGCCompressor, RandomKCompressor, QSGDCompressor, TernGradCompressor, PowerSGDCompressor)}
+MEMORIES = ("default", "none", "residual", "dgc")
+
+
+def _params(cls):
+    """The keyword parameters a compressor class takes."""
+    if cls.__init__ is object.__init__:
+        return []
+    sig = inspect.signature(cls.__init__)
+    return [name for name, p in sig.parameters.items() if name != "self"
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def make_compressor(name, memory="default", **params):
+    """A compressor by name, with its memory attached as ``compressor.memory``.
+
+    ``params`` are the compressor's own (``ratio`` for topk/dgc/randomk, ``chunk`` for
+    onebit, ``levels``/``bucket`` for qsgd, ...). ``memory``: "default" (the algorithm's
+    usual one, see the table above), "none", "residual" (error feedback), "dgc", or a
+    Memory instance. Unknown names and parameters raise ValueError / TypeError saying
+    what is accepted; bad values raise ValueError.
+    """
+    key = str(name).lower()
+    cls = COMPRESSORS.get(key)
+    if cls is None:
+        raise ValueError(f"unknown compressor {name!r}: choose one of "
+                         f"{', '.join(COMPRESSORS)}")
+    allowed = _params(cls)
+    for p in params:
+        if p not in allowed:
+            takes = f"its parameters are {', '.join(allowed)}" if allowed else \
+                "it takes no parameters"
+            raise TypeError(f"compressor {key!r} has no parameter {p!r}: {takes}")
+    compressor = cls(**params)
+    compressor.memory = _make_memory(memory, compressor)
+    return compressor
+
+
+def _make_memory(memory, compressor):
+    if isinstance(memory, Memory) or memory is None:
+        return memory
+    if memory not in MEMORIES:
+        raise ValueError(f"unknown memory {memory!r}: choose one of {', '.join(MEMORIES)} "
+                         f"(or pass a Memory)")
+    if memory == "default":
+        memory = getattr(compressor, "default_memory", "none")
+    if memory == "none":
+        return None
+    if memory == "residual":
+        return ResidualMemory()
+    return DGCMemory(momentum=getattr(compressor, "momentum", 0.9),
+                     clip=getattr(compressor, "clip", None))
+
+
+__all__ = ["COMPRESSORS", "Compressor", "Ctx", "DGCCompressor", "DGCMemory", "Exchanger",
+           "FP16Compressor", "MEMORIES", "Memory", "NoneCompressor", "OneBitCompressor",
+           "PowerSGDCompressor", "QSGDCompressor", "RandomKCompressor", "ResidualMemory",
+           "TernGradCompressor", "ThresholdCompressor", "TopKCompressor", "make_compressor"]
