@@ -41,9 +41,29 @@ def _pipeline(t, src, dst, counts, displs, fn, c0, nred, nsteps, seg, final=None
         return scratch[k * seg:k * seg + (hi - lo)] if i < nred else dst[lo:hi]
 
     t.ready()
-    sends = [isend((src if nred else dst)[lo:hi], right) for lo, hi in bounds(c0 % p)]
+    # Send requests by the start of the region they read. Before a receive may write a
+    # region of dst, the sends that read it must be complete (MPI's rule for send
+    # buffers). In a ring they always are in practice, because what arrives depends on
+    # what was sent, but the wait makes it so by the standard too.
+    sent = {}
+    sends = []
+
+    def send(buf, lo):
+        req = isend(buf, right)
+        sends.append(req)
+        sent[lo] = req
+
+    def post_recv(i, k, lo, hi):
+        if i >= nred:
+            req = sent.pop(lo, None)
+            if req is not None:
+                wait(req)
+        return irecv(target(i, k, lo, hi), left)
+
+    for lo, hi in bounds(c0 % p):
+        send((src if nred else dst)[lo:hi], lo)
     cur = bounds((c0 - 1) % p)
-    recvs = [irecv(target(0, k, lo, hi), left) for k, (lo, hi) in enumerate(cur)]
+    recvs = [post_recv(0, k, lo, hi) for k, (lo, hi) in enumerate(cur)]
     last = nsteps - 1
     for i in range(nsteps):
         nxt = bounds((c0 - 2 - i) % p) if i < last else []
@@ -62,12 +82,10 @@ def _pipeline(t, src, dst, counts, displs, fn, c0, nred, nsteps, seg, final=None
                 # slot k is free again: post the receive of the next step's segment k,
                 # then pass this segment on (it is the next step's send).
                 if k < len(nxt):
-                    nlo, nhi = nxt[k]
-                    new.append(irecv(target(i + 1, k, nlo, nhi), left))
-                sends.append(isend(out, right))
+                    new.append(post_recv(i + 1, k, *nxt[k]))
+                send(out, lo)
         for k in range(len(cur), len(nxt)):
-            nlo, nhi = nxt[k]
-            new.append(irecv(target(i + 1, k, nlo, nhi), left))
+            new.append(post_recv(i + 1, k, *nxt[k]))
         recvs, cur = new, nxt
     t.waitall(sends)
 

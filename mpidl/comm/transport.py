@@ -102,13 +102,14 @@ class DeviceTransport(HostTransport):
         self._stream().synchronize()
 
 
-class _StagedRecv:
-    """An MPI receive into host memory whose data goes to the device when it completes."""
+class _StagedRequest:
+    """An MPI request on host memory; for a receive, the device array the data goes to
+    when it completes. Waiting twice is harmless."""
 
-    __slots__ = ("req", "host", "dev")
+    __slots__ = ("req", "host", "dev", "done")
 
     def __init__(self, req, host, dev):
-        self.req, self.host, self.dev = req, host, dev
+        self.req, self.host, self.dev, self.done = req, host, dev, False
 
 
 class StagedTransport(HostTransport):
@@ -165,24 +166,29 @@ class StagedTransport(HostTransport):
 
     def isend(self, buf, dest):
         hs = self.to_host(buf)
-        return _StagedRecv(self.comm.Isend([hs, BYTE], dest, TAG), hs, None)
+        return _StagedRequest(self.comm.Isend([hs, BYTE], dest, TAG), hs, None)
 
     def irecv(self, buf, source):
         hr = self.staging.take(buf.size, buf.dtype)
-        return _StagedRecv(self.comm.Irecv([hr, BYTE], source, TAG), hr, buf)
+        return _StagedRequest(self.comm.Irecv([hr, BYTE], source, TAG), hr, buf)
 
     def wait(self, r):
+        if r.done:
+            return
         r.req.Wait()
+        self._complete(r)
+
+    def waitall(self, reqs):
+        reqs = [r for r in reqs if not r.done]
+        MPI.Request.Waitall([r.req for r in reqs])
+        for r in reqs:
+            self._complete(r)
+
+    def _complete(self, r):
+        r.done = True
         if r.dev is not None:
             self.to_device(r.host, r.dev)
         self.staging.release()
-
-    def waitall(self, reqs):
-        MPI.Request.Waitall([r.req for r in reqs])
-        for r in reqs:
-            if r.dev is not None:
-                self.to_device(r.host, r.dev)
-            self.staging.release()
 
     def combine(self, fn, a, b, out):
         fn(a, b, out=out)
