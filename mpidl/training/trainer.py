@@ -240,7 +240,7 @@ class Trainer:
 
     def save_checkpoint(self):
         """Collective: gather every rank's RNG state, then the root writes atomically."""
-        mine = {"rng": rng_states(self.model)}
+        mine = {"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}
         per_rank = self.strategy.gather(mine)
         strategy_state = self.strategy.state_dict()
         self.checkpoints_written += 1
@@ -252,8 +252,7 @@ class Trainer:
         state = {
             "config": self.resume_config(),
             "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
-                         "epoch_stats": self.stats.state_dict(), "elapsed": self.elapsed(),
-                         "last": self.last},
+                         "elapsed": self.elapsed(), "last": self.last},
             "model": dict(self.model.state_dict()),
             "optimizer": self.optimizer.state_dict(),
             "ranks": per_rank,
@@ -285,16 +284,21 @@ class Trainer:
             return False
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        set_rng_states(self.model, state["ranks"][self.strategy.rank]["rng"])
+        mine = state["ranks"][self.shard_rank_index()]
+        set_rng_states(self.model, mine["rng"])
         self.strategy.load_state_dict(state["strategy"])
         p = state["progress"]
         self.step, self.epoch, self.batch = int(p["step"]), int(p["epoch"]), int(p["batch"])
-        self.stats = EpochStats.from_state(p["epoch_stats"])
+        self.stats = EpochStats.from_state(mine["epoch_stats"])  # this rank's own sums
         self.seconds_before = float(p["elapsed"])
         self.last = p.get("last") or {}
         self.log.info(f"resumed from {path}: step {self.step}, epoch {self.epoch + 1}, "
                       f"batch {self.batch}/{self.steps_per_epoch}")
         return True
+
+    def shard_rank_index(self):
+        """This rank's entry in the checkpoint's per-rank list (the order of ``gather``)."""
+        return self.index if self.strategy.trains_on_data else 0
 
     def check_compatible(self, path, saved):
         now = self.resume_config()

@@ -1,0 +1,152 @@
+"""Bad input gives one clear line on stderr and exit status 2, never a traceback.
+
+The five cases the issue names (unknown config key, negative lr, missing data directory,
+corrupt IDX file, a layer whose input does not fit its weights), a few more, and the same
+under mpiexec with several ranks: every rank exits 2, the line is printed once.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from mpirun import mpiexec_path, run_command
+
+MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
+FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "256", "--limit-test",
+        "64", "--epochs", "1"]
+
+
+def run(args, n=None, timeout=120):
+    cmd = ([mpiexec_path(), "-n", str(n)] if n else []) + MPIDL + [str(a) for a in args]
+    return run_command(cmd, timeout=timeout)
+
+
+def assert_one_line_error(launch, *needles):
+    assert not launch.timed_out, launch.output
+    assert launch.returncode == 2, launch.output
+    lines = [line for line in launch.output.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{launch.output}"
+    line = lines[0]
+    assert line.startswith("mpidl: error: "), line
+    assert "Traceback" not in launch.output
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    return line
+
+
+def test_unknown_config_key(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('model = "mlp"\nlearning_rate = 0.1\n')
+    assert_one_line_error(run(["train", "--config", cfg] + FAST),
+                          "unknown key 'learning_rate'", str(cfg), "valid keys:", "lr")
+
+
+def test_negative_lr():
+    assert_one_line_error(run(["train", "--lr", "-0.1"] + FAST), "--lr must be positive",
+                          "-0.1")
+
+
+def test_missing_data_dir(tmp_path):
+    missing = tmp_path / "no-such-dir"
+    line = assert_one_line_error(
+        run(["train", "--no-progress", "--dataset", "fashion-mnist", "--data-dir", missing]),
+        str(missing), "does not exist", "apt-get install dataset-fashion-mnist")
+    assert "--data-dir DIR" in line
+
+
+def test_corrupt_idx_file(tmp_path):
+    from mpidl.data.idx import write_idx
+
+    for prefix, n in (("train", 20), ("t10k", 10)):
+        write_idx(str(tmp_path / f"{prefix}-images-idx3-ubyte.gz"), np.zeros((n, 28, 28), np.uint8))
+        write_idx(str(tmp_path / f"{prefix}-labels-idx1-ubyte.gz"), np.zeros(n, np.uint8))
+    bad = tmp_path / "t10k-images-idx3-ubyte"  # a raw (not gzip) file, truncated
+    os.remove(tmp_path / "t10k-images-idx3-ubyte.gz")
+    write_idx(str(bad), np.zeros((10, 28, 28), np.uint8))
+    bad.write_bytes(bad.read_bytes()[:-50])  # truncated
+    assert_one_line_error(
+        run(["train", "--no-progress", "--dataset", "fashion-mnist", "--data-dir", tmp_path]),
+        str(bad), "truncated", "expected 7856")
+
+
+def test_corrupt_magic_number(tmp_path):
+    from mpidl.data.idx import write_idx
+
+    for prefix, n in (("train", 20), ("t10k", 10)):
+        write_idx(str(tmp_path / f"{prefix}-images-idx3-ubyte"), np.zeros((n, 28, 28), np.uint8))
+        write_idx(str(tmp_path / f"{prefix}-labels-idx1-ubyte"), np.zeros(n, np.uint8))
+    labels = tmp_path / "train-labels-idx1-ubyte"
+    labels.write_bytes(b"\x08\x01\x00\x00" + labels.read_bytes()[4:])
+    assert_one_line_error(
+        run(["train", "--no-progress", "--dataset", "mnist", "--data-dir", tmp_path]),
+        str(labels), "not an IDX file", "magic number")
+
+
+def test_layer_input_does_not_fit_its_weights(tmp_path):
+    """An MLP saved for 8x8 images (digits), started on 28x28 images: layer 1's weights
+    expect 64 features, the data has 784."""
+    from mpidl.engine.models import build_model
+    from mpidl.training.checkpoint import save_model
+
+    path = tmp_path / "digits-mlp.npz"
+    save_model(str(path), build_model("mlp", input_shape=(1, 8, 8)),
+               {"model": "mlp", "input_shape": [1, 8, 8], "num_classes": 10})
+    assert_one_line_error(run(["train", "--init", path] + FAST),
+                          "does not fit dataset 'synthetic'", "layer 1", "Linear",
+                          "expects 64 input features, got 784")
+
+
+def test_init_file_missing(tmp_path):
+    assert_one_line_error(run(["train", "--init", tmp_path / "none.npz"] + FAST),
+                          "--init", "none.npz", "no such file")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["train", "--bogus"], ["unrecognized arguments: --bogus"]),
+    (["train", "--epochs", "two"], ["--epochs", "invalid int value"]),
+    (["train", "--model", "vgg"] + FAST, ["unknown model 'vgg'", "mlp"]),
+    (["train", "--dataset", "imagenet", "--no-progress"], ["unknown dataset 'imagenet'"]),
+    (["train", "--strategy", "nosuch"] + FAST, ["strategy 'nosuch' is not available"]),
+    (["train", "--schedule", "exp"] + FAST, ["--schedule 'exp'", "unknown schedule"]),
+    (["train", "--resume"] + FAST, ["--resume needs"]),
+    (["train", "--batch-size", "4096", "--drop-last"] + FAST, ["larger than the 256"]),
+    ([], ["no command given"]),
+])
+def test_more_user_errors(args, needles):
+    assert_one_line_error(run(args), *needles)
+
+
+def test_user_error_under_mpiexec_is_printed_once_and_all_ranks_exit_2():
+    launch = run(["train", "--lr", "-1"] + FAST, n=3)
+    assert_one_line_error(launch, "--lr must be positive")
+
+
+def test_help_explains_every_flag():
+    launch = run(["train", "--help"]).check()
+    for flag in ("--model", "--dataset", "--data-dir", "--epochs", "--batch-size",
+                 "--optimizer", "--lr", "--momentum", "--weight-decay", "--schedule",
+                 "--warmup-epochs", "--scale-lr", "--seed", "--device", "--dtype", "--config",
+                 "--strategy", "--algorithm", "--bucket-mb", "--no-overlap", "--compression",
+                 "--ratio", "--checkpoint-dir", "--checkpoint-every", "--resume", "--metrics",
+                 "--save", "--out-dir", "--limit-train", "--limit-test", "--no-progress",
+                 "--verbose", "--drop-last", "--init"):
+        assert flag in launch.output, flag
+
+
+def test_info():
+    launch = run(["info"]).check()
+    for key in ("mpidl", "numpy", "mpi4py", "numba", "mpi_library", "ranks", "backend",
+                "gpus", "cuda_aware_mpi"):
+        assert key in launch.output, key
+
+
+def test_info_under_mpiexec_json():
+    import json
+
+    launch = run(["info", "--json"], n=2).check()
+    lines = [line for line in launch.output.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, launch.output  # rank 0 prints
+    info = json.loads(lines[0])
+    assert info["ranks"] == 2 and [r["rank"] for r in info["per_rank"]] == [0, 1]
