@@ -66,8 +66,9 @@ atexit.register(_close_all)
 class _Channel:
     """One duplicate communicator, used by one thread: transports, scratch, check memory."""
 
-    def __init__(self, comm, tid, staging):
+    def __init__(self, comm, tid, staging, cuda_aware):
         self.comm = comm
+        self.cuda_aware = cuda_aware
         self.tid = tid
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -82,7 +83,7 @@ class _Channel:
             return self.host
         if self._device is None:
             cp = backend.cupy_module()
-            if backend.cuda_aware_mpi():
+            if self.cuda_aware:
                 self._device = DeviceTransport(self.comm, cp)
             else:
                 self._device = StagedTransport(self.comm, cp, pinned=True)
@@ -145,8 +146,11 @@ class Communicator:
         self.local_size = local.Get_size()
         local.Free()
 
-        self._main = _Channel(comm.Dup(), TID_CALLER, _staging)
-        self._bg = _Channel(comm.Dup(), TID_PROGRESS, _staging)
+        # GPU arrays: device pointers straight to MPI if it is CUDA-aware (decided once,
+        # here), else staged through pinned host buffers.
+        self.cuda_aware = backend.cuda_aware_mpi()
+        self._main = _Channel(comm.Dup(), TID_CALLER, _staging, self.cuda_aware)
+        self._bg = _Channel(comm.Dup(), TID_PROGRESS, _staging, self.cuda_aware)
         self._staging = _staging
 
         # One exchange at start-up: everyone must resolve "auto" alike, so rank 0 reads
