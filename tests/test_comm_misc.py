@@ -21,3 +21,9 @@ def test_eager_progress_when_asked(tmp_path):
                        timeout=120, env={"MPIDL_PROGRESS": "eager"}).check()
     assert "MISC OK" in launch.output, launch.output
     assert "progress mode eager" in launch.output, launch.output
+
+
+def test_exit_does_not_hang_on_an_orphaned_nonblocking_collective():
+    launch = run_ranks(2, [os.path.join(HERE, "ranks", "comm_exit_stall.py")], timeout=60,
+                       env={"MPIDL_EXIT_TIMEOUT": "2"}, module_mpi4py=False).check()
+    assert "non-blocking collectives still running at exit" in launch.output, launch.output

@@ -53,9 +53,11 @@ _live = weakref.WeakSet()
 
 
 def _close_all():
+    """At exit: close what the program left open (queued collectives finish first, but a
+    collective other ranks never joined is not waited for forever)."""
     for comm in list(_live):
         try:
-            comm.close()
+            comm.close(_exit_timeout=float(os.environ.get("MPIDL_EXIT_TIMEOUT", "30")))
         except Exception:  # exiting anyway; MPI may be unusable
             pass
 
@@ -229,14 +231,20 @@ class Communicator:
             return None
         return self._timeline.flush(self._main.comm)
 
-    def close(self):
+    def close(self, _exit_timeout=None):
         """Finish queued non-blocking collectives, write the timeline, free the duplicate
         communicators. Collective; idempotent."""
         if self._closed:
             return
         self._closed = True
         _live.discard(self)
-        self._progress.close()
+        if not self._progress.close(_exit_timeout):
+            import sys  # noqa: PLC0415
+
+            print(f"mpidl: rank {self.rank}: non-blocking collectives still running at exit "
+                  f"after {_exit_timeout:.0f} s (other ranks never joined them); not waiting",
+                  file=sys.stderr, flush=True)
+            return
         if MPI.Is_finalized():
             return
         if self._owns_timeline:

@@ -109,12 +109,14 @@ class ProgressThread:
         self._queue.put((handle, fn, args))
         return handle
 
-    def close(self):
-        """Finish everything queued, then stop the thread."""
+    def close(self, timeout=None):
+        """Finish everything queued, then stop the thread. Returns False if the thread is
+        still running after ``timeout`` seconds (a collective other ranks never joined)."""
         if not self._closed:
             self._closed = True
             self._queue.put(None)
-            self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 class EagerProgress:
@@ -126,5 +128,5 @@ class EagerProgress:
         _run(handle, fn, args)
         return handle
 
-    def close(self):
-        pass
+    def close(self, timeout=None):
+        return True
