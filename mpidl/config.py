@@ -70,7 +70,7 @@ OPTIONS = [
     Option("warmup_epochs", float, 0.0, "linear learning-rate warm-up from ~0 over this many "
            "epochs (fractions allowed)", metavar="E"),
     Option("scale_lr", bool, False, "large-batch rule: multiply lr by the number of "
-           "training ranks; pair it with --warmup-epochs"),
+           "training ranks, with a linear warm-up over --warmup-epochs (1 unless given)"),
     Option("seed", int, 0, "seed for weights, shuffling and dropout; the same seed and rank "
            "count give the same run"),
     Option("device", str, "cpu", "cpu (NumPy) or gpu (CuPy, one GPU per rank by node-local "

@@ -241,3 +241,17 @@ def test_full_fashion_mnist_accuracy(tmp_path, model, target, timeout):
                     "--out-dir", tmp_path], timeout=timeout).check()
     best = json_lines(launch.output)[-1]["test_acc"]
     assert best >= target, launch.output
+
+
+@pytest.mark.skipif(not data_parallel_available(), reason="data-parallel strategy not available")
+def test_two_ranks_log_with_their_rank(tmp_path):
+    args = ["--dataset", "synthetic", "--limit-train", "512", "--limit-test", "64",
+            "--epochs", "1", "--out-dir", tmp_path]
+    quiet = train(args, n=2).check()
+    assert len(json_lines(quiet.output)) == 1  # metrics: rank 0 only
+    assert "[rank 0]" in quiet.output and "[rank 1]" not in quiet.output
+    loud = train(args + ["--verbose"], n=2).check()
+    assert "[rank 1]" in loud.output
+    for line in loud.output.splitlines():
+        if line.strip() and not line.startswith("{"):
+            assert re.match(r"\[rank [01]\] ", line), line

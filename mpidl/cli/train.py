@@ -171,6 +171,13 @@ def prepare(args, world):
                 f"{trainer.steps_per_epoch} steps/epoch x {cfg.epochs} epochs | "
                 f"{cfg.optimizer} lr {trainer.base_lr:g} ({cfg.schedule}, warm-up "
                 f"{trainer.warmup_steps} steps) | outputs in {out_dir}")
+        import socket  # noqa: PLC0415
+
+        index, count = strategy.shard()
+        log.debug(f"on {socket.gethostname()} (local rank {_local_rank(world)}), device "
+                  f"{backend.device()}{'' if backend.gpu_id() is None else ' ' + str(backend.gpu_id())}"
+                  f", {'shard %d of %d' % (index, count) if strategy.trains_on_data else 'server'}"
+                  f", strategy {name}")
         trainer.fit()
         return 0
 

@@ -102,7 +102,10 @@ class Trainer:
         self.steps_per_epoch = len(self.loader)
         self.total_steps = cfg.epochs * self.steps_per_epoch
         self.base_lr = cfg.lr * (self.count if cfg.scale_lr else 1)
-        self.warmup_steps = int(round(cfg.warmup_epochs * self.steps_per_epoch))
+        warmup_epochs = cfg.warmup_epochs
+        if cfg.scale_lr and self.count > 1 and "warmup_epochs" not in getattr(cfg, "given", ()):
+            warmup_epochs = 1.0  # a scaled lr needs a warm-up (Goyal et al. 2017)
+        self.warmup_steps = int(round(warmup_epochs * self.steps_per_epoch))
         self.schedule = schedule_factory(self.base_lr, self.total_steps, self.warmup_steps)
         self.fail_at = parse_fail_at(os.environ.get(FAIL_ENV)).get(strategy.rank, set())
         crash = os.environ.get(CRASH_IN_CHECKPOINT_ENV)  # "N" or "N:BYTES": test hook
@@ -178,6 +181,9 @@ class Trainer:
 
     def end_epoch(self):
         """Evaluate, print the epoch's metrics, move to the next epoch."""
+        self.log.debug(f"epoch {self.epoch + 1}: local train loss "
+                       f"{self.stats.loss_sum / max(self.stats.steps, 1):.4f} over "
+                       f"{self.stats.steps} step(s)")
         train = self.strategy.reduce({"loss_sum": self.stats.loss_sum,
                                       "steps": self.stats.steps}, "sum")
         test_loss, test_acc = self.evaluate()
