@@ -174,3 +174,16 @@ def test_rank_failure_mid_epoch_then_resume_is_bitwise_equal(tmp_path, uninterru
     assert checkpoint_steps(run / "checkpoints") == [5, 10]
     run_command(mpidl_cmd(2, *COMMON, "--out-dir", run, "--resume"), timeout=180).check()
     assert_same_model(model_arrays(run / "model.npz"), uninterrupted)
+
+
+def test_compressed_exchange_reports_bytes_sent(tmp_path):
+    """--compression topk --ratio 0.01: far fewer bytes per step than the dense all-reduce."""
+    metrics = tmp_path / "m.jsonl"
+    base = ["--model", "mlp", "--dataset", "synthetic", "--epochs", "1", "--batch-size", "32",
+            "--limit-train", "512", "--limit-test", "64", "--metrics"]
+    run_command(mpidl_cmd(2, *base, metrics, "--out-dir", tmp_path / "a"), timeout=120).check()
+    run_command(mpidl_cmd(2, *base, metrics, "--out-dir", tmp_path / "b", "--compression",
+                          "topk", "--ratio", "0.01"), timeout=120).check()
+    dense, topk = records(metrics)
+    assert topk["compression_ratio"] > 20, topk
+    assert topk["bytes_sent_per_step"] < dense["bytes_sent_per_step"] / 10, (dense, topk)

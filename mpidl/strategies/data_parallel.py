@@ -31,8 +31,11 @@ How a step runs:
   rows are touched every step; the optimizer then sees dense gradients (SGD's momentum
   decays on untouched rows too, as in one process given dense gradients).
 * **Compression** (``compression="topk"`` etc., with ``ratio``): gradients are exchanged
-  tensor by tensor through ``mpidl.compress``'s exchanger (with error feedback) instead of
-  the fused all-reduce; bytes sent per step are reported in the metrics.
+  tensor by tensor through ``mpidl.compress``'s ``Exchanger`` (with the compressor's error
+  feedback) instead of the fused all-reduce. With overlap, the hook compresses each
+  tensor and starts its collective during backward; afterwards each is decoded and
+  updated in the order started. Embedding gradients are densified first. Bytes sent per
+  step (and the compression ratio) are reported in the metrics.
 
 Every rank must run the same number of steps: the data loader guarantees it (the last
 global batch of an epoch is padded or dropped on every rank alike), and ``finish``
@@ -109,6 +112,9 @@ class DataParallel(Strategy):
     @staticmethod
     def _make_compressor(name, ratio):
         if not name or name == "none":
+            if ratio is not None:
+                raise ConfigError("--ratio is a compression setting: give --compression too "
+                                  "(e.g. --compression topk --ratio 0.01)")
             return None
         try:
             from mpidl.compress import make_compressor  # noqa: PLC0415
@@ -142,13 +148,17 @@ class DataParallel(Strategy):
             for _, p in named:
                 self.comm.bcast(p.data, root=0)
             self._bcast_buffers()
-        # each rank's gradient is scaled by 1/N while packed, so a plain sum is the mean
-        self.fusion = FusionBuffers(dense, int(self.bucket_mb * MiB), scale=1.0 / self.size)
+        self._params = dict(named)
+        self._order = [n for n, _ in reversed(named)]  # backward's order
         if self.compressor is not None and self.communicates:
             from mpidl.compress import Exchanger  # noqa: PLC0415
 
-            self.exchanger = Exchanger(self.comm, self.compressor)
-        if self.overlap and self.exchanger is None and not self._hooked:
+            # compressed: every tensor (Embedding's densified) through the exchanger
+            self.exchanger = Exchanger(self.comm, self.compressor, algorithm=self.algorithm)
+            self.sparse_params, self._sparse_names, dense = [], [], []
+        # each rank's gradient is scaled by 1/N while packed, so a plain sum is the mean
+        self.fusion = FusionBuffers(dense, int(self.bucket_mb * MiB), scale=1.0 / self.size)
+        if self.overlap and self.communicates and not self._hooked:
             hook = getattr(model, "add_grad_ready_hook", None)
             if hook is not None:
                 hook(self._on_grads_ready)
@@ -159,6 +169,10 @@ class DataParallel(Strategy):
     def describe(self):
         """A few lines on the layout (for --verbose logs and reports)."""
         f = self.fusion
+        if self.exchanger is not None:
+            return [f"allreduce: {self.size} rank(s), compression {self.compression} "
+                    f"(tensor by tensor), algorithm {self.algorithm}, overlap "
+                    f"{'on' if self.overlap else 'off'}"]
         head = (f"allreduce: {self.size} rank(s), algorithm {self.algorithm}, "
                 f"{len(f)} bucket(s) of <= {self.bucket_mb:g} MiB ({f.nbytes / MiB:.2f} MiB "
                 f"in all), overlap {'on' if self.overlap else 'off'}")
@@ -176,7 +190,9 @@ class DataParallel(Strategy):
         dy = self.loss.backward()
         t1 = _clock()
         fusion.begin_step()
-        self._active = self.overlap and self.exchanger is None and self.communicates
+        if self.exchanger is not None:
+            self._pending, self._started = [], set()
+        self._active = self.overlap and self.communicates
         try:
             model.backward(dy)  # with overlap, the hook packs and launches buckets
         finally:
@@ -184,10 +200,7 @@ class DataParallel(Strategy):
         t2 = _clock()
         wait = 0.0
         if self.exchanger is not None:
-            self._exchange_compressed()
-            t3 = _clock()
-            wait = t3 - t2
-            opt.step()
+            wait = self._finish_compressed()
         elif not self.communicates:  # one process without a communicator
             opt.step()
         elif self.overlap:
@@ -237,6 +250,10 @@ class DataParallel(Strategy):
         """Backward hook: pack the layer's gradients; launch the buckets that completed."""
         if not self._active:
             return
+        if self.exchanger is not None:
+            for name in names:
+                self._start_compressed(name)
+            return
         fusion = self.fusion
         slot = fusion.slot
         completed = False
@@ -273,16 +290,35 @@ class DataParallel(Strategy):
             all_vals *= 1.0 / self.size
             p.grad = SparseGrad(all_idx, all_vals, p.data.shape)
 
-    def _exchange_compressed(self):
-        """Compressed exchange, tensor by tensor in backward's order (fixed on every rank)."""
-        ex = self.exchanger
-        for name, p in reversed(self.model.named_parameters()):
-            g = p.grad
-            if g is None:
-                g = array_module(p.data).zeros_like(p.data)
-            elif isinstance(g, SparseGrad):
-                g = g.to_dense()
-            p.grad = ex.exchange(g, name)
+    def _start_compressed(self, name):
+        """Compress ``name``'s gradient and start its collective (once per step)."""
+        if name in self._started or name not in self._params:
+            return
+        self._started.add(name)
+        p = self._params[name]
+        g = p.grad
+        if g is None:
+            g = array_module(p.data).zeros_like(p.data)
+        elif isinstance(g, SparseGrad):
+            g = g.to_dense()
+        self._pending.append(self.exchanger.start(g, name))
+
+    def _finish_compressed(self):
+        """Start what backward's hook did not, then decode tensor by tensor in the order
+        started (the same on every rank) and update each as it arrives; returns the time
+        spent waiting and decoding."""
+        for name in self._order:
+            self._start_compressed(name)
+        ex, opt, params = self.exchanger, self.optimizer, self._params
+        wait = 0.0
+        for pending in self._pending:
+            tw = _clock()
+            grad = ex.finish(pending)
+            wait += _clock() - tw
+            params[pending.name].grad = grad
+            opt.step((pending.name,))
+        self._pending = []
+        return wait
 
     # -- buffers (BatchNorm statistics) ---------------------------------------------------
     def _bcast_buffers(self):
@@ -344,9 +380,10 @@ class DataParallel(Strategy):
             "compute_ms": 1e3 * (s["forward"] + s["backward"] + s["update"]) / n,
             "wait_ms": 1e3 * s["wait"] / n,
         }
-        if self.exchanger is not None and hasattr(self.exchanger, "bytes_sent"):
+        if self.exchanger is not None:
             total = self.exchanger.bytes_sent
             out["bytes_sent_per_step"] = (total - getattr(self, "_bytes_before", 0)) / n
+            out["compression_ratio"] = self.exchanger.stats()["compression_ratio"]
             self._bytes_before = total
         elif self.fusion is not None:
             # what an all-reduce moves per rank and step: 2 (p-1)/p of the gradient bytes
