@@ -10,6 +10,8 @@ no-NaN assumptions), so NaN and Inf follow the documented rules.
 
 import numpy as np
 from numba import njit, prange
+from numba.core import types
+from numba.extending import intrinsic
 
 from . import wire
 
@@ -262,12 +264,19 @@ def _block_max_bits(xb, lo, hi):
 
 
 @njit(cache=True)
-def threshold_select(x, tau, r, use_r):
-    """One pass: v = x (+ r); |v| > tau is sent as sign * tau; r keeps v minus what was sent.
+def _add_into(x, r, lo, hi):
+    for i in range(_U(lo), _U(hi)):
+        r[i] = x[i] + r[i]
 
-    Blocks of 32: v is written to r and the block's largest |v| found without branches;
-    only blocks that reach tau are scanned. Indices and sign bits go into buffers sized
-    for n entries: np.empty / np.zeros leave untouched pages unwritten.
+
+@njit(cache=True)
+def threshold_select(x, tau, r, use_r):
+    """v = x (+ r); |v| > tau is sent as sign * tau; r keeps v minus what was sent.
+
+    Per BLOCK: v = x + r is written to r in one vectorised loop, then blocks of 32 whose
+    largest |v| (a branch-free integer max) passes tau are scanned, all while the BLOCK
+    is in cache. Indices and sign bits go into buffers sized for n entries: np.empty /
+    np.zeros leave untouched pages unwritten.
     """
     n = x.size
     idx = np.empty(n, np.int64)
@@ -275,21 +284,22 @@ def threshold_select(x, tau, r, use_r):
     vb = r.view(np.uint32) if use_r else x.view(np.uint32)
     tau_bits = np.array([tau], np.float32).view(np.uint32)[0]
     k = 0
-    for lo in range(0, n, 32):
-        hi = min(n, lo + 32)
+    for u0 in range(0, n, BLOCK):
+        u1 = min(n, u0 + BLOCK)
         if use_r:
-            for i in range(_U(lo), _U(hi)):
-                r[i] = x[i] + r[i]
-        if _block_max_bits(vb, lo, hi) > tau_bits:
-            for i in range(lo, hi):
-                v = r[i] if use_r else x[i]
-                if _key(v) > tau:
-                    neg = v < 0
-                    idx[k] = i
-                    signs[k >> 3] |= np.uint8(neg) << np.uint8(k & 7)
-                    k += 1
-                    if use_r:
-                        r[i] = v - (-tau if neg else tau)
+            _add_into(x, r, u0, u1)
+        for lo in range(u0, u1, 32):
+            hi = min(u1, lo + 32)
+            if _block_max_bits(vb, lo, hi) > tau_bits:
+                for i in range(lo, hi):
+                    v = r[i] if use_r else x[i]
+                    if _key(v) > tau:
+                        neg = v < 0
+                        idx[k] = i
+                        signs[k >> 3] |= np.uint8(neg) << np.uint8(k & 7)
+                        k += 1
+                        if use_r:
+                            r[i] = v - (-tau if neg else tau)
     return idx[:k].copy(), signs[:(k + 7) // 8].copy()
 
 
@@ -495,69 +505,75 @@ def unpack_bits(packed, width, n):
 
 
 # ---------------------------------------------------------------- fp16
+# Branch-free conversions (every case computed, one selected) so the loops vectorise.
+_u32 = np.uint32
+
+
 @njit(cache=True, inline="always")
 def _f32_to_f16_bits(f):
-    """IEEE float32 bits -> float16 bits, round to nearest even (NumPy's npy_floatbits_to_halfbits)."""
-    sign = np.uint16((f >> np.uint32(16)) & np.uint32(0x8000))
-    fe = f & np.uint32(0x7F800000)
-    fm = f & np.uint32(0x007FFFFF)
-    if fe >= np.uint32(0x47800000):  # overflow to inf, or inf / NaN
-        if fe == np.uint32(0x7F800000) and fm != 0:
-            m = np.uint16(fm >> np.uint32(13))
-            return sign | np.uint16(0x7E00) | m  # a quiet NaN, as the F16C instruction gives
-        return sign | np.uint16(0x7C00)
-    if fe <= np.uint32(0x38000000):  # subnormal half or zero
-        if fe < np.uint32(0x33000000):
-            return sign
-        e = fe >> np.uint32(23)
-        fm = fm + np.uint32(0x00800000)
-        sh = np.uint32(113) - e  # 1..11 bits more than a normal number loses
-        hm = fm >> (sh + np.uint32(13))
-        rem = fm & ((np.uint32(1) << (sh + np.uint32(13))) - np.uint32(1))
-        half = np.uint32(1) << (sh + np.uint32(12))
-        if rem > half or (rem == half and (hm & np.uint32(1)) != 0):
-            hm += np.uint32(1)
-        return sign | np.uint16(hm)
-    he = np.uint32((fe - np.uint32(0x38000000)) >> np.uint32(13))
-    hm = fm >> np.uint32(13)
-    rem = fm & np.uint32(0x1FFF)
-    h = (he | hm)
-    if rem > np.uint32(0x1000) or (rem == np.uint32(0x1000) and (hm & np.uint32(1)) != 0):
-        h += np.uint32(1)  # may carry into the exponent, up to inf: correct
-    return sign | np.uint16(h)
+    """float32 bits -> float16 bits, round to nearest even; overflow -> inf, NaN -> quiet NaN
+    (as the F16C instruction and NumPy give)."""
+    sign = (f >> _u32(16)) & _u32(0x8000)
+    a = f & _u32(0x7FFFFFFF)
+    # normal halves: drop 13 mantissa bits with round-half-even, rebias 127 -> 15
+    normal = ((a + _u32(0x0FFF) + ((a >> _u32(13)) & _u32(1))) >> _u32(13)) - _u32(0x1C000)
+    # subnormal halves: the mantissa with its implicit 1, shifted right by 126 - exponent
+    e = a >> _u32(23)
+    m = (a & _u32(0x007FFFFF)) | _u32(0x00800000)
+    sh = min(_u32(126) - min(e, _u32(126)), _u32(31))
+    hm = m >> sh
+    rem = m & ((_u32(1) << sh) - _u32(1))
+    half = _u32(1) << (sh - _u32(1))
+    sub = hm + _u32((rem > half) | ((rem == half) & ((hm & _u32(1)) == _u32(1))))
+    nan = _u32(0x7E00) | ((a >> _u32(13)) & _u32(0x03FF))
+    h = normal if a >= _u32(0x38800000) else sub
+    h = _u32(0x7C00) if a >= _u32(0x47800000) else h
+    h = nan if a > _u32(0x7F800000) else h
+    return np.uint16(sign | h)
 
 
 @njit(cache=True, parallel=True)
 def _to_fp16_bits(x_bits):
-    out = np.empty(x_bits.size, np.uint16)
-    for i in prange(x_bits.size):
-        out[i] = _f32_to_f16_bits(x_bits[i])
+    n = x_bits.size
+    out = np.empty(n, np.uint16)
+    for u in prange((n + BLOCK - 1) // BLOCK):
+        for i in range(_U(u * BLOCK), _U(min(n, (u + 1) * BLOCK))):
+            out[i] = _f32_to_f16_bits(x_bits[i])
     return out
+
+
+@intrinsic
+def _f32_as_u32(typingctx, x):
+    """The bits of a float32 as uint32 (LLVM bitcast; Numba has no scalar view)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(types.float32), codegen
 
 
 @njit(cache=True, inline="always")
 def _f16_bits_to_f32_bits(h):
-    sign = np.uint32(h & np.uint16(0x8000)) << np.uint32(16)
-    he = np.uint32(h & np.uint16(0x7C00))
-    hm = np.uint32(h & np.uint16(0x03FF))
-    if he == 0:
-        if hm == 0:
-            return sign
-        e = np.uint32(113)  # normalise the subnormal
-        while (hm & np.uint32(0x0400)) == 0:
-            hm <<= np.uint32(1)
-            e -= np.uint32(1)
-        return sign | (e << np.uint32(23)) | ((hm & np.uint32(0x03FF)) << np.uint32(13))
-    if he == np.uint32(0x7C00):
-        return sign | np.uint32(0x7F800000) | (hm << np.uint32(13))
-    return sign | ((he + np.uint32(0x1C000)) << np.uint32(13)) | (hm << np.uint32(13))
+    hw = _u32(h)
+    sign = (hw & _u32(0x8000)) << _u32(16)
+    em = hw & _u32(0x7FFF)
+    normal = (em << _u32(13)) + _u32(0x38000000)  # rebias 15 -> 127
+    special = (em << _u32(13)) | _u32(0x7F800000)  # inf / NaN keep their payload
+    sub = _f32_as_u32(np.float32(em) * np.float32(2.0 ** -24))  # m * 2**-24, exact
+    out = sub if em < _u32(0x0400) else normal
+    out = special if em >= _u32(0x7C00) else out
+    return sign | out
 
 
 @njit(cache=True, parallel=True)
 def _from_fp16_bits(h_bits):
-    out = np.empty(h_bits.size, np.uint32)
-    for i in prange(h_bits.size):
-        out[i] = _f16_bits_to_f32_bits(h_bits[i])
+    n = h_bits.size
+    out = np.empty(n, np.uint32)
+    for u in prange((n + BLOCK - 1) // BLOCK):
+        for i in range(_U(u * BLOCK), _U(min(n, (u + 1) * BLOCK))):
+            out[i] = _f16_bits_to_f32_bits(h_bits[i])
     return out
 
 
