@@ -236,7 +236,10 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path):
 @needs_fashion
 @pytest.mark.parametrize("model, target, timeout", [("mlp", 0.885, 3600),
                                                     ("cnn", 0.915, 4 * 3600)])
-def test_full_fashion_mnist_accuracy(tmp_path, model, target, timeout):
+def test_full_fashion_mnist_accuracy(request, tmp_path, model, target, timeout):
+    if "slow" not in (request.config.getoption("markexpr") or "") and \
+            os.environ.get("MPIDL_SLOW") != "1":
+        pytest.skip("full 10-epoch run: pytest -m slow tests/test_train.py (or MPIDL_SLOW=1)")
     launch = train(["--model", model, "--epochs", "10", "--seed", "1",
                     "--out-dir", tmp_path], timeout=timeout).check()
     best = json_lines(launch.output)[-1]["test_acc"]
@@ -255,3 +258,31 @@ def test_two_ranks_log_with_their_rank(tmp_path):
     for line in loud.output.splitlines():
         if line.strip() and not line.startswith("{"):
             assert re.match(r"\[rank [01]\] ", line), line
+
+
+@pytest.mark.skipif(not data_parallel_available(), reason="data-parallel strategy not available")
+def test_scale_lr_with_warmup(tmp_path):
+    launch = train(["--dataset", "synthetic", "--limit-train", "512", "--limit-test", "64",
+                    "--epochs", "2", "--batch-size", "32", "--lr", "0.01", "--scale-lr",
+                    "--schedule", "constant", "--out-dir", tmp_path], n=2).check()
+    assert "lr 0.02 (constant, warm-up 8 steps)" in launch.output, launch.output
+    assert [r["lr"] for r in json_lines(launch.output)] == [0.02, 0.02]
+
+
+def test_resume_does_not_repeat_metrics_lines(tmp_path):
+    """Killed just after epoch 1's line, with the last checkpoint before epoch 1's end: the
+    resumed run replays the end of epoch 1 and its line is in the file once."""
+    args = ["--dataset", "synthetic", "--limit-train", "512", "--limit-test", "64",
+            "--epochs", "2", "--batch-size", "32", "--checkpoint-every", "5",
+            "--out-dir", tmp_path]
+    failed = train(args, env={"MPIDL_FAIL_AT": "0:17"})
+    assert failed.returncode == 1
+    assert [r["epoch"] for r in json_lines(failed.output)] == [1]
+    resumed = train(args + ["--resume"]).check()
+    assert "step 15" in resumed.output
+    with open(tmp_path / "metrics.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    assert [r["epoch"] for r in lines] == [1, 2]
+    assert lines[0] == json_lines(resumed.output)[0] | {"elapsed": lines[0]["elapsed"],
+                                                       "epoch_time": lines[0]["epoch_time"],
+                                                       "images_per_sec": lines[0]["images_per_sec"]}

@@ -32,6 +32,27 @@ class MetricsWriter:
         return line
 
 
+def truncate_metrics(path, keep_epochs):
+    """Drop the records of epochs after ``keep_epochs`` (a resumed run replays them)."""
+    if not path or not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            epoch = json.loads(line).get("epoch", 0)
+        except ValueError:
+            continue  # a line cut short by the crash
+        if isinstance(epoch, int) and epoch <= keep_epochs:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+
 def read_metrics(path):
     """The records of a metrics file, as a list of dicts."""
     with open(path, encoding="utf-8") as f:

@@ -19,7 +19,7 @@ from mpidl.data import BatchLoader, eval_batches
 from mpidl.errors import AgreedUserError, ConfigError
 from mpidl.training import checkpoint as ckpt
 from mpidl.training.log import get_logger
-from mpidl.training.metrics import EpochStats, MetricsWriter
+from mpidl.training.metrics import EpochStats, MetricsWriter, truncate_metrics
 from mpidl.training.progress import Progress
 
 FAIL_ENV = "MPIDL_FAIL_AT"
@@ -298,6 +298,8 @@ class Trainer:
         self.stats = EpochStats.from_state(mine["epoch_stats"])  # this rank's own sums
         self.seconds_before = float(p["elapsed"])
         self.last = p.get("last") or {}
+        if self.is_root:  # the epochs this run replays must not appear twice
+            truncate_metrics(self.paths.get("metrics"), self.epoch)
         self.log.info(f"resumed from {path}: step {self.step}, epoch {self.epoch + 1}, "
                       f"batch {self.batch}/{self.steps_per_epoch}")
         return True
