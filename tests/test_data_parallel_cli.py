@@ -187,3 +187,17 @@ def test_compressed_exchange_reports_bytes_sent(tmp_path):
     dense, topk = records(metrics)
     assert topk["compression_ratio"] > 20, topk
     assert topk["bytes_sent_per_step"] < dense["bytes_sent_per_step"] / 10, (dense, topk)
+
+
+def test_resume_with_compression_restores_error_feedback(tmp_path):
+    """Top-k keeps residuals per rank (error feedback): the checkpoint carries every
+    rank's, so the resumed run is still bitwise the uninterrupted one."""
+    args = COMMON + ["--compression", "topk", "--ratio", "0.01",
+                     "--limit-train", "1024"]  # (the last --limit-train counts)
+    full, run = tmp_path / "full", tmp_path / "run"
+    run_command(mpidl_cmd(2, *args, "--out-dir", full), timeout=180).check()
+    failed = run_command(mpidl_cmd(2, *args, "--out-dir", run), timeout=120,
+                         env={"MPIDL_FAIL_AT": "0:13"})
+    assert failed.returncode != 0 and not failed.timed_out, failed.output
+    run_command(mpidl_cmd(2, *args, "--out-dir", run, "--resume"), timeout=180).check()
+    assert_same_model(model_arrays(run / "model.npz"), model_arrays(full / "model.npz"))
