@@ -51,10 +51,19 @@ def _compile():
 
 
 def available():
-    """Whether the fused kernels can be used (Numba importable and compiling)."""
+    """Whether the fused kernels can be used (Numba importable and compiling).
+
+    The first call compiles (or loads from Numba's on-disk cache) the float32 kernels
+    with a tiny warm-up, so a Numba that cannot compile here means a fallback to NumPy
+    now rather than an error in the middle of training."""
     if "ok" not in _KERNELS:
         try:
+            import numpy as np  # noqa: PLC0415
+
             _compile()
+            a = np.zeros(2, np.float32)
+            sgd(a, a.copy(), a.copy(), 0.1, 0.9, 0.0, False)
+            adam(a, a.copy(), a.copy(), a.copy(), 0.1, 0.9, 0.999, 1.0, 1e-8, 0.0, 1.0)
             _KERNELS["ok"] = True
         except Exception:  # no Numba, or a Numba that cannot compile here
             _KERNELS["ok"] = False
