@@ -113,7 +113,9 @@ class ParameterServerStrategy(Strategy):
 
     # -- set-up
     def setup(self, model, optimizer, loss):
-        """Collective: private communicators, the shard layout, the initial pull."""
+        """Collective: private communicators and the shard layout. Nothing here waits for
+        a server (the first step pulls the parameters), so servers may do collective work
+        between setup and serve."""
         from mpidl.ps.protocol import Poller
 
         super().setup(model, optimizer, loss)
@@ -142,10 +144,17 @@ class ParameterServerStrategy(Strategy):
             self.worker = PSWorker(self.ps_comm, named, self.layout, self.server_ranks,
                                    compressor=compressor, memory=memory, straggler=factor,
                                    poller=poller)
-            self.worker.pull()  # every worker starts from the servers' parameters
+        self._pulled = False  # the first step pulls: setup never waits for a server
+
+    def _first_pull(self):
+        """Every worker starts from the servers' parameters."""
+        if not self._pulled:
+            self._pulled = True
+            self.worker.pull()
 
     # -- workers
     def train_step(self, x, y):
+        self._first_pull()
         self.worker.begin_step()
         self.model.zero_grad()
         logits = self.model.forward(x)
@@ -157,6 +166,7 @@ class ParameterServerStrategy(Strategy):
     def prepare_eval(self):
         """End of epoch: all workers meet at the barrier and take the same parameters."""
         if self.worker is not None:
+            self._first_pull()
             self.worker.barrier()
             self.latest_stats = self.worker.barrier_stats
             self._average_buffers()
