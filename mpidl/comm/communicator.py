@@ -24,6 +24,12 @@ the two never mix. Each has its own persistent scratch buffers (``buffers.py``).
 
 ``close()`` is collective (it may write the gathered timeline); a communicator not closed
 by the program is closed when the interpreter exits, before MPI finalizes.
+
+Environment: ``MPIDL_TUNING`` (tuning file for ``auto``), ``MPIDL_RING_SEGMENT`` (bytes
+per ring pipeline segment, default 1 MiB; also ``comm.segment_bytes``), ``MPIDL_DEBUG=1``
+(check every call), ``MPIDL_PROGRESS=eager`` (no progress thread),
+``MPIDL_CUDA_AWARE=0/1`` (override the detection), ``MPIDL_STALL_WARNING`` (seconds
+before a rank waiting in a consistency check says so), ``MPIDL_EXIT_TIMEOUT``.
 """
 
 import atexit
@@ -47,7 +53,7 @@ ALGORITHMS = ("auto",) + auto.ALGORITHMS
 _DIRECT = frozenset(auto.ALGORITHMS)
 CHECK_MODES = ("first", "always", "off")
 _OFF, _FIRST, _ALWAYS = 0, 1, 2
-DEFAULT_SEGMENT_BYTES = 256 * 1024
+DEFAULT_SEGMENT_BYTES = 1024 * 1024
 
 _live = weakref.WeakSet()
 
