@@ -346,8 +346,31 @@ def topk_keys(key, k):
     return out
 
 
+_FILTER_SEED = np.uint64(0x5EED0F7A9C)
+
+
 @njit(cache=True)
 def topk_exact(x, k):
+    """The k largest keys, exactly. For a large x and a small k, a sampled threshold first
+    filters candidates expected to number about 2k: when at least k pass, the k-th largest
+    key is among them with every tie, so the k largest of the candidates are exactly the
+    k largest of x (with the same tie rule); otherwise the full selection runs."""
+    n = x.size
+    if n >= 1 << 16 and 0 < k and 16 * k <= n:
+        m = min(n, max(1024, (256 * n + k - 1) // k))
+        sample = sample_indices(n, m, _FILTER_SEED)
+        sk = np.empty(m, np.float32)
+        for i in range(m):
+            sk[i] = _key(x[sample[i]])
+        j = max(1, (2 * k * m + n // 2) // n)
+        t = np.partition(sk, m - j)[m - j]
+        cand, c = _select_at_least(x, t, 4 * k + 1024)
+        if c >= k:
+            cand = cand[:c]
+            keys = np.empty(c, np.float32)
+            for i in range(c):
+                keys[i] = _key(x[cand[i]])
+            return cand[topk_keys(keys, k)]
     return topk_keys(magnitude(x), k)
 
 

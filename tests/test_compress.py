@@ -62,6 +62,18 @@ def test_make_compressor_errors_say_what_is_accepted():
         make_compressor("topk", memory="lots")
 
 
+def test_spec_strings_carry_parameters():
+    c = make_compressor("dgc:momentum=0.5,warmup_steps=10,clip=none", ratio=0.01)
+    assert (c.momentum, c.warmup_steps, c.clip, c.ratio) == (0.5, 10, None, 0.01)
+    assert c.memory.momentum == 0.5
+    assert make_compressor("qsgd:memory=residual,levels=15").memory is not None
+    assert make_compressor("topk:ratio=0.5", ratio=0.25).ratio == 0.25  # keywords win
+    with pytest.raises(ValueError, match="key=value"):
+        make_compressor("topk:0.5")
+    with pytest.raises(TypeError, match="no parameter 'levels'"):
+        make_compressor("topk:levels=3")
+
+
 def test_default_memories():
     assert isinstance(make_compressor("topk").memory, ResidualMemory)
     assert isinstance(make_compressor("onebit").memory, ResidualMemory)

@@ -54,16 +54,52 @@ def _params(cls):
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
+def _value(text):
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_spec(spec):
+    """``"dgc:momentum=0.9,warmup_steps=200"`` -> ("dgc", {"momentum": 0.9, ...}).
+
+    How a command line passes a compressor's parameters in one string."""
+    name, _, rest = str(spec).partition(":")
+    params = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"compressor spec {spec!r}: expected name:key=value,... "
+                             f"(got {item!r})")
+        params[key.strip()] = _value(value)
+    return name.strip(), params
+
+
 def make_compressor(name, memory="default", **params):
     """A compressor by name, with its memory attached as ``compressor.memory``.
 
     ``params`` are the compressor's own (``ratio`` for topk/dgc/randomk, ``chunk`` for
-    onebit, ``levels``/``bucket`` for qsgd, ...). ``memory``: "default" (the algorithm's
-    usual one, see the table above), "none", "residual" (error feedback), "dgc", or a
-    Memory instance. Unknown names and parameters raise ValueError / TypeError saying
-    what is accepted; bad values raise ValueError.
+    onebit, ``levels``/``bucket`` for qsgd, ...); the name may carry more of them as
+    ``"qsgd:levels=15,bucket=128"`` (keywords given here win). ``memory``: "default"
+    (the algorithm's usual one, see the table above), "none", "residual" (error
+    feedback), "dgc", or a Memory instance; also accepted in the spec. Unknown names and
+    parameters raise ValueError / TypeError saying what is accepted; bad values raise
+    ValueError.
     """
-    key = str(name).lower()
+    name, spec_params = parse_spec(name)
+    params = {**spec_params, **params}
+    if "memory" in spec_params and memory == "default":
+        memory = params.pop("memory")
+    params.pop("memory", None)
+    key = name.lower()
     cls = COMPRESSORS.get(key)
     if cls is None:
         raise ValueError(f"unknown compressor {name!r}: choose one of "
@@ -98,4 +134,5 @@ def _make_memory(memory, compressor):
 __all__ = ["COMPRESSORS", "Compressor", "Ctx", "DGCCompressor", "DGCMemory", "Exchanger",
            "FP16Compressor", "MEMORIES", "Memory", "NoneCompressor", "OneBitCompressor",
            "PowerSGDCompressor", "QSGDCompressor", "RandomKCompressor", "ResidualMemory",
-           "TernGradCompressor", "ThresholdCompressor", "TopKCompressor", "make_compressor"]
+           "TernGradCompressor", "ThresholdCompressor", "TopKCompressor", "make_compressor",
+           "parse_spec"]
