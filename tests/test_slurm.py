@@ -12,7 +12,6 @@ ranks as Slurm started tasks.
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -23,8 +22,9 @@ pytestmark = pytest.mark.slurm
 
 TRAIN = os.path.join(ROOT, "slurm", "train.sbatch")
 SCALING = os.path.join(ROOT, "slurm", "scaling.sbatch")
-# a small, fast training run: 2000 training images, one epoch
-SMALL_TRAIN = ["--model", "mlp", "--epochs", "1", "--limit-train", "2000", "--seed", "1"]
+# a small, fast training run: 2000 training and 2000 test images, one epoch
+SMALL_TRAIN = ["--model", "mlp", "--epochs", "1", "--limit-train", "2000", "--limit-test", "2000",
+               "--seed", "1", "--no-progress"]
 
 
 @pytest.fixture(scope="session")
@@ -39,35 +39,6 @@ def cluster():
     print(f"\n[slurm] cluster up in {c.up_seconds:.1f}s")
     yield c
     print("\n[slurm] " + c.release().strip().replace("\n", "\n[slurm] "))
-
-
-_train_cli = {}
-
-
-def train_cli_problem():
-    """Why `mpidl train` cannot run the small job yet (None when it can); asked once."""
-    if "problem" not in _train_cli:
-        mpidl = os.path.join(os.path.dirname(sys.executable), "mpidl")
-        try:
-            p = subprocess.run([mpidl, "train", "--help"], capture_output=True, text=True,
-                               timeout=120, stdin=subprocess.DEVNULL)
-            text = p.stdout + p.stderr
-            if p.returncode != 0:
-                problem = f"`mpidl train --help` exits {p.returncode}: {text.strip()[-300:]}"
-            else:
-                flags = [a for a in SMALL_TRAIN if a.startswith("--")]
-                missing = [f for f in flags if f not in text]
-                problem = f"`mpidl train` has no {', '.join(missing)} yet" if missing else None
-        except (OSError, subprocess.TimeoutExpired) as e:
-            problem = f"cannot run {mpidl} train --help: {e}"
-        _train_cli["problem"] = problem
-    return _train_cli["problem"]
-
-
-def needs_train_cli():
-    problem = train_cli_problem()
-    if problem:
-        pytest.xfail(f"mpidl train is not ready (issue 2/4 trainer work): {problem}")
 
 
 def epoch_metrics(output):
@@ -123,7 +94,6 @@ def test_wrong_mpi_plugin_is_caught(cluster, tmp_path):
 
 @pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
 def test_train_sbatch_small_run(cluster, tmp_path, launcher):
-    needs_train_cli()
     job = run_job(TRAIN, SMALL_TRAIN, ntasks=2, timeout=150, cwd=tmp_path,
                   env={"MPIDL_LAUNCHER": launcher})
     assert job.state == "COMPLETED" and job.returncode == 0, job.describe()
@@ -141,7 +111,6 @@ def test_train_sbatch_small_run(cluster, tmp_path, launcher):
 def test_train_sbatch_rank_failure_ends_job(cluster, tmp_path):
     """Rank 1 raises at step 3 (MPIDL_FAIL_AT test hook): the whole job ends FAILED, fast,
     with rank 1's traceback in its output."""
-    needs_train_cli()
     job = run_job(TRAIN, SMALL_TRAIN, ntasks=2, timeout=90, cwd=tmp_path,
                   env={"MPIDL_FAIL_AT": "1:3"})
     assert job.state == "FAILED" and job.returncode != 0, job.describe()
@@ -158,9 +127,6 @@ SCALING_TEST_ARGS = "--quick --no-torch --repeats 1 --steps 5 --warmup 2"
 def test_scaling_sbatch_collects_json(cluster, tmp_path):
     """scaling.sbatch on 2 tasks: world-size checks for 1 and 2 ranks, then the benchmark's
     JSON with results for both rank counts, and the job's record, in one folder."""
-    if not os.path.exists(os.path.join(ROOT, "bench", "scaling.py")):
-        pytest.xfail("bench/scaling.py is not written yet (issue 4): slurm/scaling.sbatch "
-                     "runs `python bench/scaling.py --ranks 1 2 --out DIR/scaling.json`")
     out = tmp_path / "results"
     args = os.environ.get("MPIDL_SCALING_TEST_ARGS", SCALING_TEST_ARGS).split()
     job = run_job(SCALING, args, ntasks=2, timeout=150, cwd=tmp_path,
