@@ -51,23 +51,24 @@ def _vfirst(v, rem):
 
 def allreduce(t, src, dst, fn):
     """``dst`` = reduction of ``src`` over all ranks; ``src`` may be ``dst``."""
-    p, rank = t.size, t.rank
-    role, _, partners, _, _ = plan(rank, p)
-    t.ready()
+    rank = t.rank
+    role, _, partners, _, _ = plan(rank, t.size)
+    if t.device:
+        t.ready()
     if role == "out":
         t.send(src, rank + 1)
         t.recv(dst, rank + 1)
         return
     acc = src
-    if role == "odd" or partners:
-        tmp = t.scratch.get("rd", src.size, src.dtype)
+    tmp = t.scratch.get("rd", src.size, src.dtype)
     if role == "odd":
         t.recv(tmp, rank - 1)
         t.combine(fn, acc, tmp, dst)
         acc = dst
+    sendrecv, combine = t.sendrecv, t.combine
     for partner in partners:
-        t.sendrecv(acc, partner, tmp, partner)
-        t.combine(fn, acc, tmp, dst)
+        sendrecv(acc, partner, tmp, partner)
+        combine(fn, acc, tmp, dst)
         acc = dst
     if role == "odd":
         t.send(dst, rank - 1)
