@@ -1,7 +1,7 @@
 """2-D convolution (cross-correlation, as in every DL framework) by im2col + GEMM."""
 
 from mpidl.backend import array_module
-from mpidl.engine._util import as_input, float_dtype, pair, shape_str
+from mpidl.engine._util import as_input, colsum, float_dtype, pair, shape_str
 from mpidl.engine.im2col import im2col, offset_slice, output_size, to_nhwc_padded
 from mpidl.engine.init import initialize
 from mpidl.engine.module import Layer, ShapeError
@@ -85,7 +85,7 @@ class Conv2d(Layer):
         gw = cols.T @ dy2  # (kh*kw*C, F)
         self.weight.grad = gw.reshape(kh, kw, c, f).transpose(3, 2, 0, 1).copy()
         if self.bias is not None:
-            self.bias.grad = dy2.sum(axis=0)
+            self.bias.grad = colsum(dy2)
         if not self.needs_input_grad:
             return None
         xp = array_module(dy)

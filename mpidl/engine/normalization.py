@@ -1,7 +1,7 @@
 """Batch and layer normalization."""
 
 from mpidl.backend import array_module
-from mpidl.engine._util import as_input, float_dtype, shape_str
+from mpidl.engine._util import as_input, colsum, float_dtype, shape_str
 from mpidl.engine.init import initialize
 from mpidl.engine.module import Layer, ShapeError
 
@@ -52,16 +52,6 @@ class _BatchNorm(Layer):
             at = xp.ascontiguousarray(at)
         return at.reshape(-1, self.num_features), at.shape
 
-    def _colsum(self, a2):
-        # A GEMV: NumPy's own axis-0 sum over a (rows, 32) matrix is ~20x slower.
-        xp = array_module(a2)
-        ones = self._ones
-        if ones is None or ones.shape[0] != a2.shape[0] or array_module(ones) is not xp:
-            ones = self._ones = xp.ones(a2.shape[0], dtype=a2.dtype)
-        return ones @ a2
-
-    _ones = None
-
     def forward(self, x):
         x, xp = as_input(x, self.dtype, self._buffers["running_mean"])
         self._check(x)
@@ -71,7 +61,7 @@ class _BatchNorm(Layer):
             if count < 2:
                 raise ShapeError(f"{self.kind} in training mode needs more than one value "
                                  f"per channel, got input shape {shape_str(x)}")
-            mean = self._colsum(x2) * (1.0 / count)
+            mean = colsum(x2) * (1.0 / count)
             xhat = x2 - mean
             var = xp.einsum("ij,ij->j", xhat, xhat) * (1.0 / count)  # two passes: no cancellation
             inv_std = 1.0 / xp.sqrt(var + self.eps)
@@ -101,7 +91,7 @@ class _BatchNorm(Layer):
         self._xhat = None
         xp = array_module(dy)
         dy2, _ = self._rows(dy)
-        dbeta = self._colsum(dy2)
+        dbeta = colsum(dy2)
         dgamma = xp.einsum("ij,ij->j", dy2, xhat) * inv_std
         if self.weight is not None:
             self.weight.grad, self.bias.grad = dgamma, dbeta
