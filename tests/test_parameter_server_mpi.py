@@ -12,6 +12,8 @@ correctness) and records what every rank saw; the tests below assert on it:
    worker's) is <= s, with a 4x straggler; and it reaches s (the bound is what binds).
 3. pushed == applied + dropped on every server, in every mode, and equals what the
    workers say they pushed.
+4. Pushes compressed with each compressor (error feedback where it has one) arrive, are
+   applied, and cost the bytes they should.
 """
 
 import json
@@ -181,3 +183,18 @@ def test_cli_ps_on_one_rank_is_a_one_line_error():
     assert launch.returncode == 2, launch.output
     assert "needs at least 2 ranks" in launch.output
     assert "Traceback" not in launch.output
+
+
+@pytest.mark.parametrize("name, max_fraction", [
+    ("fp16", 0.5), ("topk", 0.25), ("onebit", 0.05), ("qsgd", 0.2), ("randomk", 0.3),
+    ("dgc", 0.25)])
+def test_compressed_pushes(results, name, max_fraction):
+    rows = results["comp_" + name]
+    server, workers = rows[0], rows[1:]
+    assert server["pushed"] == server["applied"] == sum(w["pushes"] for w in workers)
+    assert server["bytes_received"] == sum(w["bytes_sent"] for w in workers)
+    for w in workers:
+        assert w["finite"]
+        assert w["bytes_sent"] <= max_fraction * w["pushes"] * w["dense_bytes"] + 64
+        if name == "fp16":  # nearly lossless: close to the uncompressed reference
+            assert w["vs_reference"] < 1e-3

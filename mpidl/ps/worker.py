@@ -88,11 +88,10 @@ class PSWorker:
             return "sparse", None, [g.indices, g.values]
         if self.compressor is None:
             return "dense", None, [g]
-        if self.memory is not None:
-            g = self.memory.compensate(g, name)
-        payload, ctx = self.compressor.compress(g, name)
-        if self.memory is not None:
-            self.memory.update(g, name, self.compressor, payload, ctx)
+        if self.memory is not None:  # error feedback: compensate, compress, update
+            payload, ctx = self.memory.compress(self.compressor, g, name)
+        else:
+            payload, ctx = self.compressor.compress(g, name)
         return "compressed", ctx, list(payload)
 
     # -- pulling

@@ -91,6 +91,9 @@ class ParameterServerStrategy(Strategy):
                               f"{self.worker_ranks[-1]} (ranks 0..{self.num_servers - 1} "
                               "serve)")
         self.compression, self.ratio = compression, ratio
+        self._compressor = self._memory = None  # made here: a bad name is a user error
+        if compression not in (None, "", "none"):
+            self._compressor, self._memory = _make_compressor(compression, ratio)
         self.trace = bool(trace)
         self.poll_max_s = (poll_max_ms or 1.0) * 1e-3
         self.is_server = self.rank in self.server_ranks
@@ -124,9 +127,9 @@ class ParameterServerStrategy(Strategy):
         self.group_comm = world.Split(0 if self.is_server else 1, self.rank)
         named = model.named_parameters()
         self.layout = shard_parameters(named, self.num_servers)
-        compressor = memory = None
-        if self.compression not in (None, "", "none"):
-            compressor, memory = _make_compressor(self.compression, self.ratio)
+        compressor, memory = self._compressor, self._memory
+        if compressor is not None and not self.is_server:  # per-worker random streams
+            compressor.bind(self.worker_ranks.index(self.rank), len(self.worker_ranks))
         poller = Poller(self.ps_comm, longest=self.poll_max_s,
                         who=f"{'server' if self.is_server else 'worker'} rank {self.rank}")
         if self.is_server:
@@ -275,7 +278,14 @@ def _make_compressor(name, ratio):
         raise ConfigError(f"--compression {name}: this mpidl has no compression "
                           "module") from None
     kw = {} if ratio is None else {"ratio": ratio}
-    compressor = make_compressor(name, **kw)
+    try:
+        compressor = make_compressor(name, **kw)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--compression {name}: {e}") from None
+    if name == "powersgd":
+        raise ConfigError("--compression powersgd needs all-reduces between the workers "
+                          "(its factors are averaged in two rounds): use it with "
+                          "--strategy allreduce; with ps use topk, dgc, onebit, qsgd, ...")
     memory = getattr(compressor, "memory", None)
     return compressor, memory
 

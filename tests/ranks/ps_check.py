@@ -205,6 +205,25 @@ def modes(comm, mode, straggler_factor=4.0, **kw):
     return out
 
 
+def compressed(comm, name, ratio=None):
+    """sync PS with compressed pushes (error feedback where the compressor has it)."""
+    s = ParameterServerStrategy(comm, servers=1, mode="sync", compression=name, ratio=ratio)
+    data = dense_data()
+    params, st, _ = train(s, mlp("float32"), data, 2, "float32")
+    out = {"rank": comm.rank}
+    if st is not None:
+        out.update(pushed=st["pushed"], applied=st["applied"],
+                   bytes_received=st["bytes_received"])
+    else:
+        ref = reference(mlp("float32"), data, 2, "float32", comm.size - 1)
+        out["vs_reference"] = max_rel_diff(params, ref)
+        out["dense_bytes"] = int(sum(p.nbytes for p in ref.values()))
+        out["finite"] = bool(all(np.isfinite(v).all() for v in params.values()))
+        out["bytes_sent"] = s.worker.stats["bytes_sent"]
+        out["pushes"] = s.worker.stats["pushes"]
+    return out
+
+
 def main():
     if sys.argv[1] == "--bad-push":
         s = ParameterServerStrategy(WORLD, servers=1, mode="sync")
@@ -223,6 +242,9 @@ def main():
                            ("ssp3", "ssp", {"staleness": 3}),
                            ("backup", "backup", {"wait": 2})]:
         results["mode_" + name] = world.gather(modes(world, mode, **kw))
+    for name, kw in [("fp16", {}), ("topk", {"ratio": 0.1}), ("onebit", {}),
+                     ("qsgd", {}), ("randomk", {"ratio": 0.25}), ("dgc", {"ratio": 0.1})]:
+        results["comp_" + name] = world.gather(compressed(world, name, **kw))
     if world.rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1, default=float)
