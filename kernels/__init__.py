@@ -235,12 +235,12 @@ def chunk_norms(x, chunk=0, kind="l2"):
 
 def l2norm(x):
     """||x||_2 accumulated in float64, as a float32 scalar (NaN/Inf propagate)."""
-    return np.float32(chunk_norms(x, 0, "l2")[0])
+    return np.float32(float(chunk_norms(x, 0, "l2")[0]))  # float(): a CuPy 0-d syncs
 
 
 def maxabs(x):
     """max |x| as a float32 scalar (NaN if any entry is NaN)."""
-    return np.float32(chunk_norms(x, 0, "max")[0])
+    return np.float32(float(chunk_norms(x, 0, "max")[0]))
 
 
 def code_width(levels):
