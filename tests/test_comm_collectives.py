@@ -27,3 +27,10 @@ def test_random_draws_with_another_seed():
     launch = run_ranks(3, [SCRIPT, "--sections", "random", "--seed", "99"], timeout=120)
     launch.check()
     assert "EQUIVALENCE OK p=3" in launch.output, launch.output
+
+
+def test_nonblocking_with_polling_progress_thread():
+    """MPIDL_PROGRESS_WAIT=poll: the progress thread polls and sleeps instead of spinning."""
+    launch = run_ranks(3, [SCRIPT, "--sections", "nonblocking"], timeout=120,
+                       env={"MPIDL_PROGRESS_WAIT": "poll"}).check()
+    assert "EQUIVALENCE OK p=3" in launch.output, launch.output

@@ -28,6 +28,8 @@ by the program is closed when the interpreter exits, before MPI finalizes.
 Environment: ``MPIDL_TUNING`` (tuning file for ``auto``), ``MPIDL_RING_SEGMENT`` (bytes
 per ring pipeline segment, default 1 MiB; also ``comm.segment_bytes``), ``MPIDL_DEBUG=1``
 (check every call), ``MPIDL_PROGRESS=eager`` (no progress thread),
+``MPIDL_PROGRESS_WAIT=poll`` (the progress thread polls and sleeps instead of spinning
+in MPI: leaves the core to the caller's computation, at some latency),
 ``MPIDL_CUDA_AWARE=0/1`` (override the detection), ``MPIDL_STALL_WARNING`` (seconds
 before a rank waiting in a consistency check says so), ``MPIDL_EXIT_TIMEOUT``.
 """
@@ -47,7 +49,7 @@ from .layout import even_split
 from .ops import check_op, mpi_op, ufunc
 from .progress import EagerProgress, Handle, ProgressThread
 from .timeline import TID_CALLER, TID_PROGRESS, Timeline
-from .transport import DeviceTransport, HostTransport, StagedTransport
+from .transport import DeviceTransport, HostTransport, PoliteHostTransport, StagedTransport
 
 ALGORITHMS = ("auto",) + auto.ALGORITHMS
 _DIRECT = frozenset(auto.ALGORITHMS)
@@ -74,7 +76,7 @@ atexit.register(_close_all)
 class _Channel:
     """One duplicate communicator, used by one thread: transports, scratch, check memory."""
 
-    def __init__(self, comm, tid, staging, cuda_aware):
+    def __init__(self, comm, tid, staging, cuda_aware, polite=False):
         self.comm = comm
         self.cuda_aware = cuda_aware
         self.tid = tid
@@ -82,8 +84,12 @@ class _Channel:
         self.size = comm.Get_size()
         self.seen = set()
         self._staging = staging
-        self.host = (StagedTransport(comm, np, pinned=False) if staging == "host"
-                     else HostTransport(comm, np))
+        if staging == "host":
+            self.host = StagedTransport(comm, np, pinned=False)
+        elif polite:
+            self.host = PoliteHostTransport(comm, np)
+        else:
+            self.host = HostTransport(comm, np)
         self._device = None
 
     def transport(self, gpu):
@@ -158,7 +164,8 @@ class Communicator:
         # here), else staged through pinned host buffers.
         self.cuda_aware = backend.cuda_aware_mpi()
         self._main = _Channel(comm.Dup(), TID_CALLER, _staging, self.cuda_aware)
-        self._bg = _Channel(comm.Dup(), TID_PROGRESS, _staging, self.cuda_aware)
+        polite = os.environ.get("MPIDL_PROGRESS_WAIT", "block").lower() == "poll"
+        self._bg = _Channel(comm.Dup(), TID_PROGRESS, _staging, self.cuda_aware, polite)
         self._staging = _staging
 
         # One exchange at start-up: everyone must resolve "auto" alike, so rank 0 reads

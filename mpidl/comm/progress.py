@@ -13,6 +13,10 @@ result (or raises its error); ``test()`` only looks.
 Blocking collectives issued meanwhile run on the caller's thread on another duplicate
 communicator, so they never mix with queued ones.
 
+The progress thread waits inside MPI like any caller (MPICH busy-polls). Where it shares
+a core with the computation it should overlap, ``MPIDL_PROGRESS_WAIT=poll`` makes it poll
+with ``MPI_Test`` and sleep between polls instead (``transport.PoliteHostTransport``).
+
 This needs ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default). When the MPI library
 gives less, or ``MPIDL_PROGRESS=eager`` is set, each non-blocking call runs to completion
 when it is issued and returns a finished handle: still correct and deadlock-free (same

@@ -17,6 +17,8 @@ A transport belongs to one channel (one duplicated communicator used by one thre
 its scratch and staging buffers are never shared between concurrent collectives.
 """
 
+import time
+
 from mpi4py import MPI
 
 from .buffers import Scratch, Staging
@@ -79,6 +81,42 @@ class HostTransport:
 
     def free(self):
         self.scratch.free()
+
+
+class PoliteHostTransport(HostTransport):
+    """Host transport whose waits poll and sleep instead of spinning inside MPI.
+
+    MPICH busy-polls in blocking calls. On a progress thread that shares its core with
+    the caller's computation (data-parallel training on few cores), that spinning steals
+    the core; this transport waits with ``Test`` and a sleep that backs off from a few
+    microseconds to ``max_sleep`` seconds. Chosen with ``MPIDL_PROGRESS_WAIT=poll``.
+    """
+
+    def __init__(self, comm, xp, max_sleep=2e-4):
+        super().__init__(comm, xp)
+        self.max_sleep = max_sleep
+
+    def _poll(self, test):
+        delay = 2e-6
+        while not test():
+            time.sleep(delay)
+            delay = min(delay * 2, self.max_sleep)
+
+    def wait(self, req):
+        self._poll(req.Test)
+
+    def waitall(self, reqs):
+        self._poll(lambda: MPI.Request.Testall(reqs))
+
+    def sendrecv(self, sbuf, dest, rbuf, source):
+        self.waitall([self.comm.Irecv([rbuf, BYTE], source, TAG),
+                      self.comm.Isend([sbuf, BYTE], dest, TAG)])
+
+    def send(self, buf, dest):
+        self.wait(self.comm.Isend([buf, BYTE], dest, TAG))
+
+    def recv(self, buf, source):
+        self.wait(self.comm.Irecv([buf, BYTE], source, TAG))
 
 
 class DeviceTransport(HostTransport):
