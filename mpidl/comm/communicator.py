@@ -36,6 +36,7 @@ before a rank waiting in a consistency check says so), ``MPIDL_EXIT_TIMEOUT``.
 
 import atexit
 import os
+import sys
 import weakref
 
 import numpy as np
@@ -252,8 +253,6 @@ class Communicator:
         self._closed = True
         _live.discard(self)
         if not self._progress.close(_exit_timeout):
-            import sys  # noqa: PLC0415
-
             print(f"mpidl: rank {self.rank}: non-blocking collectives still running at exit "
                   f"after {_exit_timeout:.0f} s (other ranks never joined them); not waiting",
                   file=sys.stderr, flush=True)
