@@ -8,7 +8,9 @@ issue order, which is the same order on every rank, so they match up. It spends 
 inside MPI calls and NumPy/CuPy reductions, which release the GIL, so the caller's
 thread keeps computing (e.g. the backward pass) meanwhile; nobody has to spin on
 ``test()``. ``wait()`` blocks on a lock until the collective is done and returns its
-result (or raises its error); ``test()`` only looks.
+result (or raises its error); ``test()`` only looks. (Between its NumPy calls the caller
+holds the GIL; Python hands it to the progress thread at least every switch interval,
+5 ms by default — ``sys.setswitchinterval`` shortens that for long pure-Python loops.)
 
 Blocking collectives issued meanwhile run on the caller's thread on another duplicate
 communicator, so they never mix with queued ones.
