@@ -251,7 +251,8 @@ def test_parse_sizes():
 
 def _rec(size, alg, lat, native):
     return {"collective": "allreduce", "algorithm": alg, "bytes": size, "p": 2,
-            "lat_us": lat, "busbw_GBps": size / lat / 1e3, "speedup_vs_native": native / lat}
+            "lat_us": lat, "lat_us_min": lat * 0.9, "busbw_GBps": size / lat / 1e3,
+            "speedup_vs_native": native / lat}
 
 
 def test_goals_and_table():
@@ -261,9 +262,13 @@ def test_goals_and_table():
         recs += [_rec(size, "native", nat, nat), _rec(size, "ring", ring, nat),
                  _rec(size, "recursive_doubling", rd, nat)]
     results = dict(bench.goals(recs))
-    assert any(ok for text, ok in results.items() if "0.9x" in text)
-    assert any(ok for text, ok in results.items() if "2x native at 64 MiB" in text)
-    assert any(ok for text, ok in results.items() if "2.5x" in text)
+    assert len(results) == 4, results
+    assert all(results.values()), results
+    assert any("0.9x" in t and "worst 1.05x (1 MiB)" in t for t in results)
+    assert any("2x native at 64 MiB: 5.20x" in t for t in results)
+    assert any("best home-made" in t and "2.00x (4 B, recursive_doubling)" in t
+               for t in results)
+    assert all(t.startswith("[min]") for t in dict(bench.goals(recs, "min")))
     text = bench.table(recs)
     assert "64 MiB" in text and "native" in text and "(" in text
 

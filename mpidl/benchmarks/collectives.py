@@ -252,34 +252,45 @@ def table(records, collective=None):
     return "\n".join(lines)
 
 
-def goals(records):
-    """The issue's goals for allreduce, checked on these records: list of (text, ok|None)."""
+def goals(records, stat="median"):
+    """The issue's goals for allreduce, checked on these records: list of (text, ok).
+
+    ``stat="median"`` (the figures reported) or ``"min"`` (each algorithm's fastest run:
+    what the code does when the machine leaves it alone, for noisy shared machines).
+    """
+    key = "lat_us" if stat == "median" else "lat_us_min"
     ar = [r for r in records if r["collective"] == "allreduce"]
     by = {(r["bytes"], r["algorithm"]): r for r in ar}
+
+    def speed(size, alg):  # native time / algorithm time
+        return by[(size, NATIVE)][key] / by[(size, alg)][key]
+
     out = []
-    mid = [s for s in sorted({r["bytes"] for r in ar}) if MiB <= s <= 16 * MiB]
-    ring_mid = [by[(s, "ring")]["speedup_vs_native"] for s in mid if (s, "ring") in by]
-    if ring_mid:
-        worst = min(ring_mid)
-        out.append((f"ring busbw >= 0.9x native, 1-16 MiB: worst {worst:.2f}x", worst >= 0.9))
-    if (64 * MiB, "ring") in by:
-        r = by[(64 * MiB, "ring")]["speedup_vs_native"]
-        out.append((f"ring busbw >= 2x native at 64 MiB: {r:.2f}x", r >= 2.0))
-    small = [s for s in sorted({r["bytes"] for r in ar}) if s <= 4 * KiB]
-    worst_small = None
-    for s in small:
-        cands = [by[(s, a)] for a in ("ring", "tree", "recursive_doubling", "mpi")
-                 if (s, a) in by]
-        if not cands or (s, NATIVE) not in by:
-            continue
-        best = min(cands, key=lambda r: r["lat_us"])
-        ratio = best["lat_us"] / by[(s, NATIVE)]["lat_us"]
-        if worst_small is None or ratio > worst_small[0]:
-            worst_small = (ratio, s, best["algorithm"])
-    if worst_small:
-        ratio, s, alg = worst_small
-        out.append((f"best small-message latency <= 2.5x native at <= 4 KiB: worst "
-                    f"{ratio:.2f}x ({human(s)}, {alg})", ratio <= 2.5))
+    sizes = sorted({r["bytes"] for r in ar})
+    mid = [s for s in sizes if MiB <= s <= 16 * MiB and (s, "ring") in by and (s, NATIVE) in by]
+    if mid:
+        worst = min(mid, key=lambda s: speed(s, "ring"))
+        out.append((f"[{stat}] ring busbw >= 0.9x native, 1-16 MiB: worst "
+                    f"{speed(worst, 'ring'):.2f}x ({human(worst)})",
+                    speed(worst, "ring") >= 0.9))
+    if (64 * MiB, "ring") in by and (64 * MiB, NATIVE) in by:
+        r = speed(64 * MiB, "ring")
+        out.append((f"[{stat}] ring busbw >= 2x native at 64 MiB: {r:.2f}x", r >= 2.0))
+    for label, algs in (("best algorithm", ("ring", "tree", "recursive_doubling", "mpi")),
+                        ("best home-made algorithm", ("ring", "tree", "recursive_doubling"))):
+        worst_small = None
+        for s in (s for s in sizes if s <= 4 * KiB and (s, NATIVE) in by):
+            cands = [a for a in algs if (s, a) in by]
+            if not cands:
+                continue
+            best = min(cands, key=lambda a: by[(s, a)][key])
+            ratio = by[(s, best)][key] / by[(s, NATIVE)][key]
+            if worst_small is None or ratio > worst_small[0]:
+                worst_small = (ratio, s, best)
+        if worst_small:
+            ratio, s, alg = worst_small
+            out.append((f"[{stat}] {label} latency <= 2.5x native at <= 4 KiB: worst "
+                        f"{ratio:.2f}x ({human(s)}, {alg})", ratio <= 2.5))
     return out
 
 
@@ -499,10 +510,11 @@ def run(args, out=print):
                 out(table(recs))
                 out("")
         if root:
-            for text, ok in goals(records):
-                out(f"goal {'met ' if ok else 'MISSED'}: {text}")
+            checked = goals(records, "median") + goals(records, "min")
+            for text, ok in checked:
+                out(f"goal {'met   ' if ok else 'MISSED'} {text}")
             doc = {"info": info, "collectives": args.collective_list, "results": records,
-                   "goals": [{"goal": t, "met": ok} for t, ok in goals(records)]}
+                   "goals": [{"goal": t, "met": ok} for t, ok in checked]}
             if args.json:
                 os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
                 with open(args.json, "w", encoding="utf-8") as f:
