@@ -5,10 +5,10 @@ the (compressed) gradients, in ``grad``'s shape, dtype and backend, the same bit
 every rank:
 
 - summable compressors (none, fp16, random-k): each payload array is all-reduced
-  (mean), then decompressed; except float16 payloads of NumPy arrays, which take the
-  all-gather route below and are added in float32 after decoding: NumPy adds float16
-  in software (an all-reduce of float16 ran 3-4x slower than of float32 here), and the
-  bytes are the same at p = 2;
+  (mean), then decompressed; except float16 payloads of NumPy arrays at p = 2, which
+  take the all-gather route below (the same bytes at p = 2) and are added in float32
+  after decoding: NumPy adds float16 in software, and an all-reduce of float16 ran 3-4x
+  slower than of float32 here;
 - the others: the payload arrays are packed into one uint8 frame (``frame.py``: one
   collective per tensor, whatever the dtypes) and all-gathered with ``allgatherv``;
   every rank then decompresses the ranks' frames in rank order into one float32 buffer
@@ -101,10 +101,10 @@ class Exchanger:
         handle = self.comm.iallgatherv(buf, algorithm=self.algorithm, name=name)
         return _Pending(name, grad, ctx, [handle], gathered=True)
 
-    @staticmethod
-    def _gather_instead(payload):
-        """float16 on the CPU: all-gather and add in float32 (see the module docstring)."""
-        return any(a.dtype == np.float16 and not is_gpu_array(a) for a in payload)
+    def _gather_instead(self, payload):
+        """float16 on the CPU at p = 2: all-gather, add in float32 (see the module doc)."""
+        return self.size == 2 and any(a.dtype == np.float16 and not is_gpu_array(a)
+                                      for a in payload)
 
     def finish(self, pending):
         if pending.done is not None:
