@@ -13,7 +13,8 @@ for the whole job; workers run the ordinary loop. The trainer's collectives (``r
 writes metrics. Before evaluation every worker waits at an end-of-epoch barrier and
 takes the current parameters, so all workers evaluate the same model whatever the mode;
 the barrier's answer also carries the servers' counts, which ``metrics()`` reports
-(``ps_pushed = ps_applied + ps_dropped``).
+(``ps_pushed = ps_applied + ps_dropped``). Every collective among the workers passes that
+barrier first, so no worker sits in a collective while a server waits for its push.
 
 Straggler injection for experiments: ``--straggler RANK:FACTOR`` makes that worker's
 steps take FACTOR times as long (it sleeps ``FACTOR - 1`` times its compute time).
@@ -148,6 +149,7 @@ class ParameterServerStrategy(Strategy):
                                    compressor=compressor, memory=memory, straggler=factor,
                                    poller=poller)
         self._pulled = False  # the first step pulls: setup never waits for a server
+        self._pushes_since_barrier = 0
 
     def _first_pull(self):
         """Every worker starts from the servers' parameters."""
@@ -164,15 +166,27 @@ class ParameterServerStrategy(Strategy):
         loss = self.loss.forward(logits, y)
         self.model.backward(self.loss.backward())
         self.worker.push(lr=getattr(self.optimizer, "lr", None))
+        self._pushes_since_barrier += 1
         return float(loss)
 
     def prepare_eval(self):
         """End of epoch: all workers meet at the barrier and take the same parameters."""
-        if self.worker is not None:
-            self._first_pull()
-            self.worker.barrier()
-            self.latest_stats = self.worker.barrier_stats
-            self._average_buffers()
+        self._epoch_barrier()
+
+    def _epoch_barrier(self):
+        """Meet the other workers at the servers' barrier (once after any pushes).
+
+        Every collective among the workers passes it first: a worker waiting inside a
+        collective pushes nothing, and the servers must know that, or a backup-mode
+        quorum (or anything else) could wait for it forever.
+        """
+        if self.worker is None or (self._pulled and self._pushes_since_barrier == 0):
+            return
+        self._pulled = True
+        self.worker.barrier()
+        self._pushes_since_barrier = 0
+        self.latest_stats = self.worker.barrier_stats
+        self._average_buffers()
 
     def _average_buffers(self):
         """BatchNorm running statistics live on the workers, not the servers: average
@@ -218,6 +232,7 @@ class ParameterServerStrategy(Strategy):
     def reduce(self, values, op="mean"):
         if op not in ("sum", "mean"):
             raise ValueError(f"reduce op must be 'sum' or 'mean', got {op!r}")
+        self._epoch_barrier()
         keys = sorted(values)
         rows = self.group_comm.allgather([float(values[k]) for k in keys])
         totals = [0.0] * len(keys)
@@ -228,6 +243,7 @@ class ParameterServerStrategy(Strategy):
         return dict(zip(keys, totals))
 
     def gather(self, obj):
+        self._epoch_barrier()
         got = self.group_comm.gather(obj, root=0)
         return got if self.is_root else None
 
@@ -235,6 +251,7 @@ class ParameterServerStrategy(Strategy):
         return _mpi(self.comm).bcast(obj, root=self.worker_ranks[0])
 
     def barrier(self):
+        self._epoch_barrier()
         self.group_comm.Barrier()
 
     def state_dict(self):

@@ -103,8 +103,10 @@ def train(strategy, model, data, epochs, dtype, bad=None):
                               else p.grad.astype(np.float16))
                     return orig_push(lr)
                 strategy.worker.push = broken
-            strategy.train_step(xb, yb)
+            loss = strategy.train_step(xb, yb)
             step += 1
+        # the trainer's order: a collective over the workers first, then evaluation
+        strategy.reduce({"loss": loss, "steps": 1}, "sum")
         strategy.prepare_eval()
         strategy.metrics()
     params = {n: p.data.copy() for n, p in model.named_parameters()}
