@@ -114,6 +114,11 @@ def configurations(args, torch):
             else:
                 add(f"mpidl n={n} b={batch} overlap", n, "mpidl", batch)
                 add(f"mpidl n={n} b={batch} no-overlap", n, "mpidl", batch, "--no-overlap")
+                if kind == "weak" and not args.quick:
+                    # the ring with a progress thread that polls and sleeps instead of
+                    # spinning inside MPI (which steals the core backward runs on)
+                    add(f"mpidl n={n} b={batch} overlap ring+poll", n, "mpidl", batch,
+                        "--algorithm", "ring", "--progress-wait", "poll")
             if torch:
                 add(f"torch n={n} b={batch}", n, "torch", batch)
     if 2 in ranks:
@@ -162,7 +167,7 @@ def summarize(runs_by_key):
     for key, runs in runs_by_key.items():
         first = runs[0]
         s = {k: first[k] for k in ("framework", "ranks", "batch_per_rank", "global_batch")}
-        for k in ("overlap", "bucket_mb", "algorithm", "layout"):
+        for k in ("overlap", "bucket_mb", "algorithm", "progress_wait", "layout"):
             if k in first:
                 s[k] = first[k]
         for k in ("images_per_sec", "step_ms_median", "forward_ms", "backward_ms",
@@ -317,9 +322,9 @@ def plot(report, path):
     ax.grid(alpha=0.3, axis="x")
 
     ax = axes[2]
+    base = f"mpidl n=2 b={b} overlap"
     sweep = sorted((s["bucket_mb"], s["images_per_sec"]) for k, s in summary.items()
-                   if s["framework"] == "mpidl" and s["ranks"] == 2 and s["batch_per_rank"] == b
-                   and s.get("overlap") and s.get("bucket_mb"))
+                   if (k == base or k.startswith(base + " bucket=")) and s.get("bucket_mb"))
     if sweep:
         ax.semilogx([x for x, _ in sweep], [y for _, y in sweep], marker="o", base=2)
         ddp = summary.get(f"torch n=2 b={b}")

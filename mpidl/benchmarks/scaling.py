@@ -45,6 +45,10 @@ def parse_args(argv=None):
     ap.add_argument("--algorithm", default="auto")
     ap.add_argument("--bucket-mb", type=float, default=None)
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--progress-wait", choices=["block", "poll"], default=None,
+                    help="mpidl: how the progress thread waits (MPIDL_PROGRESS_WAIT): "
+                    "inside MPI (block, MPICH spins) or polling and sleeping (poll; "
+                    "affects the home-made algorithms, not MPI's own call)")
     ap.add_argument("--timeline", default=None,
                     help="mpidl: Chrome-trace path (with {rank}: one file per rank)")
     ap.add_argument("--out", required=True, help="JSON result (written by rank 0)")
@@ -71,6 +75,8 @@ def run_mpidl(args):
     from mpidl.engine import SoftmaxCrossEntropy  # noqa: PLC0415
     from mpidl.strategies import make_strategy  # noqa: PLC0415
 
+    if args.progress_wait:
+        os.environ["MPIDL_PROGRESS_WAIT"] = args.progress_wait
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     # one process: the all-reduce strategy without a communicator is the plain local
@@ -124,6 +130,7 @@ def run_mpidl(args):
     result = {"framework": "mpidl", "ranks": size, "batch_per_rank": args.batch,
               "global_batch": args.batch * size, "strategy": "local" if local else args.strategy,
               "algorithm": args.algorithm, "overlap": not args.no_overlap,
+              "progress_wait": os.environ.get("MPIDL_PROGRESS_WAIT", "block"),
               "bucket_mb": getattr(strategy, "bucket_mb", None), "steps": n,
               "layout": describe}
     result.update(summarize(per_step, args.batch * size))
