@@ -8,12 +8,14 @@ ones. All traffic runs on a private duplicate of the communicator, so its tags n
 meet anyone else's messages.
 
 Worker -> server, tag ``TAG_CTRL`` (arrays on ``TAG_UP``):
-    push   {clock, version, tensors: [(name, encoding, meta, n_arrays)]} + payload arrays
+    push   {clock, version, lr, tensors: [(name, encoding, meta, n_arrays)]} + payloads
     pull   {}                      current parameters, no clock change
+    barrier {}                     end of epoch: answered (params + the server's counts)
+                                   when every active worker is there, all at once
     done   {pushed}                this worker will push no more
     ack    {}                      abort received and reported (see below)
 Server -> worker, tag ``TAG_REPLY`` (arrays on ``TAG_DOWN``):
-    params {version, names} + one array per parameter of the server's shard
+    params {version, names[, stats]} + one array per parameter of the server's shard
     stats  {stats}                 after every worker is done: the server's final counts
     abort  {message}               the job must end; fin follows
     fin    {}                      every rank has reported the abort; raise now

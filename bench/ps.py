@@ -1,0 +1,481 @@
+"""Parameter server against all-reduce: throughput and time-to-accuracy, with and without
+a straggler; and final accuracy of every mode after the same number of epochs.
+
+    python bench/ps.py speed      # -> bench/results/ps.json + ps.png
+    python bench/ps.py accuracy   # -> bench/results/ps_accuracy.json (mpidl train runs)
+
+``speed``: the MLP (784-1024-1024-10) on Fashion-MNIST, W workers (default 3) with batch
+128 each, SGD at a constant lr 0.05 (momentum 0.9; 0 for async/SSP, whose asynchrony
+already acts as momentum), for a fixed number of epochs of each
+worker's shard; configurations allreduce (W ranks), ps-sync, async, ssp (s = 1, 4) and
+backup (first W-1 of W) (W + 1 ranks: one server), each without and with one worker
+slowed 2x (it sleeps as long as it computed, every step; for all-reduce the same is done
+by wrapping the model's forward/backward). During training nothing is evaluated: the
+server (all-reduce: rank 0) keeps a copy of the parameters every ``--every`` seconds;
+afterwards each copy is evaluated on the test set, giving accuracy against wall time and
+the time to reach ``--target``. Throughput is images computed per second over all workers
+(for backup, some of them are dropped). Also measured: the server's CPU time over its wall
+time, against the same run with blocking MPI receives (MPICH polls inside them). The
+figure to quote is the ratio sync / async (or ssp) time-to-target with the straggler:
+absolute times move with the shared machine's load.
+
+``accuracy``: ``mpidl train`` for allreduce (W ranks) and each PS mode (W + 1 ranks), the
+model's recipe (cosine schedule) over ``--epochs``; reports the final test accuracy.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+# name, strategy options (ps) or None (allreduce)
+SPEED_CONFIGS = [
+    ("allreduce", None),
+    ("ps-sync", {"mode": "sync"}),
+    ("async", {"mode": "async"}),
+    ("ssp-1", {"mode": "ssp", "staleness": 1}),
+    ("ssp-4", {"mode": "ssp", "staleness": 4}),
+    ("backup", {"mode": "backup"}),
+]
+EXTRA_SPEED_CONFIGS = [  # run with --only
+    ("async-salr", {"mode": "async", "staleness_aware_lr": True}),
+    ("ssp-1-salr", {"mode": "ssp", "staleness": 1, "staleness_aware_lr": True}),
+    ("ssp-4-salr", {"mode": "ssp", "staleness": 4, "staleness_aware_lr": True}),
+]
+#: async/SSP: the recipe (lr 0.05, momentum 0.9) diverges with stale gradients; asynchrony
+#: itself acts like momentum (about 1 - 1/W with W workers; Mitliagkas et al. 2016). So no
+#: momentum, and lr 0.15 = the same step per sample as sync's lr/(1 - momentum) = 0.5 at
+#: a 3x larger batch, with half an epoch of warm-up against the early instability.
+ASYNC = ["--momentum", "0", "--lr", "0.15", "--warmup-epochs", "0.5"]
+ACCURACY_CONFIGS = [
+    ("allreduce", []),
+    ("ps-sync", ["--mode", "sync"]),
+    ("ps-sync-2-servers", ["--mode", "sync", "--servers", "2"]),
+    ("async", ["--mode", "async"] + ASYNC),
+    ("async-salr", ["--mode", "async", "--staleness-aware-lr"] + ASYNC + ["--lr", "0.3"]),
+    ("ssp-1", ["--mode", "ssp", "--staleness", "1"] + ASYNC),
+    ("ssp-4", ["--mode", "ssp", "--staleness", "4"] + ASYNC),
+    ("backup", ["--mode", "backup"]),
+]
+
+
+def mpi_env():
+    env = dict(os.environ)
+    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                "NUMBA_NUM_THREADS"):
+        env.setdefault(var, "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def mpiexec():
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.path.exists(beside) else "mpiexec"
+
+
+def machine():
+    import numpy as np
+    from mpi4py import MPI
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "mpi": MPI.Get_library_version().splitlines()[0].strip()}
+
+
+# ----------------------------------------------------------------------------- one run
+
+class Snapshots:
+    """Copies of the parameters every ``every`` seconds (plus one at the end)."""
+
+    def __init__(self, named, every, t0):
+        self.named, self.every, self.t0 = named, every, t0
+        self.items = []
+        self.next = 0.0
+
+    def maybe(self, *_):
+        t = time.perf_counter() - self.t0
+        if t >= self.next:
+            self.take(t)
+            self.next = t + self.every
+
+    def take(self, t=None):
+        t = time.perf_counter() - self.t0 if t is None else t
+        self.items.append((t, {n: p.data.copy() for n, p in self.named}))
+
+
+class Straggle:
+    """For all-reduce: sleep (factor - 1) x the previous step's forward+backward time
+    before each forward (PS workers do the same themselves with --straggler)."""
+
+    def __init__(self, model, factor):
+        self.model, self.factor, self.last = model, factor, 0.0
+        self.fwd, self.bwd = model.forward, model.backward
+        model.forward, model.backward = self.forward, self.backward
+        self.slept = 0.0
+
+    def forward(self, x):
+        if self.last:
+            time.sleep((self.factor - 1) * self.last)
+            self.slept += (self.factor - 1) * self.last
+        t = time.perf_counter()
+        out = self.fwd(x)
+        self.last = time.perf_counter() - t
+        return out
+
+    def backward(self, dy):
+        t = time.perf_counter()
+        out = self.bwd(dy)
+        self.last += time.perf_counter() - t
+        return out
+
+
+def run_rank(a):
+    """One configuration, on every rank of this launch; rank 0 writes ``a.out``."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpidl import backend
+    from mpidl.comm import Communicator
+    from mpidl.data import BatchLoader, eval_batches, load_dataset
+    from mpidl.engine.losses import SoftmaxCrossEntropy
+    from mpidl.engine.models import build_model
+    from mpidl.engine.optim import SGD
+    from mpidl.strategies import make_strategy
+
+    backend.use("cpu")
+    world = MPI.COMM_WORLD
+    ds = load_dataset("fashion-mnist", a.data_dir)
+    model = build_model(a.model, input_shape=ds.input_shape, num_classes=ds.num_classes,
+                        seed=a.seed)
+    opt = SGD(model.named_parameters(), lr=a.lr, momentum=a.momentum)
+    loss = SoftmaxCrossEntropy()
+    options = json.loads(a.ps) if a.ps else None
+    straggler = world.size - 1 if a.straggler > 1 else None
+    if options is not None:
+        if straggler is not None:
+            options["straggler"] = f"{straggler}:{a.straggler}"
+        strategy = make_strategy("ps", Communicator(world), **options)
+    else:
+        strategy = make_strategy("allreduce", Communicator(world))
+    strategy.setup(model, opt, loss)
+    named = model.named_parameters()
+    world.Barrier()
+    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    record = world.rank == 0
+    snaps = Snapshots(named, a.every, t0) if record else None
+    images = 0
+    if not strategy.trains_on_data:
+        if snaps is not None:
+            strategy.server.on_update = snaps.maybe
+        strategy.serve()
+    else:
+        if options is None and straggler == world.rank:
+            Straggle(model, a.straggler)
+        index, count = strategy.shard()
+        loader = BatchLoader(ds.train_x, ds.train_y, a.batch, shard=(index, count),
+                             seed=a.seed)
+        step = 0
+        for epoch in range(a.epochs):
+            for _, x, y in loader.epoch(epoch):
+                opt.lr = a.lr * min(1.0, (step + 1) / a.warmup_steps) if a.warmup_steps \
+                    else a.lr
+                step += 1
+                strategy.train_step(x, y)
+                images += len(y)
+                if snaps is not None:
+                    snaps.maybe()
+        strategy.finish()
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    if snaps is not None:
+        snaps.take(wall)
+    per_rank = world.gather({"rank": world.rank, "images": images, "wall": wall, "cpu": cpu,
+                             "trains": strategy.trains_on_data})
+    if not record:
+        return
+    # evaluate the copies now that training is over (timing is not disturbed)
+    x_test, y_test = ds.test_x, ds.test_y
+    if a.test_limit:
+        x_test, y_test = x_test[:a.test_limit], y_test[:a.test_limit]
+    model.eval()
+    curve = []
+    for t, params in snaps.items:
+        for n, p in named:
+            p.data[...] = params[n]
+        correct = 0
+        for xb, yb in eval_batches(x_test, y_test, 1000):
+            correct += int((model.forward(xb).argmax(axis=1) == yb).sum())
+        curve.append((round(t, 3), correct / len(y_test)))
+    workers = [r for r in per_rank if r["trains"]]
+    train_wall = max(r["wall"] for r in workers)
+    out = {"images": sum(r["images"] for r in workers), "wall_s": train_wall,
+           "images_per_sec": sum(r["images"] for r in workers) / train_wall,
+           "curve": curve, "final_acc": curve[-1][1], "ranks": per_rank}
+    if options is not None:
+        st = strategy.final_stats
+        from mpidl.strategies.parameter_server import summarize
+
+        out.update(summarize(st))
+        out["server_cpu_fraction"] = per_rank[0]["cpu"] / per_rank[0]["wall"]
+        out["useful_images_per_sec"] = out["images_per_sec"] * (
+            out["ps_applied"] / max(1, out["ps_pushed"]))
+    with open(a.out, "w") as f:
+        json.dump(out, f)
+
+
+# ----------------------------------------------------------------------------- drivers
+
+def time_to(curve, target):
+    """First time the accuracy curve reaches ``target`` (linear between points)."""
+    prev = None
+    for t, acc in curve:
+        if acc >= target:
+            if prev is None or prev[1] >= target:
+                return t
+            (t0, a0) = prev
+            return t0 + (t - t0) * (target - a0) / (acc - a0)
+        prev = (t, acc)
+    return None
+
+
+def launch(n, args, timeout, log):
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py"] + [str(a) for a in args]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=mpi_env(),
+                              timeout=timeout)
+    if proc.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{tail}")
+
+
+def speed(a):
+    os.makedirs(a.work, exist_ok=True)
+    results = {"machine": machine(), "settings": vars(a), "runs": {}}
+    only = set(a.only.split(",")) if a.only else None
+    configs = SPEED_CONFIGS + (EXTRA_SPEED_CONFIGS if only else [])
+    plan = [(name, opts, f) for f in (1.0, a.factor) for name, opts in configs]
+    if not a.no_anchor:
+        plan.append(("ps-sync-blocking", {"mode": "sync", "poll_max_ms": 0}, 1.0))
+    for name, opts, factor in plan:
+        if only and name not in only:
+            continue
+        key = f"{name}{'+straggler' if factor > 1 else ''}"
+        out = os.path.join(a.work, key + ".json")
+        n = a.workers + (0 if opts is None else 1)
+        args = [os.path.abspath(__file__), "_run", "--out", out, "--epochs", a.epochs,
+                "--batch", a.batch, "--lr", a.lr, "--every", a.every, "--seed", a.seed,
+                "--model", a.model, "--straggler", factor, "--test-limit", a.test_limit]
+        if opts is not None:
+            opts = dict(opts)
+            if opts.get("mode") == "backup":
+                opts["wait"] = a.workers - 1
+            if opts.get("mode") in ("async", "ssp"):  # see ASYNC above
+                steps = 60000 // (a.batch * a.workers)
+                args += ["--momentum", a.async_momentum, "--lr", a.async_lr,
+                         "--warmup-steps", int(a.async_warmup * steps)]
+            args += ["--ps", json.dumps(opts)]
+        if a.data_dir:
+            args += ["--data-dir", a.data_dir]
+        t = time.time()
+        launch(n, args, a.timeout, os.path.join(a.work, key + ".log"))
+        with open(out) as f:
+            r = json.load(f)
+        r["time_to_target_s"] = time_to(r["curve"], a.target)
+        r["launch_s"] = time.time() - t
+        results["runs"][key] = r
+        print(f"{key:28s} {r['images_per_sec']:8.0f} img/s  final acc {r['final_acc']:.4f}  "
+              f"to {a.target:.2f}: {fmt(r['time_to_target_s'])}"
+              + (f"  server CPU {100 * r['server_cpu_fraction']:.0f}%"
+                 if "server_cpu_fraction" in r else ""), flush=True)
+    runs = results["runs"]
+    summary = {}
+    for tag in ("", "+straggler"):
+        sync = runs.get("ps-sync" + tag, {}).get("time_to_target_s")
+        for name in ("allreduce", "async", "ssp-1", "ssp-4", "backup"):
+            t = runs.get(name + tag, {}).get("time_to_target_s")
+            if sync and t:
+                summary[f"sync/{name}{tag}"] = sync / t
+    if "ps-sync" in runs and "ps-sync-blocking" in runs:
+        summary["server_cpu_sleeping_probe"] = runs["ps-sync"]["server_cpu_fraction"]
+        summary["server_cpu_blocking_probe"] = runs["ps-sync-blocking"]["server_cpu_fraction"]
+    results["speedup_vs_sync"] = summary
+    best = max((v for k, v in summary.items() if k.endswith("+straggler")
+                and (k.startswith("sync/async") or k.startswith("sync/ssp"))), default=None)
+    results["goal"] = {"best_async_or_ssp_speedup_with_straggler": best,
+                       "goal": 1.4, "met": bool(best and best >= 1.4)}
+    for k, v in summary.items():
+        print(f"  {k}: {v:.2f}")
+    print(f"goal (with the straggler, async or SSP >= 1.4x faster than sync to "
+          f"{a.target}): best {fmt(best, 'x')} -> {'met' if results['goal']['met'] else 'NOT met'}")
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1)
+    if a.plot:
+        plot(results, a.plot, a.target)
+    return results
+
+
+def fmt(v, unit=" s"):
+    return "-" if v is None else f"{v:.2f}{unit}"
+
+
+def plot(results, path, target):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    runs = results["runs"]
+    names = [n for n, _ in SPEED_CONFIGS]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for ax, tag, title in ((axes[0], "", "no straggler"),
+                           (axes[1], "+straggler", "one worker 2x slower")):
+        for name in names:
+            r = runs.get(name + tag)
+            if r:
+                t, acc = zip(*r["curve"])
+                ax.plot(t, acc, marker=".", label=name)
+        ax.axhline(target, color="grey", ls=":", lw=1)
+        ax.set_title(f"test accuracy vs wall time — {title}")
+        ax.set_xlabel("seconds")
+        ax.set_ylim(max(0.5, target - 0.15), None)
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    width = 0.38
+    xs = range(len(names))
+    for off, tag, label in ((-width / 2, "", "no straggler"), (width / 2, "+straggler",
+                                                                "straggler 2x")):
+        vals = [runs.get(n + tag, {}).get("time_to_target_s") or 0 for n in names]
+        ax.bar([x + off for x in xs], vals, width, label=label)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, rotation=20)
+    ax.set_ylabel(f"seconds to {target:.0%} test accuracy (0: not reached)")
+    ax.set_title("time to accuracy (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def accuracy(a):
+    os.makedirs(a.work, exist_ok=True)
+    mpidl = os.path.join(os.path.dirname(sys.executable), "mpidl")
+    results = {"machine": machine(), "settings": vars(a), "runs": {}}
+    only = set(a.only.split(",")) if a.only else None
+    if only and os.path.exists(a.out):  # re-run some: keep the others' results
+        with open(a.out) as f:
+            results["runs"] = json.load(f).get("runs", {})
+    for name, flags in ACCURACY_CONFIGS:
+        if only and name not in only:
+            continue
+        servers = int(flags[flags.index("--servers") + 1]) if "--servers" in flags else 1
+        n = a.workers if name == "allreduce" else a.workers + servers
+        metrics = os.path.join(a.work, f"acc-{name}.jsonl")
+        if os.path.exists(metrics):
+            os.unlink(metrics)
+        cmd = [mpiexec(), "-n", str(n), mpidl, "train", "--model", a.model, "--epochs",
+               str(a.epochs), "--seed", str(a.seed), "--no-progress", "--metrics", metrics,
+               "--out-dir", os.path.join(a.work, f"acc-{name}"),
+               "--strategy", "allreduce" if name == "allreduce" else "ps"] + flags
+        if a.data_dir:
+            cmd += ["--data-dir", a.data_dir]
+        t = time.time()
+        log = os.path.join(a.work, f"acc-{name}.log")
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=mpi_env(),
+                                  timeout=a.timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed; see {log}")
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        last = records[-1]
+        results["runs"][name] = {"command": " ".join(cmd[1:]).replace(mpidl, "mpidl"),
+                                 "ranks": n, "epochs": [r["test_acc"] for r in records],
+                                 "test_acc": last["test_acc"], "wall_s": time.time() - t,
+                                 **{k: v for k, v in last.items() if k.startswith("ps_")}}
+        print(f"{name:20s} test_acc {last['test_acc']:.4f}  ({time.time() - t:.0f} s)",
+              flush=True)
+    ref = results["runs"].get("allreduce", {}).get("test_acc")
+    if ref is not None:
+        for name, r in results["runs"].items():
+            r["minus_allreduce_points"] = round(100 * (r["test_acc"] - ref), 2)
+            r["within_1_point"] = abs(r["test_acc"] - ref) <= 0.01
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print("| run | ranks | test acc per epoch | final | vs allreduce (points) |")
+    print("|---|---|---|---|---|")
+    for name, r in results["runs"].items():
+        print(f"| {name} | {r['ranks']} | {', '.join(f'{v:.4f}' for v in r['epochs'])} | "
+              f"{r['test_acc']:.4f} | {r.get('minus_allreduce_points', 0):+.2f} |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--workers", type=int, default=3)
+    common.add_argument("--model", default="mlp")
+    common.add_argument("--seed", type=int, default=1)
+    common.add_argument("--data-dir", default=None)
+    common.add_argument("--only", default=None, help="comma-separated run names")
+    common.add_argument("--work", default=os.path.join(ROOT, "runs", "bench-ps"),
+                        help="folder for per-run logs and results")
+    common.add_argument("--timeout", type=float, default=1800)
+    s = sub.add_parser("speed", parents=[common])
+    s.add_argument("--epochs", type=int, default=2, help="epochs of each worker's shard")
+    s.add_argument("--batch", type=int, default=128)
+    s.add_argument("--lr", type=float, default=0.05)
+    s.add_argument("--async-momentum", type=float, default=0.0,
+                   help="momentum for async/SSP (sync and all-reduce use 0.9)")
+    s.add_argument("--async-lr", type=float, default=0.15, help="lr for async/SSP")
+    s.add_argument("--async-warmup", type=float, default=0.25,
+                   help="linear lr warm-up for async/SSP, in epochs")
+    s.add_argument("--every", type=float, default=1.5, help="seconds between snapshots")
+    s.add_argument("--target", type=float, default=0.84)
+    s.add_argument("--factor", type=float, default=2.0, help="straggler slowdown")
+    s.add_argument("--test-limit", type=int, default=0, help="evaluate on the first N "
+                   "test images (0: all 10000)")
+    s.add_argument("--no-anchor", action="store_true", help="skip the blocking-probe run")
+    s.add_argument("--out", default=os.path.join(HERE, "results", "ps.json"))
+    s.add_argument("--plot", default=os.path.join(HERE, "results", "ps.png"))
+    c = sub.add_parser("accuracy", parents=[common])
+    c.add_argument("--epochs", type=int, default=4)
+    c.add_argument("--out", default=os.path.join(HERE, "results", "ps_accuracy.json"))
+    r = sub.add_parser("_run")  # one configuration, inside mpiexec
+    for flag, typ, default in (("--out", str, None), ("--epochs", int, 2),
+                               ("--batch", int, 128), ("--lr", float, 0.05),
+                               ("--momentum", float, 0.9), ("--warmup-steps", int, 0),
+                               ("--every", float, 1.5), ("--seed", int, 1),
+                               ("--model", str, "mlp"), ("--straggler", float, 1.0),
+                               ("--test-limit", int, 0), ("--ps", str, None),
+                               ("--data-dir", str, None)):
+        r.add_argument(flag, type=typ, default=default)
+    a = ap.parse_args(argv)
+    if a.cmd == "_run":
+        return run_rank(a)
+    return speed(a) if a.cmd == "speed" else accuracy(a)
+
+
+if __name__ == "__main__":
+    main()
