@@ -96,9 +96,9 @@ def test_exception_on_one_rank_ends_all_ranks_fast(tmp_path):
 
 
 COMMON = ["--model", "mlp", "--dataset", "synthetic", "--epochs", "2", "--batch-size", "32",
-          "--limit-train", "4096", "--limit-test", "128", "--checkpoint-every", "5",
+          "--limit-train", "2048", "--limit-test", "128", "--checkpoint-every", "5",
           "--seed", "3"]
-STEPS_PER_EPOCH = 4096 // 64
+STEPS_PER_EPOCH = 2048 // 64
 TOTAL_STEPS = 2 * STEPS_PER_EPOCH
 
 
