@@ -227,7 +227,7 @@ class DataParallel(Strategy):
             ts = _clock()
             for b in fusion.buckets:
                 comm.allreduce(b.buffer, out=b.buffer, op="sum", algorithm=alg,
-                               name=f"bucket{b.index}")
+                               name=b.name)
                 fusion.unpack(b)
             self._exchange_sparse()
             wait = _clock() - ts
@@ -267,7 +267,7 @@ class DataParallel(Strategy):
         comm, alg = self.comm, self.algorithm
         for b in self.fusion.ready():
             b.handle = comm.iallreduce(b.buffer, out=b.buffer, op="sum", algorithm=alg,
-                                       name=f"bucket{b.index}")
+                                       name=b.name)
 
     def _exchange_sparse(self):
         """Average row-sparse gradients: allgatherv every rank's (coalesced) rows."""

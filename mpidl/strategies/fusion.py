@@ -27,11 +27,12 @@ MiB = 1 << 20
 class Bucket:
     """One fusion buffer: a flat array and, for each of its parameters, a shaped view."""
 
-    __slots__ = ("index", "names", "params", "views", "buffer", "dtype", "nbytes",
+    __slots__ = ("index", "name", "names", "params", "views", "buffer", "dtype", "nbytes",
                  "pending", "handle")
 
     def __init__(self, index, names, params, buffer, views):
         self.index = index
+        self.name = f"bucket{index}"  # the tensor name its collectives carry
         self.names = names            # list of parameter names, in packing order
         self.params = params          # the matching Parameter objects
         self.views = views            # buffer views shaped like each parameter
