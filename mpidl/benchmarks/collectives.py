@@ -167,16 +167,18 @@ def _pick_iters(raw, fn, nbytes, target):
     fn()
     fn()
     est = raw.allreduce((time.perf_counter() - t0) / 2, op=MPI.MAX)
-    cap = 2000 if nbytes <= 64 * KiB else 200
-    return int(min(cap, max(3, target / max(est, 1e-7))))
+    cap = 1000 if nbytes <= 64 * KiB else 200
+    return int(min(cap, max(2, target / max(est, 1e-7))))
 
 
 def measure(comm, collective="allreduce", sizes=None, algorithms=ALGORITHMS, iters=None,
-            repeats=5, warmup=3, target=0.03, dtype=np.float32, progress=None):
+            repeats=5, warmup=3, target=0.01, dtype=np.float32, progress=None):
     """Time native and ``algorithms`` for each size; returns a list of records (dicts).
 
-    ``comm``: an ``mpidl.comm.Communicator``. ``iters=None`` picks iterations per size
-    for about ``target`` seconds per timed run. Every rank must call this.
+    ``comm``: an ``mpidl.comm.Communicator``. ``iters=None`` picks iterations per size and
+    algorithm for about ``target`` seconds per timed run: short runs, many repeats, so
+    that on a shared machine most runs are not cut by the scheduler. Every rank must
+    call this.
     """
     sizes = list(sizes or DEFAULT_SIZES)
     if not hasattr(comm, "_bench_raw"):
@@ -191,18 +193,19 @@ def measure(comm, collective="allreduce", sizes=None, algorithms=ALGORITHMS, ite
         for label in labels:  # warm up: scratch buffers, consistency check, caches
             for _ in range(warmup):
                 calls[label]()
-        n_it = iters or _pick_iters(raw, calls[NATIVE], real_bytes, target)
+        n_it = {label: iters or _pick_iters(raw, calls[label], real_bytes, target)
+                for label in labels}
         times = {label: [] for label in labels}
         for _ in range(repeats):
             for label in labels:
-                times[label].append(_time_run(raw, calls[label], n_it))
+                times[label].append(_time_run(raw, calls[label], n_it[label]))
         native_med = statistics.median(times[NATIVE])
         for label in labels:
             med = statistics.median(times[label])
             algbw = real_bytes / med / 1e9
             records.append({
                 "collective": collective, "algorithm": label, "bytes": real_bytes, "p": p,
-                "iters": n_it, "repeats": repeats,
+                "iters": n_it[label], "repeats": repeats,
                 "lat_us": med * 1e6, "lat_us_min": min(times[label]) * 1e6,
                 "lat_us_runs": [t * 1e6 for t in times[label]],
                 "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
@@ -415,9 +418,11 @@ def add_arguments(p):
                    help="mpidl algorithms to time beside native (default: all: "
                    f"{','.join(ALGORITHMS)}; 'auto' too)")
     p.add_argument("--iters", type=int, default=None,
-                   help="calls per timed run (default: chosen per size, ~30 ms per run)")
-    p.add_argument("--repeats", type=int, default=5,
-                   help="timed runs per size and algorithm; the median is reported (default 5)")
+                   help="calls per timed run (default: chosen per size and algorithm, "
+                   "~10 ms per run)")
+    p.add_argument("--repeats", type=int, default=11,
+                   help="timed runs per size and algorithm, interleaved; the median is "
+                   "reported (default 11)")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     p.add_argument("--plot", default=None, metavar="PATH", help="also write a PNG plot here")
