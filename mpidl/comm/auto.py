@@ -16,9 +16,10 @@ Each entry ``[max_bytes, algorithm]`` covers sizes up to ``max_bytes`` (inclusiv
 ``null`` closes the table.
 
 The defaults reflect what was measured on 2-core machines with MPICH (bench/results):
-from Python, MPI's own call wins for small messages; the pipelined ring with persistent
-buffers wins for large ones (MPI's Allreduce allocates per call and falls off above
-~24 MiB).
+from Python, MPI's own call wins for small messages (MPICH even uses shared-memory
+collectives within a node); the pipelined ring with persistent buffers wins for large
+ones (MPI's Allreduce, Reduce_scatter and Reduce allocate a temporary per call and fall
+off above ~24 MiB). All-gather and broadcast need no temporary, so MPI's stay.
 """
 
 import json
@@ -31,7 +32,7 @@ MiB = 1 << 20
 DEFAULTS = {
     "allreduce": [[4 * MiB, "mpi"], [None, "ring"]],
     "reduce_scatter": [[4 * MiB, "mpi"], [None, "ring"]],
-    "reduce": [[None, "mpi"]],
+    "reduce": [[16 * MiB, "mpi"], [None, "ring"]],
     "bcast": [[None, "mpi"]],
     "allgather": [[None, "mpi"]],
 }
