@@ -207,6 +207,13 @@ class Communicator:
 
     # ------------------------------------------------------------------ basics
     @property
+    def timeline(self):
+        """The Chrome-trace recorder (``timeline.Timeline``) or None. Other layers may add
+        spans to it: ``timeline.record(kind, name, "", 0, start, end, tid)`` with
+        ``time.perf_counter()`` times (``timeline.clock()``)."""
+        return self._timeline
+
+    @property
     def progress_mode(self):
         """"thread" (a progress thread runs non-blocking collectives) or "eager"."""
         return self._progress.mode

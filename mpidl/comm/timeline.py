@@ -35,6 +35,9 @@ class Timeline:
         return time.perf_counter()
 
     def record(self, kind, name, algorithm, nbytes, start, end, tid, **extra):
+        """Add a span: ``start``/``end`` from ``clock()`` (``time.perf_counter``), ``tid``
+        0 for the caller's thread, 1 for the progress thread; ``extra`` goes to args.
+        Thread-safe; other layers (e.g. a strategy's compute phases) may record too."""
         ev = (kind, name, algorithm, nbytes, start, end, tid, extra)
         with self._lock:
             self._events.append(ev)
