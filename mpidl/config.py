@@ -85,8 +85,8 @@ OPTIONS = [
            "mpi or auto (strategy default)", "parallelism"),
     Option("bucket_mb", float, None, "gradient fusion bucket size in MiB", "parallelism",
            metavar="MB"),
-    Option("overlap", bool, True, "overlap gradient communication with backward "
-           "(--no-overlap turns it off for comparison)", "parallelism"),
+    Option("overlap", bool, True, "do not overlap gradient communication with backward "
+           "(for comparison; config key: overlap = false)", "parallelism"),
     Option("compression", str, None, "gradient compression (e.g. topk, onebit, qsgd); "
            "default none", "parallelism"),
     Option("ratio", float, None, "compression ratio or density (e.g. 0.01 keeps 1%% of "
@@ -121,8 +121,8 @@ OPTIONS = [
            metavar="N"),
     Option("resume", bool, False, "continue from the newest checkpoint in the checkpoint "
            "folder (bitwise the same result as an uninterrupted run)", "outputs"),
-    Option("progress", bool, True, "progress bar on rank 0 (--no-progress turns it off)",
-           "outputs"),
+    Option("progress", bool, True, "no progress bar (rank 0 shows one on stderr by "
+           "default; config key: progress = false)", "outputs"),
     Option("verbose", bool, False, "let every rank log, not only rank 0", "outputs"),
 ]
 CORE_OPTIONS = list(OPTIONS)
