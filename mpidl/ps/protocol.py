@@ -70,15 +70,28 @@ def send(comm, dest, tag, data_tag, header, arrays=()):
     return reqs
 
 
-def receive(comm, source, tag, data_tag):
-    """Receive a header (already probed from ``source``) and the arrays that follow it."""
+def receive(comm, source, tag, data_tag, into=None):
+    """Receive a header (already probed from ``source``) and the arrays that follow it.
+
+    ``into(header, i, shape, dtype)`` may return a C-contiguous host array of that shape
+    and dtype to receive array ``i`` in place (no allocation, no copy), or None.
+    """
     header = comm.recv(source=source, tag=tag)
     arrays = []
-    for shape, dtype in header.get("arrays", ()):
-        buf = np.empty(shape, dtype=np.dtype(dtype))
+    for i, (shape, dtype) in enumerate(header.get("arrays", ())):
+        dtype = np.dtype(dtype)
+        buf = into(header, i, tuple(shape), dtype) if into is not None else None
+        if buf is None:
+            buf = np.empty(shape, dtype=dtype)
         comm.Recv([buf.reshape(-1).view(np.uint8), MPI.BYTE], source=source, tag=data_tag)
         arrays.append(buf)
     return header, arrays
+
+
+def fits(a, shape, dtype):
+    """True when ``a`` is a C-contiguous NumPy array of exactly that shape and dtype."""
+    return (isinstance(a, np.ndarray) and a.flags.c_contiguous and a.shape == shape
+            and a.dtype == dtype)
 
 
 class Poller:

@@ -100,6 +100,8 @@ class ParameterServer:
         self._barrier_passed = False
         self._stats_sent = False
         self._snapshot = None
+        self._recv_buffers = {}
+        self._sums = {}  # name -> persistent array for averaging a bucket
         self.on_update = None  # called after every update (benchmarks take snapshots)
         self.stats = ServerStats(server=index, rank=self.rank, mode=mode.mode,
                                  pushes_by_worker={w: 0 for w in self.workers},
@@ -119,7 +121,8 @@ class ParameterServer:
         while self.active and not (until == "barrier" and self._barrier_passed):
             status = self.poller.wait(MPI.ANY_SOURCE, TAG_CTRL, what="pushes from workers "
                                       f"{sorted(self.active)}", idle=self._idle)
-            header, arrays = receive(self.comm, status.Get_source(), TAG_CTRL, TAG_UP)
+            header, arrays = receive(self.comm, status.Get_source(), TAG_CTRL, TAG_UP,
+                                     into=self._into_buffer(status.Get_source()))
             self._handle(status.Get_source(), header, arrays)
         st = self.stats
         st.wall_s += time.perf_counter() - wall0
@@ -139,6 +142,20 @@ class ParameterServer:
     def finished(self):
         """True once every worker said it is done."""
         return not self.active
+
+    def _into_buffer(self, source):
+        """A push is received into buffers kept per (worker, array): no allocation per
+        step. Safe to reuse: a worker pushes again only after its answer, and the answer
+        comes after the push was applied or dropped, when nothing refers to it any more."""
+        def into(header, i, shape, dtype):
+            if header.get("kind") != "push":
+                return None
+            key = (source, i)
+            buf = self._recv_buffers.get(key)
+            if buf is None or buf.shape != shape or buf.dtype != dtype:
+                buf = self._recv_buffers[key] = np.empty(shape, dtype)
+            return buf
+        return into
 
     def _idle(self):
         retire(self.sends)
@@ -290,7 +307,7 @@ class ParameterServer:
         present = [name for name in self.names if any(name in p.grads for p in pushes)]
         for name in present:
             parts = [p.grads[name] for p in pushes if name in p.grads]
-            self.params[name].grad = _mean(parts, n)
+            self.params[name].grad = _mean(parts, n, self._sums, name)
         lr = pushes[-1].lr
         if lr is not None and hasattr(self.optimizer, "lr"):
             self.optimizer.lr = lr  # the workers run the schedule; the server follows it
@@ -364,8 +381,10 @@ class ParameterServer:
         raise PSError(message)
 
 
-def _mean(parts, n):
-    """Sum ``parts`` in order and divide by ``n`` (dense, or row-sparse when all are)."""
+def _mean(parts, n, sums=None, name=None):
+    """Sum ``parts`` in order and divide by ``n`` (dense, or row-sparse when all are).
+
+    ``sums[name]``, when given, is reused as the dense result's storage."""
     if n == 1 and len(parts) == 1:
         return parts[0]
     if all(isinstance(g, SparseGrad) for g in parts):
@@ -378,7 +397,18 @@ def _mean(parts, n):
     total = None
     for g in parts:
         g = g.to_dense() if isinstance(g, SparseGrad) else g
-        total = g.copy() if total is None else total.__iadd__(g)
+        if total is None:
+            keep = sums.get(name) if sums is not None else None
+            if keep is not None and type(keep) is type(g) and keep.shape == g.shape \
+                    and keep.dtype == g.dtype:
+                keep[...] = g
+                total = keep
+            else:
+                total = g.copy()
+                if sums is not None:
+                    sums[name] = total
+        else:
+            total += g
     if n > 1:
         total /= total.dtype.type(n)
     return total

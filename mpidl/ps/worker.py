@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from mpidl.engine.module import SparseGrad
 from mpidl.ps.protocol import (TAG_CTRL, TAG_DOWN, TAG_REPLY, TAG_UP, Poller, PSError,
-                               receive, retire, send)
+                               fits, receive, retire, send)
 
 
 class PSWorker:
@@ -120,7 +120,8 @@ class PSWorker:
             self.versions[server] = header["version"]
             for name, a in zip(header["names"], arrays):
                 p = self.params[name]
-                p.data[...] = to_device(a, dtype=p.data.dtype)
+                if a is not p.data:  # (received in place otherwise)
+                    p.data[...] = to_device(a, dtype=p.data.dtype)
                 self.stats["bytes_received"] += int(a.nbytes)
 
     # -- ending
@@ -144,7 +145,8 @@ class PSWorker:
             status = self.poller.wait(MPI.ANY_SOURCE, TAG_REPLY, idle=self._idle,
                                       what=f"'{kind}' from server ranks {sorted(pending)}")
             src = status.Get_source()
-            header, arrays = receive(self.comm, src, TAG_REPLY, TAG_DOWN)
+            header, arrays = receive(self.comm, src, TAG_REPLY, TAG_DOWN,
+                                     into=self._into_params)
             if header.get("kind") == "abort":
                 self._abort(src, header["message"])
             if header.get("kind") != kind or src not in pending:
@@ -154,6 +156,13 @@ class PSWorker:
             pending.discard(src)
         self.stats["wait_s"] += time.perf_counter() - t0
         return got
+
+    def _into_params(self, header, i, shape, dtype):
+        """Parameters arrive straight into the model's arrays when they fit (CPU)."""
+        if header.get("kind") != "params":
+            return None
+        p = self.params.get(header["names"][i])
+        return p.data if p is not None and fits(p.data, shape, dtype) else None
 
     def _idle(self):
         retire(self.sends)
