@@ -20,8 +20,9 @@ NaN and Inf (checked in the tests)
 No kernel spends a pass looking for them; they propagate by these rules, so a diverging
 rank shows up instead of being hidden:
 
-- ``pack_signs``: a NaN or Inf in a chunk makes that chunk's scale NaN or Inf, so every
-  rank decodes non-finite values for it; the residual turns NaN too.
+- ``pack_signs``: a NaN or Inf in a chunk makes that chunk's scale NaN or Inf (with two
+  scales: the one of its sign class; NaN counts as non-negative), so every rank decodes
+  non-finite values for it; the residual turns NaN too.
 - ``threshold_select``, ``topk_*``: NaN counts as the largest magnitude, so it is always
   selected. Top-k sends values, so the NaN reaches every rank. Threshold sends only a
   sign (NaN reads as positive: +tau), and the residual keeps the NaN.
@@ -118,19 +119,22 @@ def _count(value, what, upper=None):
 
 
 # ---------------------------------------------------------------- 1-bit signs
-def pack_signs(x, residual=None, chunk=0):
+def pack_signs(x, residual=None, chunk=0, two_scales=False):
     """1-bit compression: ``(bits, scales)`` of v = x (+ residual), residual updated in place.
 
-    ``bits`` (uint8, ceil(n/8)) holds the sign of each v (1 = negative); ``scales``
-    (float32) the mean |v| of each chunk of ``chunk`` elements (one scale when chunk = 0).
+    ``bits`` (uint8, ceil(n/8)) holds the sign of each v (1 = negative). ``scales``
+    (float32), per chunk of ``chunk`` elements (one chunk when chunk = 0): the mean |v|;
+    or, with ``two_scales`` (Seide et al.), the mean of the v >= 0 and the mean |v| of
+    the v < 0, interleaved [pos0, neg0, pos1, ...], so each chunk's sum is kept exactly.
     With a residual (error feedback), it becomes v - decoded in the same pass.
     """
     x = _flat(x, "pack_signs: x")
-    return _impl(x).pack_signs(x, _residual(x, residual), _check_chunk(chunk))
+    return _impl(x).pack_signs(x, _residual(x, residual), _check_chunk(chunk),
+                               bool(two_scales))
 
 
-def unpack_signs(bits, scales, n, chunk=0):
-    """Decode ``pack_signs``: +-scale per element (float32, n). Checks the payload's sizes."""
+def unpack_signs(bits, scales, n, chunk=0, two_scales=False):
+    """Decode ``pack_signs``: +pos / -neg scale per element (float32, n); checks sizes."""
     chunk = _check_chunk(chunk)
     bits = _flat(bits, "unpack_signs: bits", np.uint8)
     scales = _flat(scales, "unpack_signs: scales")
@@ -138,10 +142,11 @@ def unpack_signs(bits, scales, n, chunk=0):
     if bits.size != (n + 7) // 8:
         raise PayloadError(f"1-bit payload has {bits.size} bytes of signs, "
                            f"{n} elements need {(n + 7) // 8}")
-    if scales.size != reference.chunk_count(n, chunk):
+    want = reference.chunk_count(n, chunk) * (2 if two_scales else 1)
+    if scales.size != want:
         raise PayloadError(f"1-bit payload has {scales.size} scales, {n} elements in "
-                           f"chunks of {chunk or n} need {reference.chunk_count(n, chunk)}")
-    return _impl(bits).unpack_signs(bits, scales, n, chunk)
+                           f"chunks of {chunk or n} need {want}")
+    return _impl(bits).unpack_signs(bits, scales, n, chunk, bool(two_scales))
 
 
 # ---------------------------------------------------------------- selection

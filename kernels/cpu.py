@@ -178,14 +178,14 @@ def _flags_to_bits(flags, m, bits, b0):
 
 
 @njit(cache=True)
-def _signs_ef(x, r, sc, lo, hi, flags):
-    ns = -sc
+def _signs_ef(x, r, pos, neg, lo, hi, flags):
+    nneg = -neg
     for j in range(_U(0), _U(hi - lo)):
         i = _U(lo) + j
         v = x[i] + r[i]
-        neg = v < 0
-        flags[j] = np.uint8(neg)
-        r[i] = v - (ns if neg else sc)
+        isneg = v < 0
+        flags[j] = np.uint8(isneg)
+        r[i] = v - (nneg if isneg else pos)
 
 
 @njit(cache=True)
@@ -195,53 +195,97 @@ def _signs(x, lo, hi, flags):
 
 
 @njit(cache=True, parallel=True)
-def _pack_signs(x, r, use_r, scales, size, bits):
-    """Second pass: signs to flag bytes (and r <- v -+ scale) in a vectorised loop, then
+def _pack_signs(x, r, use_r, pos, neg, size, bits):
+    """Second pass: signs to flag bytes (and r <- v - decoded) in a vectorised loop, then
     8 flags per byte with one multiply; the flags stay in cache."""
     n = x.size
-    nc = scales.size
+    nc = pos.size
     per = (size + BLOCK - 1) // BLOCK
     for u in prange(nc * per):
         c, lo, hi = _unit(u, per, size, n)
         flags = np.empty(BLOCK, np.uint8)
         if use_r:
-            _signs_ef(x, r, scales[c], lo, hi, flags)
+            _signs_ef(x, r, pos[c], neg[c], lo, hi, flags)
         else:
             _signs(x, lo, hi, flags)
         _flags_to_bits(flags, hi - lo, bits, lo // 8)
 
 
-def pack_signs(x, residual, chunk):
+@njit(cache=True, fastmath=FM_SUM)
+def _split_sums(x, r, use_r, lo, hi):
+    """(sum of v over v >= 0 or NaN, their count, sum of -v over v < 0), float64."""
+    sp = 0.0
+    sn = 0.0
+    cp = 0
+    for i in range(_U(lo), _U(hi)):
+        v = np.float64(x[i] + r[i] if use_r else x[i])
+        isneg = v < 0
+        sp += 0.0 if isneg else v
+        sn += -v if isneg else 0.0
+        cp += 0 if isneg else 1
+    return sp, cp, sn
+
+
+@njit(cache=True, parallel=True)
+def _chunk_split_sums(x, r, use_r, size, nc):
+    n = x.size
+    per = (size + BLOCK - 1) // BLOCK
+    sp = np.zeros(nc * per, np.float64)
+    sn = np.zeros(nc * per, np.float64)
+    cp = np.zeros(nc * per, np.int64)
+    for u in prange(nc * per):
+        c, lo, hi = _unit(u, per, size, n)
+        sp[u], cp[u], sn[u] = _split_sums(x, r, use_r, lo, hi)
+    out_sp = np.zeros(nc, np.float64)
+    out_sn = np.zeros(nc, np.float64)
+    out_cp = np.zeros(nc, np.int64)
+    for u in range(nc * per):
+        c = u // per
+        out_sp[c] += sp[u]
+        out_sn[c] += sn[u]
+        out_cp[c] += cp[u]
+    return out_sp, out_cp, out_sn
+
+
+def pack_signs(x, residual, chunk, two_scales):
     n = x.size
     size = max(n, 1) if chunk == 0 else chunk
     nc = 1 if chunk == 0 else -(-n // chunk)
     use_r = residual is not None
     r = residual if use_r else x
-    sums = _chunk_reduce(x, r, ABS_SUM_R if use_r else ABS_SUM, size, nc)
     counts = np.minimum(size, n - size * np.arange(nc, dtype=np.int64))
-    scales = (sums / np.maximum(counts, 1)).astype(np.float32)
+    if two_scales:
+        sp, cp, sn = _chunk_split_sums(x, r, use_r, size, nc)
+        with np.errstate(invalid="ignore"):
+            pos = np.where(cp > 0, sp / np.maximum(cp, 1), 0.0).astype(np.float32)
+            neg = np.where(counts - cp > 0, sn / np.maximum(counts - cp, 1),
+                           0.0).astype(np.float32)
+    else:
+        sums = _chunk_reduce(x, r, ABS_SUM_R if use_r else ABS_SUM, size, nc)
+        pos = neg = (sums / np.maximum(counts, 1)).astype(np.float32)
     bits = np.empty((n + 7) // 8, np.uint8)
-    _pack_signs(x, r, use_r, scales, size, bits)
-    return bits, scales
+    _pack_signs(x, r, use_r, pos, neg, size, bits)
+    return bits, (np.stack([pos, neg], axis=1).reshape(-1) if two_scales else pos)
 
 
 @njit(cache=True, parallel=True)
-def _unpack_signs(bits, scales, size, out):
+def _unpack_signs(bits, pos, neg, size, out):
     n = out.size
-    nc = scales.size
+    nc = pos.size
     per = (size + BLOCK - 1) // BLOCK
     for u in prange(nc * per):
         c, lo, hi = _unit(u, per, size, n)
-        sc = scales[c]
-        ns = -sc
+        p = pos[c]
+        ng = -neg[c]
         for i in range(_U(lo), _U(hi)):
-            neg = (bits[i >> _U(3)] >> (i & _U(7))) & _U(1)
-            out[i] = ns if neg else sc
+            isneg = (bits[i >> _U(3)] >> (i & _U(7))) & _U(1)
+            out[i] = ng if isneg else p
 
 
-def unpack_signs(bits, scales, n, chunk):
+def unpack_signs(bits, scales, n, chunk, two_scales):
     out = np.empty(n, np.float32)
-    _unpack_signs(bits, scales, max(n, 1) if chunk == 0 else chunk, out)
+    pos, neg = (scales[0::2].copy(), scales[1::2].copy()) if two_scales else (scales, scales)
+    _unpack_signs(bits, pos, neg, max(n, 1) if chunk == 0 else chunk, out)
     return out
 
 
@@ -766,7 +810,7 @@ def decode_sparse(blob, n=None):
     vals, scale = wire.split_values(blob, kind, k, nbytes)
     if kind == wire.VALUES_SIGNS:
         values = unpack_signs(np.ascontiguousarray(vals), np.array([scale], np.float32),
-                              k, 0)
+                              k, 0, False)
     elif kind == wire.VALUES_F16:
         values = from_fp16(np.array(vals))
     else:

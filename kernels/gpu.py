@@ -98,23 +98,40 @@ def chunk_norms(x, chunk, kind):
 
 
 # ---------------------------------------------------------------- 1-bit signs
-def pack_signs(x, residual, chunk):
+def pack_signs(x, residual, chunk, two_scales):
     n = x.size
     use_r = residual is not None
     r = residual if use_r else x
-    size, nc, _ = _chunks(n, chunk)
-    sums = _chunk_sums(x, r, ABS_SUM_R if use_r else ABS_SUM, chunk)
+    size, nc, per = _chunks(n, chunk)
     counts = cp.minimum(size, n - size * cp.arange(nc, dtype=cp.int64))
-    scales = (sums / cp.maximum(counts, 1)).astype(cp.float32)
+    if two_scales:
+        spos = cp.zeros(nc, cp.float64)
+        sneg = cp.zeros(nc, cp.float64)
+        cpos = cp.zeros(nc, cp.uint64)
+        if n:
+            _module("onebit").get_function("chunk_split_sums")(
+                (nc * per,), (_THREADS,), (x, r, _i32(use_r), _i64(n), _i64(size), _i64(per),
+                                          _i64(_BLOCK), spos, cpos, sneg))
+        cpos = cpos.astype(cp.int64)
+        cneg = counts - cpos
+        pos = cp.where(cpos > 0, spos / cp.maximum(cpos, 1), 0.0).astype(cp.float32)
+        neg = cp.where(cneg > 0, sneg / cp.maximum(cneg, 1), 0.0).astype(cp.float32)
+    else:
+        sums = _chunk_sums(x, r, ABS_SUM_R if use_r else ABS_SUM, chunk)
+        pos = neg = (sums / cp.maximum(counts, 1)).astype(cp.float32)
     bits = cp.empty((n + 7) // 8, cp.uint8)
-    _launch("onebit", "pack_signs", bits.size, x, r, _i32(use_r), scales, _i64(size),
+    _launch("onebit", "pack_signs", bits.size, x, r, _i32(use_r), pos, neg, _i64(size),
             _i64(n), bits)
-    return bits, scales
+    return bits, (cp.stack([pos, neg], axis=1).reshape(-1) if two_scales else pos)
 
 
-def unpack_signs(bits, scales, n, chunk):
+def unpack_signs(bits, scales, n, chunk, two_scales):
     out = cp.empty(n, cp.float32)
-    _launch("onebit", "unpack_signs", n, bits, scales,
+    if two_scales:
+        pos, neg = cp.ascontiguousarray(scales[0::2]), cp.ascontiguousarray(scales[1::2])
+    else:
+        pos = neg = scales
+    _launch("onebit", "unpack_signs", n, bits, pos, neg,
             _i64(max(n, 1) if chunk == 0 else chunk), _i64(n), out)
     return out
 

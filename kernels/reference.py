@@ -92,32 +92,53 @@ def magnitude(x):
 
 
 # ---------------------------------------------------------------- 1-bit signs
-def pack_signs(x, residual=None, chunk=0):
-    """1-bit signs of v = x (+ residual) and the mean |v| of each chunk (all of v if chunk=0).
+def pack_signs(x, residual=None, chunk=0, two_scales=False):
+    """1-bit signs of v = x (+ residual) and per-chunk scales (chunk 0: the whole tensor).
 
-    Bit i (byte i // 8, bit i % 8, least significant first) is 1 where v < 0; the receiver
-    reads it as -scale, else +scale. With a residual, the residual becomes v - decoded.
+    Bit i (byte i // 8, bit i % 8, least significant first) is 1 where v < 0. One scale:
+    the mean |v| of the chunk; the receiver reads bit 0 as +scale and 1 as -scale. Two
+    scales (Seide et al.'s 1-bit SGD): the mean of the chunk's v >= 0 (NaN counted there)
+    and the mean |v| of its v < 0, interleaved as [pos0, neg0, pos1, neg1, ...]; the
+    receiver reads 0 as +pos and 1 as -neg, which keeps each chunk's sum exact. With a
+    residual, it becomes v - decoded.
     """
     n = x.size
     v = x + residual if residual is not None else x.copy()
-    scales = np.zeros(chunk_count(n, chunk), np.float32)
+    nc = chunk_count(n, chunk)
+    neg = v < 0
+    pos_s = np.zeros(nc, np.float32)
+    neg_s = np.zeros(nc, np.float32)
     if n:
         starts = _chunk_starts(n, chunk)
-        sums = np.add.reduceat(np.abs(v).astype(np.float64), starts)
-        scales[:] = sums / np.diff(np.append(starts, n))
-    neg = v < 0
+        v64 = v.astype(np.float64)
+        if two_scales:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                npos = np.add.reduceat((~neg).astype(np.int64), starts)
+                nneg = np.diff(np.append(starts, n)) - npos
+                spos = np.add.reduceat(np.where(neg, 0.0, v64), starts)
+                sneg = np.add.reduceat(np.where(neg, -v64, 0.0), starts)
+                pos_s[:] = np.where(npos > 0, spos / np.maximum(npos, 1), 0.0)
+                neg_s[:] = np.where(nneg > 0, sneg / np.maximum(nneg, 1), 0.0)
+        else:
+            pos_s[:] = np.add.reduceat(np.abs(v64), starts) / np.diff(np.append(starts, n))
+            neg_s[:] = pos_s
     bits = np.packbits(neg, bitorder="little")
     if residual is not None:
-        per = per_element(scales, n, chunk)
         with np.errstate(invalid="ignore"):  # inf - inf: NaN, by the documented rule
-            residual[:] = v - np.where(neg, -per, per)
+            residual[:] = v - np.where(neg, -per_element(neg_s, n, chunk),
+                                       per_element(pos_s, n, chunk))
+    scales = np.stack([pos_s, neg_s], axis=1).reshape(-1) if two_scales else pos_s
     return bits, scales
 
 
-def unpack_signs(bits, scales, n, chunk=0):
+def unpack_signs(bits, scales, n, chunk=0, two_scales=False):
     neg = np.unpackbits(bits, count=n, bitorder="little").astype(bool)
-    per = per_element(scales, n, chunk)
-    return np.where(neg, -per, per).astype(np.float32)
+    if two_scales:
+        pos_s, neg_s = scales[0::2], scales[1::2]
+    else:
+        pos_s = neg_s = scales
+    return np.where(neg, -per_element(neg_s, n, chunk),
+                    per_element(pos_s, n, chunk)).astype(np.float32)
 
 
 # ---------------------------------------------------------------- selection

@@ -5,8 +5,8 @@ Multi-rank exchange is in test_compress_mpi.py (real ranks)."""
 import numpy as np
 import pytest
 
-from mpidl.compress import (COMPRESSORS, DGCMemory, Exchanger, ResidualMemory,
-                            make_compressor)
+from mpidl.compress import (COMPRESSORS, DGCMemory, Exchanger, MomentumMemory,
+                            ResidualMemory, make_compressor)
 from mpidl.compress import frame
 from mpidl.compress.powersgd import orthogonalize
 from mpidl.kernels import PayloadError
@@ -75,8 +75,8 @@ def test_spec_strings_carry_parameters():
 
 
 def test_default_memories():
-    assert isinstance(make_compressor("topk").memory, ResidualMemory)
-    assert isinstance(make_compressor("onebit").memory, ResidualMemory)
+    assert type(make_compressor("topk").memory) is ResidualMemory
+    assert type(make_compressor("onebit").memory) is MomentumMemory
     assert isinstance(make_compressor("dgc").memory, DGCMemory)
     for name in ("none", "fp16", "qsgd", "terngrad", "powersgd"):
         assert make_compressor(name).memory is None
@@ -127,14 +127,14 @@ def test_dgc_momentum_correction_and_masking():
         np.testing.assert_array_equal(sent[nz], v[nz])  # the accumulated velocity is sent
         v[nz] = 0
         u[nz] = 0  # momentum factor masking
-        np.testing.assert_array_equal(c.memory.velocity["w"], v)
+        np.testing.assert_array_equal(c.memory.residuals["w"], v)
         np.testing.assert_array_equal(c.memory.mom["w"], u)
 
 
 def test_dgc_warmup_clip_and_zero_gradients():
     c = make_compressor("dgc", ratio=0.001, warmup_steps=4)
     d = [c.density(s) for s in range(6)]
-    assert d[0] < 1 and all(a > b for a, b in zip(d, d[1:5])) and d[4] == d[5] == 0.001
+    assert d[0] == 0.25 and all(a > b for a, b in zip(d, d[1:5])) and d[4] == d[5] == 0.001
     g = np.zeros((100, 100), np.float32)
     for _ in range(3):  # nothing to send is still a well-formed payload
         payload, ctx = c.memory.compress(c, g, "z")
@@ -143,6 +143,44 @@ def test_dgc_warmup_clip_and_zero_gradients():
     big = np.full((10,), 100.0, np.float32)
     payload, ctx = c.memory.compress(c, big, "b")
     assert np.linalg.norm(c.decompress(payload, ctx)) <= 1.0 + 1e-5
+
+
+class FakeSGD:
+    def __init__(self, momentum, nesterov=False):
+        self.momentum, self.nesterov = momentum, nesterov
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_momentum_correction_is_error_feedback_on_momentum(fused):
+    """sent + residual == the sum of the momentum sequence u_t = m u_(t-1) + g_t."""
+    c = make_compressor("onebit")
+    opt = FakeSGD(0.9, nesterov=True)
+    assert c.memory.adopt_momentum(opt) == 0.9
+    assert (opt.momentum, opt.nesterov, c.memory.momentum) == (0.0, False, 0.9)
+    mem = c.memory
+    u = np.zeros((37, 29), np.float64)
+    sent, total = np.zeros_like(u), np.zeros_like(u)
+    for g in grads(50):
+        if fused:
+            payload, ctx = mem.compress(c, g, "w")
+        else:
+            t = mem.compensate(g, "w")
+            payload, ctx = c.compress(t, "w")
+            mem.update(t, "w", c, payload, ctx)
+        u = 0.9 * u + g
+        total += u
+        sent += c.decompress(payload, ctx)
+    np.testing.assert_allclose(sent + mem.residuals["w"].reshape(u.shape), total, atol=2e-3)
+    # momentum already set (dgc:momentum=0.5) still turns the optimizer's off
+    c = make_compressor("dgc", momentum=0.5)
+    opt = FakeSGD(0.9)
+    assert c.memory.adopt_momentum(opt) == 0.5 and opt.momentum == 0.0
+    # plain error feedback leaves the optimizer alone; None until handed over = plain EF
+    opt = FakeSGD(0.9)
+    assert make_compressor("topk").memory.adopt_momentum(opt) == 0.0 and opt.momentum == 0.9
+    m = MomentumMemory()
+    g = grads(1)[0]
+    assert np.array_equal(m.compensate(g, "w"), g)
 
 
 def test_topk_and_threshold_send_what_they_promise():
@@ -297,6 +335,8 @@ def test_exchanger_one_rank(comm, name):
     stats = ex.stats()
     assert stats["calls"] == 9 and stats["bytes_sent"] == 0  # one rank sends nothing
     assert stats["payload_bytes"] > 0 and stats["dense_bytes"] == 3 * 4 * (200 + 7 + 16)
+    opt = FakeSGD(0.9)
+    assert ex.adopt_momentum(opt) == (0.9 if name in ("onebit", "dgc") else 0.0)
     state = ex.state_dict()
     ex2 = Exchanger(comm, make_compressor(name))
     ex2.load_state_dict(state)

@@ -65,23 +65,25 @@ def same_bits(a, b):
 # ---------------------------------------------------------------- 1-bit signs
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("chunk", [0, 8, 1024])
-def test_pack_signs_matches_reference(xp, n, kind, chunk):
+@pytest.mark.parametrize("chunk,two", [(0, False), (8, False), (1024, False), (0, True),
+                                       (8, True), (1024, True)])
+def test_pack_signs_matches_reference(xp, n, kind, chunk, two):
     x = make(n, kind)
     r0 = (0.1 * np.random.default_rng(1).standard_normal(n)).astype(np.float32)
     r_fast, r_ref = xp.asarray(r0.copy()), r0.copy()
-    bits, scales = K.pack_signs(xp.asarray(x), r_fast, chunk)
-    rbits, rscales = R.pack_signs(x, r_ref, chunk)
+    bits, scales = K.pack_signs(xp.asarray(x), r_fast, chunk, two)
+    rbits, rscales = R.pack_signs(x, r_ref, chunk, two)
     same_bits(bits, rbits)
     np.testing.assert_allclose(host(scales), rscales, rtol=1e-6)
     finite = rscales[np.isfinite(rscales)]
     atol = 1e-6 * float(np.abs(finite).max(initial=0))
     np.testing.assert_allclose(host(r_fast), r_ref, rtol=1e-6, atol=atol)
-    out = K.unpack_signs(bits, scales, n, chunk)
-    same_bits(out, R.unpack_signs(host(bits), host(scales), n, chunk))
+    out = K.unpack_signs(bits, scales, n, chunk, two)
+    same_bits(out, R.unpack_signs(host(bits), host(scales), n, chunk, two))
     # without a residual: the same signs of x itself
-    bits2, scales2 = K.pack_signs(xp.asarray(x), None, chunk)
-    same_bits(bits2, R.pack_signs(x, None, chunk)[0])
+    bits2, scales2 = K.pack_signs(xp.asarray(x), None, chunk, two)
+    same_bits(bits2, R.pack_signs(x, None, chunk, two)[0])
+    np.testing.assert_allclose(host(scales2), R.pack_signs(x, None, chunk, two)[1], rtol=1e-6)
 
 
 def test_pack_signs_nonfinite_and_zero_rules():
@@ -90,6 +92,10 @@ def test_pack_signs_nonfinite_and_zero_rules():
     bits, scales = K.pack_signs(x, None, chunk=32)
     assert np.isnan(scales[0]) and scales[1] == 1.0  # NaN poisons only its chunk
     assert np.isnan(K.unpack_signs(bits, scales, 64, 32)[:32]).all()
+    x = np.array([3, 1, -1, -1, -1, -1, 2, 0], np.float32)  # two scales keep the sum
+    bits, scales = K.pack_signs(x, None, two_scales=True)
+    assert scales.tolist() == [1.5, 1.0]
+    assert K.unpack_signs(bits, scales, 8, two_scales=True).sum() == x.sum()
     r = np.zeros(16, np.float32)
     bits, scales = K.pack_signs(np.zeros(16, np.float32), r)
     assert bits.size == 2 and scales.tolist() == [0.0] and not r.any()
@@ -108,8 +114,9 @@ def test_pack_signs_error_feedback_is_exact():
     for _ in range(steps):
         g = rng.standard_normal(n).astype(np.float32) * rng.uniform(0.1, 3)
         vmax = max(vmax, float(np.abs(g + r).max()))
-        bits, scales = K.pack_signs(g, r, chunk=64)
-        sent += K.unpack_signs(bits, scales, n, 64)
+        two = bool(rng.integers(2))
+        bits, scales = K.pack_signs(g, r, 64, two)
+        sent += K.unpack_signs(bits, scales, n, 64, two)
         total += g
     # each step rounds v = g + r and r = v - d once each: at most 2 ulp of |v| per step
     tol = steps * 2 * np.finfo(np.float32).eps * vmax

@@ -50,10 +50,46 @@ __global__ void chunk_max_bits(const float* __restrict__ x, long long n, long lo
     if (threadIdx.x == 0) atomicMax(&out[c], part[0]);
 }
 
-// One thread per output byte: 8 signs, and r <- v - (+-scale) for the same 8 elements.
+// Per-chunk split sums for two scales: sum of v over v >= 0 (NaN counted there), their
+// count, and sum of -v over v < 0.
+__global__ void chunk_split_sums(const float* __restrict__ x, const float* __restrict__ r,
+                                 int use_r, long long n, long long size, long long per,
+                                 long long block, double* __restrict__ spos,
+                                 unsigned long long* __restrict__ cpos,
+                                 double* __restrict__ sneg) {
+    long long u = blockIdx.x;
+    long long c = u / per;
+    long long lo = c * size + (u - c * per) * block;
+    long long hi = min(min(n, (c + 1) * size), lo + block);
+    double sp = 0.0, sn = 0.0;
+    unsigned long long cp = 0;
+    for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        float v = use_r ? __fadd_rn(x[i], r[i]) : x[i];
+        if (v < 0.0f) sn -= (double)v; else { sp += (double)v; cp += 1; }
+    }
+    __shared__ double psp[256], psn[256];
+    __shared__ unsigned long long pcp[256];
+    psp[threadIdx.x] = sp; psn[threadIdx.x] = sn; pcp[threadIdx.x] = cp;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) {
+            psp[threadIdx.x] += psp[threadIdx.x + w];
+            psn[threadIdx.x] += psn[threadIdx.x + w];
+            pcp[threadIdx.x] += pcp[threadIdx.x + w];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        atomicAdd(&spos[c], psp[0]);
+        atomicAdd(&sneg[c], psn[0]);
+        atomicAdd(&cpos[c], pcp[0]);
+    }
+}
+
+// One thread per output byte: 8 signs, and r <- v - decoded (+pos or -neg) for them.
 __global__ void pack_signs(const float* __restrict__ x, float* __restrict__ r, int use_r,
-                           const float* __restrict__ scales, long long size, long long n,
-                           unsigned char* __restrict__ bits) {
+                           const float* __restrict__ pos, const float* __restrict__ neg,
+                           long long size, long long n, unsigned char* __restrict__ bits) {
     long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long nbytes = (n + 7) / 8;
     if (b >= nbytes) return;
@@ -61,22 +97,22 @@ __global__ void pack_signs(const float* __restrict__ x, float* __restrict__ r, i
     for (int j = 0; j < 8; ++j) {
         long long i = b * 8 + j;
         if (i >= n) break;
-        float sc = scales[i / size];
+        long long c = i / size;
         float v = use_r ? __fadd_rn(x[i], r[i]) : x[i];
-        bool neg = v < 0.0f;
-        acc |= (unsigned int)neg << j;
-        if (use_r) r[i] = __fsub_rn(v, neg ? -sc : sc);
+        bool isneg = v < 0.0f;
+        acc |= (unsigned int)isneg << j;
+        if (use_r) r[i] = __fsub_rn(v, isneg ? -neg[c] : pos[c]);
     }
     bits[b] = (unsigned char)acc;
 }
 
 __global__ void unpack_signs(const unsigned char* __restrict__ bits,
-                             const float* __restrict__ scales, long long size, long long n,
-                             float* __restrict__ out) {
+                             const float* __restrict__ pos, const float* __restrict__ neg,
+                             long long size, long long n, float* __restrict__ out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float sc = scales[i / size];
-    out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? -sc : sc;
+    long long c = i / size;
+    out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? -neg[c] : pos[c];
 }
 
 // Flags (0/1 bytes) to packed bits, one thread per output byte.

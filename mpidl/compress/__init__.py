@@ -13,10 +13,11 @@ name       what travels                                   summable    default me
 =========  =============================================  ==========  ================
 none       the gradient                                   yes         -
 fp16       the gradient in float16                        yes         -
-onebit     1 sign bit per entry + mean |v| per chunk      no          error feedback
+onebit     1 sign bit per entry + 2 means per chunk       no          momentum + EF
 threshold  entries with |v| > tau, as +-tau (Strom)       no          error feedback
 topk       the k largest |v| (indices + values)           no          error feedback
-dgc        sampled-threshold top-k (DGC)                  no          DGC momentum
+dgc        sampled-threshold top-k (DGC)                  no          momentum + EF,
+                                                                      masking
 randomk    k values at shared random indices              yes         error feedback
 qsgd       stochastic levels per bucket (4 bits at 7)     no          -
 terngrad   -s / 0 / +s per entry (2 bits)                 no          -
@@ -26,9 +27,10 @@ powersgd   rank-r factors P, Q (two all-reduces)          (own)       its own EF
 
 import inspect
 
-from .base import Compressor, Ctx, Memory, ResidualMemory
-from .dgc import DGCCompressor, DGCMemory
+from .base import Compressor, Ctx, Memory
+from .dgc import DGCCompressor
 from .exchange import Exchanger
+from .memory import DGCMemory, MomentumMemory, ResidualMemory
 from .fp16 import FP16Compressor
 from .none import NoneCompressor
 from .onebit import OneBitCompressor
@@ -42,7 +44,7 @@ from .topk import TopKCompressor
 COMPRESSORS = {c.name: c for c in (
     NoneCompressor, FP16Compressor, OneBitCompressor, ThresholdCompressor, TopKCompressor,
     DGCCompressor, RandomKCompressor, QSGDCompressor, TernGradCompressor, PowerSGDCompressor)}
-MEMORIES = ("default", "none", "residual", "dgc")
+MEMORIES = ("default", "none", "residual", "momentum", "dgc")
 
 
 def _params(cls):
@@ -86,11 +88,15 @@ def parse_spec(spec):
 def make_compressor(name, memory="default", **params):
     """A compressor by name, with its memory attached as ``compressor.memory``.
 
+    Memories that apply momentum ("momentum", "dgc"; see ``memory``) need the optimizer
+    without it: ``Exchanger.adopt_momentum(optimizer)`` hands it over.
+
     ``params`` are the compressor's own (``ratio`` for topk/dgc/randomk, ``chunk`` for
     onebit, ``levels``/``bucket`` for qsgd, ...); the name may carry more of them as
     ``"qsgd:levels=15,bucket=128"`` (keywords given here win). ``memory``: "default"
     (the algorithm's usual one, see the table above), "none", "residual" (error
-    feedback), "dgc", or a Memory instance; also accepted in the spec. Unknown names and
+    feedback), "momentum" (momentum correction + error feedback), "dgc" (the same with
+    momentum factor masking), or a Memory instance; also accepted in the spec. Unknown names and
     parameters raise ValueError / TypeError saying what is accepted; bad values raise
     ValueError.
     """
@@ -127,12 +133,15 @@ def _make_memory(memory, compressor):
         return None
     if memory == "residual":
         return ResidualMemory()
-    return DGCMemory(momentum=getattr(compressor, "momentum", 0.9),
-                     clip=getattr(compressor, "clip", None))
+    momentum = getattr(compressor, "momentum", None)
+    clip = getattr(compressor, "clip", None) if isinstance(compressor, DGCCompressor) else None
+    if memory == "momentum":
+        return MomentumMemory(momentum=momentum, clip=clip)
+    return DGCMemory(momentum=momentum, clip=clip)
 
 
 __all__ = ["COMPRESSORS", "Compressor", "Ctx", "DGCCompressor", "DGCMemory", "Exchanger",
-           "FP16Compressor", "MEMORIES", "Memory", "NoneCompressor", "OneBitCompressor",
+           "FP16Compressor", "MEMORIES", "Memory", "MomentumMemory", "NoneCompressor", "OneBitCompressor",
            "PowerSGDCompressor", "QSGDCompressor", "RandomKCompressor", "ResidualMemory",
            "TernGradCompressor", "ThresholdCompressor", "TopKCompressor", "make_compressor",
            "parse_spec"]

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mpidl.backend import array_module, to_numpy, xp
+from mpidl.backend import array_module
 from mpidl.kernels import PayloadError
 
 
@@ -138,49 +138,3 @@ class Memory:
 
     def load_state_dict(self, state):
         pass
-
-
-class ResidualMemory(Memory):
-    """Error feedback: the residual (what was not sent) is added to the next gradient.
-
-    Over any number of steps, what was sent plus the residual equals the sum of the
-    gradients (up to float32 rounding). Residuals are flat float32 arrays, one per tensor
-    name, on the gradient's backend.
-    """
-
-    def __init__(self):
-        self.residuals = {}
-
-    def residual(self, name, like):
-        """The residual of ``name`` (zeros the first time), checked against ``like``."""
-        r = self.residuals.get(name)
-        size = prod(like.shape)
-        if r is None:
-            xp = array_module(like)
-            r = self.residuals[name] = xp.zeros(size, dtype=xp.float32)
-        elif r.size != size:
-            raise ValueError(f"tensor {name!r} has {size} elements, its error-feedback "
-                             f"residual {r.size}: the model changed between steps")
-        return r
-
-    def compensate(self, tensor, name):
-        r = self.residual(name, tensor)
-        return (flat32(tensor) + r).reshape(tensor.shape)
-
-    def update(self, tensor, name, compressor, payload, ctx):
-        sent = flat32(compressor.decompress(payload, ctx))
-        self.residuals[name] = flat32(tensor) - sent
-
-    def compress(self, compressor, tensor, name):
-        fused = getattr(compressor, "compress_ef", None)
-        if fused is None:
-            return super().compress(compressor, tensor, name)
-        return fused(tensor, self.residual(name, tensor), name)
-
-    def state_dict(self):
-        return {"residuals": {k: to_numpy(v) for k, v in self.residuals.items()}}
-
-    def load_state_dict(self, state):
-        mod = xp()
-        self.residuals = {name: mod.asarray(r, dtype=mod.float32).reshape(-1)
-                          for name, r in state.get("residuals", {}).items()}

@@ -149,6 +149,13 @@ class Exchanger:
         pending = [self.start(g, name) for name, g in named_grads]
         return [self.finish(p) for p in pending]
 
+    def adopt_momentum(self, optimizer):
+        """Let a momentum-correcting memory (onebit, dgc) apply the momentum in place of
+        ``optimizer``: its momentum moves here and the optimizer's is set to 0. Call it
+        once after building the optimizer; returns the momentum applied in the memory."""
+        fn = getattr(self.memory, "adopt_momentum", None)
+        return fn(optimizer) if fn is not None else 0.0
+
     # -- checkpoints
     def state_dict(self):
         """Host copies of the memory's residuals and the compressor's state."""
