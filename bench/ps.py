@@ -5,8 +5,8 @@ a straggler; and final accuracy of every mode after the same number of epochs.
     python bench/ps.py accuracy   # -> bench/results/ps_accuracy.json (mpidl train runs)
 
 ``speed``: the MLP (784-1024-1024-10) on Fashion-MNIST, W workers (default 3) with batch
-128 each, SGD at a constant lr 0.05 (momentum 0.9; 0 for async/SSP, whose asynchrony
-already acts as momentum), for a fixed number of epochs of each
+128 each, SGD at a constant lr 0.05 with momentum 0.9 (async/SSP: lr 0.15, no momentum,
+a quarter-epoch warm-up; see ASYNC below), for a fixed number of epochs of each
 worker's shard; configurations allreduce (W ranks), ps-sync, async, ssp (s = 1, 4) and
 backup (first W-1 of W) (W + 1 ranks: one server), each without and with one worker
 slowed 2x (it sleeps as long as it computed, every step; for all-reduce the same is done
@@ -15,7 +15,8 @@ server (all-reduce: rank 0) keeps a copy of the parameters every ``--every`` sec
 afterwards each copy is evaluated on the test set, giving accuracy against wall time and
 the time to reach ``--target``. Throughput is images computed per second over all workers
 (for backup, some of them are dropped). Also measured: the server's CPU time over its wall
-time, against the same run with blocking MPI receives (MPICH polls inside them). The
+time, against the same run with blocking MPI receives (MPICH polls inside them). Every
+configuration runs ``--repeats`` times, interleaved, and the median is reported. The
 figure to quote is the ratio sync / async (or ssp) time-to-target with the straggler:
 absolute times move with the shared machine's load.
 
@@ -30,6 +31,7 @@ import platform
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -200,13 +202,19 @@ def run_rank(a):
                 images += len(y)
                 if snaps is not None:
                     snaps.maybe()
+        loop_wall = time.perf_counter() - t0
         strategy.finish()
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     if snaps is not None:
         snaps.take(wall)
-    per_rank = world.gather({"rank": world.rank, "images": images, "wall": wall, "cpu": cpu,
-                             "trains": strategy.trains_on_data})
+    mine = {"rank": world.rank, "images": images, "wall": wall, "cpu": cpu,
+            "trains": strategy.trains_on_data}
+    if strategy.trains_on_data:
+        mine["loop_wall"] = loop_wall  # this worker's own steps, before the others end
+        if getattr(strategy, "worker", None) is not None:
+            mine["worker"] = {k: round(v, 3) for k, v in strategy.worker.stats.items()}
+    per_rank = world.gather(mine)
     if not record:
         return
     # evaluate the copies now that training is over (timing is not disturbed)
@@ -224,8 +232,10 @@ def run_rank(a):
         curve.append((round(t, 3), correct / len(y_test)))
     workers = [r for r in per_rank if r["trains"]]
     train_wall = max(r["wall"] for r in workers)
+    # each worker's images over its own loop time: a fast worker that finished early
+    # is not charged for the straggler's tail
     out = {"images": sum(r["images"] for r in workers), "wall_s": train_wall,
-           "images_per_sec": sum(r["images"] for r in workers) / train_wall,
+           "images_per_sec": sum(r["images"] / r["loop_wall"] for r in workers),
            "curve": curve, "final_acc": curve[-1][1], "ranks": per_rank}
     if options is not None:
         st = strategy.final_stats
@@ -237,6 +247,60 @@ def run_rank(a):
             out["ps_applied"] / max(1, out["ps_pushed"]))
     with open(a.out, "w") as f:
         json.dump(out, f)
+
+
+def poll_rank(a):
+    """Rank 0 waits for one message from each other rank while they compute for
+    ``a.seconds``; it waits with a blocking probe (MPICH polls inside) or with mpidl's
+    sleeping probe. Reports the waiter's CPU time and the workers' work done."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpidl.ps.protocol import Poller
+
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        poller = Poller(comm, longest=0 if a.how == "blocking" else 1e-3)
+        buf = np.zeros(1)
+        for _ in range(comm.size - 1):
+            st = poller.wait(MPI.ANY_SOURCE, 5)
+            comm.Recv(buf, source=st.Get_source(), tag=5)
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+        work = comm.gather(0)
+        with open(a.out, "w") as f:
+            json.dump({"waiter_cpu_s": cpu, "wall_s": wall, "work": sum(work)}, f)
+    else:
+        m = np.random.default_rng(comm.rank).random((256, 256))
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < a.seconds:
+            m @ m
+            n += 1
+        comm.Send(np.ones(1), dest=0, tag=5)
+        comm.gather(n)
+
+
+def poll(a):
+    """The server's waiting, measured: 4 ranks on this machine's cores."""
+    os.makedirs(a.work, exist_ok=True)
+    rows = {}
+    for how, heavy in (("blocking", "0"), ("blocking", "1"), ("sleeping", "0"),
+                       ("sleeping", "1")):
+        key = f"{how}-probe, MPIR_CVAR_ENABLE_HEAVY_YIELD={heavy}"
+        out = os.path.join(a.work, f"poll-{how}-{heavy}.json")
+        env = mpi_env()
+        env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = heavy
+        cmd = [mpiexec(), "-n", str(a.ranks), sys.executable, "-m", "mpi4py",
+               os.path.abspath(__file__), "_poll", "--how", how, "--seconds",
+               str(a.seconds), "--out", out]
+        subprocess.run(cmd, env=env, check=True, timeout=120, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            r = json.load(f)
+        r["waiter_cpu_fraction"] = r["waiter_cpu_s"] / r["wall_s"]
+        rows[key] = r
+        print(f"{key:50s} waiter CPU {100 * r['waiter_cpu_fraction']:5.1f}% of "
+              f"{r['wall_s']:.1f} s, workers' GEMMs {r['work']}", flush=True)
+    return rows
 
 
 # ----------------------------------------------------------------------------- drivers
@@ -268,16 +332,21 @@ def launch(n, args, timeout, log):
 def speed(a):
     os.makedirs(a.work, exist_ok=True)
     results = {"machine": machine(), "settings": vars(a), "runs": {}}
+    if not a.no_anchor:
+        results["waiting"] = poll(SimpleNamespace(work=a.work, ranks=a.workers + 1,
+                                                  seconds=3.0))
     only = set(a.only.split(",")) if a.only else None
     configs = SPEED_CONFIGS + (EXTRA_SPEED_CONFIGS if only else [])
     plan = [(name, opts, f) for f in (1.0, a.factor) for name, opts in configs]
     if not a.no_anchor:
         plan.append(("ps-sync-blocking", {"mode": "sync", "poll_max_ms": 0}, 1.0))
-    for name, opts, factor in plan:
+    plan = [(name, opts, f, rep) for rep in range(a.repeats) for name, opts, f in plan]
+    repeats = {}
+    for name, opts, factor, rep in plan:
         if only and name not in only:
             continue
         key = f"{name}{'+straggler' if factor > 1 else ''}"
-        out = os.path.join(a.work, key + ".json")
+        out = os.path.join(a.work, f"{key}.{rep}.json")
         n = a.workers + (0 if opts is None else 1)
         args = [os.path.abspath(__file__), "_run", "--out", out, "--epochs", a.epochs,
                 "--batch", a.batch, "--lr", a.lr, "--every", a.every, "--seed", a.seed,
@@ -288,18 +357,22 @@ def speed(a):
                 opts["wait"] = a.workers - 1
             if opts.get("mode") in ("async", "ssp"):  # see ASYNC above
                 steps = 60000 // (a.batch * a.workers)
-                args += ["--momentum", a.async_momentum, "--lr", a.async_lr,
+                # staleness-aware lr divides by the staleness, about W - 1 on average
+                lr = a.async_lr * (max(1, a.workers - 1) if opts.get("staleness_aware_lr")
+                                   else 1)
+                args += ["--momentum", a.async_momentum, "--lr", lr,
                          "--warmup-steps", int(a.async_warmup * steps)]
             args += ["--ps", json.dumps(opts)]
         if a.data_dir:
             args += ["--data-dir", a.data_dir]
         t = time.time()
-        launch(n, args, a.timeout, os.path.join(a.work, key + ".log"))
+        launch(n, args, a.timeout, os.path.join(a.work, f"{key}.{rep}.log"))
         with open(out) as f:
             r = json.load(f)
         r["time_to_target_s"] = time_to(r["curve"], a.target)
         r["launch_s"] = time.time() - t
-        results["runs"][key] = r
+        repeats.setdefault(key, []).append(r)
+        r = results["runs"][key] = median_run(repeats[key])
         print(f"{key:28s} {r['images_per_sec']:8.0f} img/s  final acc {r['final_acc']:.4f}  "
               f"to {a.target:.2f}: {fmt(r['time_to_target_s'])}"
               + (f"  server CPU {100 * r['server_cpu_fraction']:.0f}%"
@@ -330,6 +403,19 @@ def speed(a):
     if a.plot:
         plot(results, a.plot, a.target)
     return results
+
+
+def median_run(runs):
+    """The run with the median time to target (unreached counts as slowest), with every
+    repeat's time and throughput alongside."""
+    order = sorted(runs, key=lambda r: (r["time_to_target_s"] is None,
+                                        r["time_to_target_s"] or 0.0))
+    mid = dict(order[(len(order) - 1) // 2])
+    mid["repeats"] = [{"time_to_target_s": r["time_to_target_s"],
+                       "images_per_sec": r["images_per_sec"]} for r in runs]
+    ips = sorted(r["images_per_sec"] for r in runs)
+    mid["images_per_sec"] = ips[(len(ips) - 1) // 2]
+    return mid
 
 
 def fmt(v, unit=" s"):
@@ -457,6 +543,8 @@ def main(argv=None):
     s.add_argument("--test-limit", type=int, default=0, help="evaluate on the first N "
                    "test images (0: all 10000)")
     s.add_argument("--no-anchor", action="store_true", help="skip the blocking-probe run")
+    s.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every "
+                   "configuration; the median is reported (2)")
     s.add_argument("--out", default=os.path.join(HERE, "results", "ps.json"))
     s.add_argument("--plot", default=os.path.join(HERE, "results", "ps.png"))
     c = sub.add_parser("accuracy", parents=[common])
@@ -471,9 +559,15 @@ def main(argv=None):
                                ("--test-limit", int, 0), ("--ps", str, None),
                                ("--data-dir", str, None)):
         r.add_argument(flag, type=typ, default=default)
+    q = sub.add_parser("_poll")
+    q.add_argument("--how", default="sleeping")
+    q.add_argument("--seconds", type=float, default=3.0)
+    q.add_argument("--out")
     a = ap.parse_args(argv)
     if a.cmd == "_run":
         return run_rank(a)
+    if a.cmd == "_poll":
+        return poll_rank(a)
     return speed(a) if a.cmd == "speed" else accuracy(a)
 
 
