@@ -92,6 +92,14 @@ def test_strategy_option_errors():
         ParameterServerStrategy(FakeComm(0, 3), straggler="0:2")
     with pytest.raises(ConfigError, match="does not take option"):
         ParameterServerStrategy(FakeComm(0, 3), bogus=1)
+    with pytest.raises(ConfigError, match="--ratio is a compression setting"):
+        ParameterServerStrategy(FakeComm(0, 3), ratio=0.1)
+    with pytest.raises(ConfigError, match="--compression bogus"):
+        ParameterServerStrategy(FakeComm(0, 3), compression="bogus")
+    with pytest.raises(ConfigError, match="powersgd needs all-reduces"):
+        ParameterServerStrategy(FakeComm(0, 3), compression="powersgd:rank=2")
+    s = ParameterServerStrategy(FakeComm(1, 3), compression="topk:ratio=0.05")
+    assert s._compressor.name == "topk" and s._memory is not None
     s = ParameterServerStrategy(FakeComm(1, 4), servers=2, mode="ssp", staleness=2,
                                 algorithm="ring")  # allreduce options are ignored
     assert (s.server_ranks, s.worker_ranks) == ([0, 1], [2, 3])

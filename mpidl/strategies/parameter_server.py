@@ -93,6 +93,9 @@ class ParameterServerStrategy(Strategy):
                               "serve)")
         self.compression, self.ratio = compression, ratio
         self._compressor = self._memory = None  # made here: a bad name is a user error
+        if ratio is not None and compression in (None, "", "none"):
+            raise ConfigError("--ratio is a compression setting: give --compression too "
+                              "(e.g. --compression topk --ratio 0.01)")
         if compression not in (None, "", "none"):
             self._compressor, self._memory = _make_compressor(compression, ratio)
         self.trace = bool(trace)
@@ -299,7 +302,7 @@ def _make_compressor(name, ratio):
         compressor = make_compressor(name, **kw)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--compression {name}: {e}") from None
-    if name == "powersgd":
+    if getattr(compressor, "name", None) == "powersgd":
         raise ConfigError("--compression powersgd needs all-reduces between the workers "
                           "(its factors are averaged in two rounds): use it with "
                           "--strategy allreduce; with ps use topk, dgc, onebit, qsgd, ...")
