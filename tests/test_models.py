@@ -29,10 +29,12 @@ def test_mlp_layout_and_names():
 def test_cnn_names_are_stable():
     names = [n for n, _ in build_model("cnn").named_parameters()]
     assert names == ["0.weight", "1.weight", "1.bias", "4.weight", "5.weight", "5.bias",
-                     "9.weight", "9.bias", "12.weight", "12.bias"]
+                     "9.weight", "9.bias", "11.weight", "11.bias"]
     buffers = [n for n, _ in build_model("cnn").named_buffers()]
-    assert buffers == ["1.running_mean", "1.running_var", "5.running_mean", "5.running_var",
-                       "11.calls"]
+    assert buffers == ["1.running_mean", "1.running_var", "5.running_mean", "5.running_var"]
+    with_dropout = build_model("cnn", dropout=0.25)
+    assert [n for n, _ in with_dropout.named_buffers()][-1] == "11.calls"
+    assert [n for n, _ in with_dropout.named_parameters()][-1] == "12.bias"
 
 
 def test_resnet_uses_residual_blocks():

@@ -187,7 +187,8 @@ def _train(model, opt, steps, seed):
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_state_dict_roundtrip_is_bitwise(kind):
     def make():
-        model = build_model("cnn", input_shape=(1, 6, 6), num_classes=3, seed=3)
+        model = build_model("cnn", input_shape=(1, 6, 6), num_classes=3, seed=3,
+                            dropout=0.25)  # the Dropout counter must resume too
         if kind == "sgd":
             opt = SGD(model.named_parameters(), lr=0.05, momentum=0.9, nesterov=True,
                       weight_decay=1e-4)
