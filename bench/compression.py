@@ -7,6 +7,7 @@ buffer, (p-1)/p of all-gathered payloads), so "x fewer" is dense bytes / compres
 
     python bench/compression.py                      # all, 5 epochs (tens of minutes)
     python bench/compression.py --epochs 1 --only dense,topk,dgc --limit-train 6000
+    python bench/compression.py --only onebit --merge   # redo one row, keep the others
 
 Writes bench/results/compression.json (figures, commands, machine) and compression.png
 (final test accuracy against bytes per step, log scale). Goals (issue 5): top-k and DGC
@@ -32,17 +33,19 @@ CONFIGS = [
     ("dense", "dense (fused all-reduce)", None, None, []),
     ("none", "none (through the exchanger)", "none", None, []),
     ("fp16", "fp16", "fp16", None, []),
-    ("onebit", "1-bit + error feedback", "onebit", None, []),
-    # tau near the 99.9th percentile of |g| at the start (about 0.03 for this MLP)
-    ("threshold", "threshold (Strom), tau 0.02", "threshold:threshold=0.02", None, []),
-    ("topk", "top-k 0.1 % + EF", "topk", 0.001, []),
-    # DGC applies momentum itself (momentum correction): the optimizer runs without.
-    ("dgc", "DGC 0.1 % (momentum correction)", "dgc:warmup_steps=200", 0.001,
+    # Momentum correction: the memory applies the momentum before compressing, so the
+    # optimizer runs without it (--momentum 0).
+    ("onebit", "1-bit (2 scales) + momentum corr. + EF", "onebit:momentum=0.9", None,
      ["--momentum", "0"]),
-    ("randomk", "random-k 1 % + EF", "randomk", 0.01, []),
+    # tau near the 99.9th percentile of |g| at the start (about 0.03 for this MLP)
+    ("threshold", "threshold (Strom), tau 0.02 + EF", "threshold:threshold=0.02", None, []),
+    ("topk", "top-k 0.1 % + EF", "topk", 0.001, []),
+    ("dgc", "DGC 0.1 % (momentum corr., masking)", "dgc:momentum=0.9", 0.001,
+     ["--momentum", "0"]),
+    ("randomk", "random-k 1 %", "randomk", 0.01, []),
     ("qsgd", "QSGD 4-bit (7 levels, buckets of 512)", "qsgd", None, []),
     ("terngrad", "TernGrad", "terngrad", None, []),
-    ("powersgd", "PowerSGD rank 2", "powersgd:rank=2", None, []),
+    ("powersgd", "PowerSGD rank 2 + EF", "powersgd:rank=2", None, []),
 ]
 
 
@@ -58,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default=os.path.join(RESULTS, "compression.json"))
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of --out that this run does not redo")
     return ap.parse_args(argv)
 
 
@@ -128,6 +133,11 @@ def main(argv=None):
             print(f"[{key}] test acc {r['test_acc']:.4f}, "
                   f"{r['bytes_sent_per_step'] or 0:.0f} B/step, {r['wall_s']:.0f} s",
                   flush=True)
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            old = {r["key"]: r for r in json.load(f)["rows"]}
+        old.update({r["key"]: r for r in rows})
+        rows = [old[c[0]] for c in CONFIGS if c[0] in old]
     dense = next((r for r in rows if r["key"] == "dense"), None)
     for r in rows:
         if dense and r["bytes_sent_per_step"]:

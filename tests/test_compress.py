@@ -78,7 +78,7 @@ def test_default_memories():
     assert type(make_compressor("topk").memory) is ResidualMemory
     assert type(make_compressor("onebit").memory) is MomentumMemory
     assert isinstance(make_compressor("dgc").memory, DGCMemory)
-    for name in ("none", "fp16", "qsgd", "terngrad", "powersgd"):
+    for name in ("none", "fp16", "qsgd", "terngrad", "powersgd", "randomk"):
         assert make_compressor(name).memory is None
     assert make_compressor("qsgd", memory="residual").memory is not None
 

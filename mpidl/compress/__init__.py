@@ -18,7 +18,7 @@ threshold  entries with |v| > tau, as +-tau (Strom)       no          error feed
 topk       the k largest |v| (indices + values)           no          error feedback
 dgc        sampled-threshold top-k (DGC)                  no          momentum + EF,
                                                                       masking
-randomk    k values at shared random indices              yes         error feedback
+randomk    k values at shared random indices              yes         -
 qsgd       stochastic levels per bucket (4 bits at 7)     no          -
 terngrad   -s / 0 / +s per entry (2 bits)                 no          -
 powersgd   rank-r factors P, Q (two all-reduces)          (own)       its own EF
