@@ -86,6 +86,8 @@ def main():
     cases = [
         ("memory copy (np.copyto)", lambda: np.copyto(dst, x), nbytes, "anchor"),
         ("1-bit pack + error feedback", lambda: K.pack_signs(x, residual), nbytes, "onebit"),
+        ("1-bit pack + EF, two scales (Seide)",
+         lambda: K.pack_signs(x, residual, 0, True), nbytes, "onebit"),
         ("1-bit pack + EF, chunk 1024", lambda: K.pack_signs(x, residual, 1024), nbytes,
          "onebit"),
         ("1-bit pack, no residual", lambda: K.pack_signs(x), nbytes, "onebit"),
@@ -139,7 +141,8 @@ def main():
         rows.append({"kernel": name, "group": group, "bytes": counted, "best_s": best,
                      "median_s": med, "gb_per_s": gbs, "ratio_to_copy": gbs / copy_gbs})
     by = {r["kernel"]: r for r in rows}
-    pack = by["1-bit pack + error feedback"]["ratio_to_copy"]
+    pack = min(by["1-bit pack + error feedback"]["ratio_to_copy"],
+               by["1-bit pack + EF, two scales (Seide)"]["ratio_to_copy"])
     topk_speedup = argp_best / min(times["top-k sampled, DGC (0.1 %)"])
     goals = {
         "onebit_pack_ef_ratio_to_copy": pack, "onebit_goal": 0.25,
@@ -155,7 +158,7 @@ def main():
     for r in rows:
         print(f"{r['kernel']:<{width}}  {r['gb_per_s']:7.2f}  {r['ratio_to_copy']:7.2f}  "
               f"{1e3 * r['best_s']:8.2f}  {1e3 * r['median_s']:9.2f}")
-    print(f"goal 1-bit pack + EF >= 0.25 x copy: {pack:.2f} "
+    print(f"goal 1-bit pack + EF >= 0.25 x copy (the slower of one/two scales): {pack:.2f} "
           f"({'met' if goals['onebit_met'] else 'MISSED'})")
     print(f"goal sampled top-k >= 3 x np.argpartition: {topk_speedup:.2f} x "
           f"({'met' if goals['topk_met'] else 'MISSED'})")

@@ -587,7 +587,9 @@ def _f32_to_f16_bits(f):
     # subnormal halves: the mantissa with its implicit 1, shifted right by 126 - exponent
     e = a >> _u32(23)
     m = (a & _u32(0x007FFFFF)) | _u32(0x00800000)
-    sh = min(_u32(126) - min(e, _u32(126)), _u32(31))
+    # 14..31 for subnormal results; kept in [1, 31] for the others too (never selected,
+    # but a shift by 32 or more would be undefined)
+    sh = min(max(_u32(126) - min(e, _u32(126)), _u32(1)), _u32(31))
     hm = m >> sh
     rem = m & ((_u32(1) << sh) - _u32(1))
     half = _u32(1) << (sh - _u32(1))
