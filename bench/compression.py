@@ -40,6 +40,8 @@ CONFIGS = [
     # tau near the 99.9th percentile of |g| at the start (about 0.03 for this MLP)
     ("threshold", "threshold (Strom), tau 0.02 + EF", "threshold:threshold=0.02", None, []),
     ("topk", "top-k 0.1 % + EF", "topk", 0.001, []),
+    ("topk_mc", "top-k 0.1 % + momentum corr., masking", "topk:memory=dgc,momentum=0.9",
+     0.001, ["--momentum", "0"]),
     ("dgc", "DGC 0.1 % (momentum corr., masking)", "dgc:momentum=0.9", 0.001,
      ["--momentum", "0"]),
     ("randomk", "random-k 1 %", "randomk", 0.01, []),
@@ -137,7 +139,7 @@ def main(argv=None):
         with open(args.out) as f:
             old = {r["key"]: r for r in json.load(f)["rows"]}
         old.update({r["key"]: r for r in rows})
-        rows = [old[c[0]] for c in CONFIGS if c[0] in old]
+        rows = [dict(old[c[0]], label=c[1]) for c in CONFIGS if c[0] in old]
     dense = next((r for r in rows if r["key"] == "dense"), None)
     for r in rows:
         if dense and r["bytes_sent_per_step"]:

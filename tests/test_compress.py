@@ -72,6 +72,10 @@ def test_spec_strings_carry_parameters():
         make_compressor("topk:0.5")
     with pytest.raises(TypeError, match="no parameter 'levels'"):
         make_compressor("topk:levels=3")
+    c = make_compressor("topk:memory=dgc,momentum=0.9")
+    assert isinstance(c.memory, DGCMemory) and c.memory.momentum == 0.9
+    with pytest.raises(TypeError, match="momentum needs memory"):
+        make_compressor("topk:momentum=0.9")
 
 
 def test_default_memories():

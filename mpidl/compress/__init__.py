@@ -93,7 +93,9 @@ def make_compressor(name, memory="default", **params):
 
     ``params`` are the compressor's own (``ratio`` for topk/dgc/randomk, ``chunk`` for
     onebit, ``levels``/``bucket`` for qsgd, ...); the name may carry more of them as
-    ``"qsgd:levels=15,bucket=128"`` (keywords given here win). ``memory``: "default"
+    ``"qsgd:levels=15,bucket=128"`` (keywords given here win); ``momentum`` sets the
+    factor of a momentum-correcting memory ("topk:memory=dgc,momentum=0.9"). ``memory``:
+    "default"
     (the algorithm's usual one, see the table above), "none", "residual" (error
     feedback), "momentum" (momentum correction + error feedback), "dgc" (the same with
     momentum factor masking), or a Memory instance; also accepted in the spec. Unknown names and
@@ -111,17 +113,22 @@ def make_compressor(name, memory="default", **params):
         raise ValueError(f"unknown compressor {name!r}: choose one of "
                          f"{', '.join(COMPRESSORS)}")
     allowed = _params(cls)
+    # "momentum" configures a momentum-correcting memory for any compressor
+    momentum = params.pop("momentum", None) if "momentum" not in allowed else None
     for p in params:
         if p not in allowed:
             takes = f"its parameters are {', '.join(allowed)}" if allowed else \
                 "it takes no parameters"
             raise TypeError(f"compressor {key!r} has no parameter {p!r}: {takes}")
     compressor = cls(**params)
-    compressor.memory = _make_memory(memory, compressor)
+    compressor.memory = _make_memory(memory, compressor, momentum)
+    if momentum is not None and not isinstance(compressor.memory, MomentumMemory):
+        raise TypeError(f"compressor {key!r}: momentum needs memory 'momentum' or 'dgc', "
+                        f"not {memory!r}")
     return compressor
 
 
-def _make_memory(memory, compressor):
+def _make_memory(memory, compressor, momentum=None):
     if isinstance(memory, Memory) or memory is None:
         return memory
     if memory not in MEMORIES:
@@ -133,7 +140,8 @@ def _make_memory(memory, compressor):
         return None
     if memory == "residual":
         return ResidualMemory()
-    momentum = getattr(compressor, "momentum", None)
+    if momentum is None:
+        momentum = getattr(compressor, "momentum", None)
     clip = getattr(compressor, "clip", None) if isinstance(compressor, DGCCompressor) else None
     if memory == "momentum":
         return MomentumMemory(momentum=momentum, clip=clip)
