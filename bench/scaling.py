@@ -167,7 +167,8 @@ def summarize(runs_by_key):
     for key, runs in runs_by_key.items():
         first = runs[0]
         s = {k: first[k] for k in ("framework", "ranks", "batch_per_rank", "global_batch")}
-        for k in ("overlap", "bucket_mb", "algorithm", "progress_wait", "layout"):
+        for k in ("overlap", "bucket_mb", "algorithm", "progress_wait", "overlap_auto",
+                  "layout"):
             if k in first:
                 s[k] = first[k]
         for k in ("images_per_sec", "step_ms_median", "forward_ms", "backward_ms",
@@ -200,6 +201,18 @@ def derived(summary, args):
         if torch_key in summary:
             out[f"ratio to DDP-gloo {key}"] = (s["images_per_sec"]
                                                / summary[torch_key]["images_per_sec"])
+    # the default settings (overlap="auto" picks one of the two measured modes)
+    for key, s in summary.items():
+        auto = s.get("overlap_auto")
+        if s["framework"] != "mpidl" or not key.endswith(" overlap") or not auto:
+            continue
+        base = key[:-len(" overlap")]
+        chosen = key if auto["on"] else base + " no-overlap"
+        torch_key = f"torch n={s['ranks']} b={s['batch_per_rank']}"
+        if chosen in summary and torch_key in summary:
+            out[f"ratio to DDP-gloo {base} default (overlap auto -> "
+                f"{'on' if auto['on'] else 'off'})"] = (
+                summary[chosen]["images_per_sec"] / summary[torch_key]["images_per_sec"])
     return out
 
 

@@ -137,3 +137,42 @@ def test_without_communicator_matches_local_training():
 def test_n_ranks_equal_one_rank_with_n_times_the_batch(n):
     launch = run_ranks(n, [os.path.join(RANKS, "dp_equivalence.py")], timeout=60).check()
     assert f"[N={n}] ALL OK" in launch.output, launch.output
+
+
+# -- overlap="auto" ------------------------------------------------------------------------------
+
+class _Comm:
+    """Enough of a Communicator for overlap_pays (no ``mpi``: no agreement step)."""
+
+    def __init__(self, size, local_size):
+        self.size, self.local_size, self.rank = size, local_size, 0
+
+
+def test_overlap_auto_wants_a_spare_core_per_rank(monkeypatch):
+    from mpidl.strategies import data_parallel as dp
+
+    named = mlp().named_parameters()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(dp.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(dp.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    ok, why = dp.overlap_pays(_Comm(2, 2), named)
+    assert not ok and "no spare core" in why             # 2 ranks on 2 CPUs
+    monkeypatch.setattr(dp.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(dp.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert dp.overlap_pays(_Comm(2, 2), named)[0]        # 2 ranks on 8 CPUs
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert not dp.overlap_pays(_Comm(2, 2), named)[0]    # ... each with 4 BLAS threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(dp.os, "sched_getaffinity", lambda pid: {2, 3}, raising=False)
+    assert dp.overlap_pays(_Comm(4, 4), named)[0]        # bound to 2 CPUs of its own
+    monkeypatch.setattr(dp.os, "sched_getaffinity", lambda pid: {2}, raising=False)
+    assert not dp.overlap_pays(_Comm(8, 8), named)[0]    # bound to 1 CPU
+    assert not dp.overlap_pays(_Comm(1, 1), named)[0]    # one rank
+
+
+def test_overlap_option_values():
+    assert make_strategy("allreduce", None).overlap_mode == "auto"
+    assert make_strategy("allreduce", None, overlap=True).overlap_mode == "on"
+    assert make_strategy("allreduce", None, overlap=False).overlap_mode == "off"
+    with pytest.raises(ConfigError, match="overlap"):
+        make_strategy("allreduce", None, overlap="sometimes")

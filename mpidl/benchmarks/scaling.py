@@ -100,6 +100,10 @@ def run_mpidl(args):
             options["bucket_mb"] = args.bucket_mb
     strategy = make_strategy(args.strategy, comm, **options)
     strategy.setup(model, opt, SoftmaxCrossEntropy())
+    # what the default (overlap="auto") would choose here; collective
+    from mpidl.strategies.data_parallel import overlap_pays  # noqa: PLC0415
+
+    auto_choice = overlap_pays(comm, model.named_parameters())
     drng = np.random.default_rng(1 + rank)
     batches = [(drng.random((args.batch, 1, 28, 28), dtype=np.float32),
                 drng.integers(0, 10, args.batch)) for _ in range(4)]
@@ -131,6 +135,7 @@ def run_mpidl(args):
               "global_batch": args.batch * size, "strategy": "local" if local else args.strategy,
               "algorithm": args.algorithm, "overlap": not args.no_overlap,
               "progress_wait": os.environ.get("MPIDL_PROGRESS_WAIT", "block"),
+              "overlap_auto": {"on": auto_choice[0], "why": auto_choice[1]},
               "bucket_mb": getattr(strategy, "bucket_mb", None), "steps": n,
               "layout": describe}
     result.update(summarize(per_step, args.batch * size))

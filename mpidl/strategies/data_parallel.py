@@ -14,15 +14,23 @@ How a step runs:
   reverse of the parameter order (backward's order). One all-reduce per bucket. Packing
   multiplies by 1/N on the way in, so the all-reduce is a plain sum and the mean costs no
   extra pass; after it the bucket's views become the parameters' ``grad`` (no copy out).
-* **Overlap** (default): a grad-ready hook on the model copies each layer's gradients
+* **Overlap** (``overlap=True``): a grad-ready hook on the model copies each layer's gradients
   into their bucket as soon as backward produced them; a complete bucket's non-blocking
   all-reduce starts right away (buckets strictly in index order, so every rank issues the
   same collectives in the same order) and runs on the communicator's progress thread
   while backward goes on through earlier layers. After backward the optimizer waits for
   bucket 0, updates its parameters (``opt.step(names)``), waits for bucket 1, and so on:
   it waits only for what it needs, and later buckets keep travelling meanwhile.
-* **No overlap** (``overlap=False``, for comparison): backward first, then each bucket
+* **No overlap** (``overlap=False``, ``--no-overlap``): backward first, then each bucket
   all-reduced with a blocking call, then one optimizer step.
+* **Default** (``overlap="auto"``): overlap where it can pay, i.e. on GPU, or when this
+  node has a spare CPU per rank for the progress thread (CPUs this rank may use >= ranks
+  on the node x (BLAS threads + 1), or each rank bound to its own CPUs with room for
+  one more thread). Between ranks on one node an all-reduce is memory copies done by the
+  CPU: with every core already computing, the progress thread can only take time from
+  backward (and MPICH's busy-polling makes that worse): bench/scaling.py measured
+  overlapped steps 15-35 % slower than blocking ones with 2 ranks on 2 (shared) cores.
+  ``describe()`` says what was chosen and why; the epoch line carries ``overlap`` 0/1.
 * **Row-sparse gradients** (Embedding's ``SparseGrad``): not fused; after backward each
   is coalesced and exchanged with ``allgatherv`` of its row indices and values (the
   result, every rank's rows with values divided by the rank count, is a SparseGrad again,
@@ -46,6 +54,7 @@ are averaged over the ranks before each evaluation and each checkpoint, so every
 evaluates and saves the same model.
 """
 
+import os
 import time
 
 from mpidl.backend import array_module
@@ -76,7 +85,7 @@ class DataParallel(Strategy):
     name = "allreduce"
     OPTIONS = ("algorithm", "bucket_mb", "overlap", "compression", "ratio", "sparse_grads")
 
-    def __init__(self, comm=None, algorithm="auto", bucket_mb=None, overlap=True,
+    def __init__(self, comm=None, algorithm="auto", bucket_mb=None, overlap="auto",
                  compression=None, ratio=None, sparse_grads=None, **options):
         check_options("allreduce", self.OPTIONS, options)
         super().__init__(comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
@@ -94,7 +103,14 @@ class DataParallel(Strategy):
                               f"{', '.join(SPARSE_MODES)}")
         self.algorithm = algorithm
         self.bucket_mb = bucket_mb
-        self.overlap = overlap is None or bool(overlap)
+        if overlap is None or overlap == "auto":
+            self.overlap_mode = "auto"
+        elif overlap in (True, False, 0, 1):
+            self.overlap_mode = "on" if overlap else "off"
+        else:
+            raise ConfigError(f"overlap must be True, False or 'auto', got {overlap!r}")
+        self.overlap = self.overlap_mode == "on"  # "auto" is decided in setup
+        self.overlap_reason = ""
         self.sparse_mode = sparse
         self.compression = compression
         self.ratio = ratio
@@ -158,6 +174,8 @@ class DataParallel(Strategy):
             self.sparse_params, self._sparse_names, dense = [], [], []
         # each rank's gradient is scaled by 1/N while packed, so a plain sum is the mean
         self.fusion = FusionBuffers(dense, int(self.bucket_mb * MiB), scale=1.0 / self.size)
+        if self.overlap_mode == "auto":
+            self.overlap, self.overlap_reason = overlap_pays(self.comm, named)
         if self.overlap and self.communicates and not self._hooked:
             hook = getattr(model, "add_grad_ready_hook", None)
             if hook is not None:
@@ -172,13 +190,19 @@ class DataParallel(Strategy):
         if self.exchanger is not None:
             return [f"allreduce: {self.size} rank(s), compression {self.compression} "
                     f"(tensor by tensor), algorithm {self.algorithm}, overlap "
-                    f"{'on' if self.overlap else 'off'}"]
+                    f"{self._overlap_text()}"]
         head = (f"allreduce: {self.size} rank(s), algorithm {self.algorithm}, "
                 f"{len(f)} bucket(s) of <= {self.bucket_mb:g} MiB ({f.nbytes / MiB:.2f} MiB "
-                f"in all), overlap {'on' if self.overlap else 'off'}")
+                f"in all), overlap {self._overlap_text()}")
         if self.sparse_params:
             head += f", {len(self.sparse_params)} sparse tensor(s) by allgatherv"
         return [head] + f.describe()
+
+    def _overlap_text(self):
+        text = "on" if self.overlap else "off"
+        if self.overlap_mode == "auto":
+            text = f"auto -> {text} ({self.overlap_reason})"
+        return text
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self, x, y):
@@ -379,6 +403,7 @@ class DataParallel(Strategy):
         out = {
             "compute_ms": 1e3 * (s["forward"] + s["backward"] + s["update"]) / n,
             "wait_ms": 1e3 * s["wait"] / n,
+            "overlap": int(self.overlap),
         }
         if self.exchanger is not None:
             total = self.exchanger.bytes_sent
@@ -401,6 +426,60 @@ class DataParallel(Strategy):
                 raise RuntimeError(f"allreduce: ranks ran different numbers of steps "
                                    f"{counts}; every rank must see the same number of "
                                    "batches (use mpidl.data.BatchLoader's sharding)")
+
+
+def _blas_threads():
+    """Threads each rank's BLAS may use, from the usual variables (1 if none is set)."""
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        value = os.environ.get(var, "").split(",")[0].strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def overlap_pays(comm, named_params):
+    """(whether to overlap, why) for ``overlap="auto"``; see the module docstring.
+
+    Collective: every rank must take the same path (overlapped all-reduces travel on
+    the progress thread's communicator, blocking ones on the caller's), so the ranks
+    agree on the minimum of their local answers. The choice changes speed, not results.
+    """
+    from mpidl.backend import is_gpu_array  # noqa: PLC0415
+
+    if comm is None or comm.size == 1:
+        return False, "one rank: nothing to overlap"
+    if any(is_gpu_array(p.data) for _, p in named_params):
+        ok, why = True, "GPU: the CPU is free for the progress thread"
+    else:
+        ok, why = _cpu_room(comm)
+    mpi = getattr(comm, "mpi", None)
+    if mpi is not None:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        everyone = mpi.allreduce(int(ok), op=MPI.MIN)
+        if ok and not everyone:
+            ok, why = False, "another rank's node has no spare core for the progress thread"
+    return ok, why
+
+
+def _cpu_room(comm):
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    total = os.cpu_count() or usable
+    local = max(1, getattr(comm, "local_size", 1))
+    threads = _blas_threads()
+    if usable * local <= total and usable < total:  # ranks bound to their own CPUs
+        ok = usable >= threads + 1
+        why = f"{usable} CPU(s) bound to this rank, {threads} BLAS thread(s)"
+    else:
+        ok = usable >= local * (threads + 1)
+        why = (f"{usable} CPU(s) for {local} rank(s) on this node x {threads} BLAS "
+               "thread(s)")
+    why += (": a spare core for the progress thread" if ok
+            else ": no spare core for the progress thread")
+    return ok, why
 
 
 def _sparse_param_names(model):
