@@ -292,7 +292,7 @@ def plot(report, path):
     ax = axes[0]
     series = [("mpidl overlap", "mpidl", "overlap", "C0", "-"),
               ("mpidl no overlap", "mpidl", "no-overlap", "C1", "-"),
-              ("PyTorch DDP gloo", "torch", "", "C3", "-")]
+              ("PyTorch (DDP gloo for n > 1)", "torch", "", "C3", "-")]
     for mode, batch_of, style in (("weak", lambda n: b, "-"),
                                   ("strong", lambda n: gb // n, "--")):
         for label, fw, ov, color, _ in series:
