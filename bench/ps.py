@@ -377,6 +377,17 @@ def speed(a):
               f"to {a.target:.2f}: {fmt(r['time_to_target_s'])}"
               + (f"  server CPU {100 * r['server_cpu_fraction']:.0f}%"
                  if "server_cpu_fraction" in r else ""), flush=True)
+    summarize_speed(results, a.target)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1)
+    if a.plot:
+        plot(results, a.plot, a.target)
+    return results
+
+
+def summarize_speed(results, target):
+    """Ratios of sync's time to target over each configuration's; the goal's verdict."""
     runs = results["runs"]
     summary = {}
     for tag in ("", "+straggler"):
@@ -396,25 +407,50 @@ def speed(a):
     for k, v in summary.items():
         print(f"  {k}: {v:.2f}")
     print(f"goal (with the straggler, async or SSP >= 1.4x faster than sync to "
-          f"{a.target}): best {fmt(best, 'x')} -> {'met' if results['goal']['met'] else 'NOT met'}")
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+          f"{target}): best {fmt(best, 'x')} -> {'met' if results['goal']['met'] else 'NOT met'}")
+    return results
+
+
+def resummarize(a):
+    """Recompute medians, ratios and the plot of a finished ``speed`` run from its
+    per-run files in ``--work`` (no training)."""
+    with open(a.out) as f:
+        results = json.load(f)
+    for key in list(results["runs"]):
+        reps = []
+        for rep in range(100):
+            path = os.path.join(a.work, f"{key}.{rep}.json")
+            if not os.path.exists(path):
+                break
+            with open(path) as f:
+                r = json.load(f)
+            r["time_to_target_s"] = time_to(r["curve"], a.target)
+            reps.append(r)
+        if reps:
+            results["runs"][key] = median_run(reps)
+    summarize_speed(results, a.target)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)
     if a.plot:
         plot(results, a.plot, a.target)
-    return results
 
 
 def median_run(runs):
-    """The run with the median time to target (unreached counts as slowest), with every
-    repeat's time and throughput alongside."""
-    order = sorted(runs, key=lambda r: (r["time_to_target_s"] is None,
-                                        r["time_to_target_s"] or 0.0))
-    mid = dict(order[(len(order) - 1) // 2])
+    """One run's curve (the repeat nearest the median time to target) with the medians
+    of the repeats' time to target (None if the median is not reached) and throughput,
+    and every repeat's figures alongside."""
+    import statistics
+
+    times = [r["time_to_target_s"] if r["time_to_target_s"] is not None else float("inf")
+             for r in runs]
+    med = statistics.median(times)
+    pick = min(range(len(runs)), key=lambda i: abs(times[i] - med)
+               if med != float("inf") else -times[i])
+    mid = dict(runs[pick])
+    mid["time_to_target_s"] = med if med != float("inf") else None
+    mid["images_per_sec"] = statistics.median(r["images_per_sec"] for r in runs)
     mid["repeats"] = [{"time_to_target_s": r["time_to_target_s"],
                        "images_per_sec": r["images_per_sec"]} for r in runs]
-    ips = sorted(r["images_per_sec"] for r in runs)
-    mid["images_per_sec"] = ips[(len(ips) - 1) // 2]
     return mid
 
 
@@ -559,6 +595,10 @@ def main(argv=None):
                                ("--test-limit", int, 0), ("--ps", str, None),
                                ("--data-dir", str, None)):
         r.add_argument(flag, type=typ, default=default)
+    m = sub.add_parser("summarize", parents=[common])
+    m.add_argument("--target", type=float, default=0.85)
+    m.add_argument("--out", default=os.path.join(HERE, "results", "ps.json"))
+    m.add_argument("--plot", default=os.path.join(HERE, "results", "ps.png"))
     q = sub.add_parser("_poll")
     q.add_argument("--how", default="sleeping")
     q.add_argument("--seconds", type=float, default=3.0)
@@ -568,6 +608,8 @@ def main(argv=None):
         return run_rank(a)
     if a.cmd == "_poll":
         return poll_rank(a)
+    if a.cmd == "summarize":
+        return resummarize(a)
     return speed(a) if a.cmd == "speed" else accuracy(a)
 
 
