@@ -61,7 +61,8 @@ def main():
     nbytes = 4 * n
     rng = np.random.default_rng(0)
     x = rng.standard_normal(n).astype(np.float32)
-    residual = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    residual0 = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    residual = residual0.copy()  # the error-feedback cases' working copy
     dst = np.empty_like(x)
     tau = float(np.quantile(np.abs(x[:1 << 20]), 1 - args.ratio))
     scale = K.l2norm(x)
@@ -92,7 +93,7 @@ def main():
          "onebit"),
         ("1-bit pack, no residual", lambda: K.pack_signs(x), nbytes, "onebit"),
         ("1-bit unpack", lambda: K.unpack_signs(bits, scales, n), nbytes, "onebit"),
-        ("threshold select + EF (0.1 %)", lambda: K.threshold_select(x, tau, residual_t),
+        ("threshold select + EF (0.1 %)", lambda: K.threshold_select(x, tau, residual),
          nbytes, "select"),
         ("np.argpartition top-k (0.1 %)", lambda: np.argpartition(np.abs(x), n - k)[n - k:],
          nbytes, "anchor"),
@@ -117,17 +118,18 @@ def main():
          "sparse"),
         ("decode + scatter-add, 2 payloads", scatter_two, 2 * sparse_bytes, "sparse"),
     ]
-    # Threshold selection with error feedback starts each round from the same residual
-    # (untimed copy): reusing it would grow it round by round until everything passes.
-    residual_t = residual.copy()
-    reset = {"threshold select + EF (0.1 %)": lambda: np.copyto(residual_t, residual)}
-    for name, fn, _, _ in cases:  # compile (or load the cache) and fault pages in
-        reset.get(name, lambda: None)()
+    # Every error-feedback case starts each round from the same residual (an untimed copy):
+    # reusing it would let it drift, and threshold selection would select ever more.
+    def reset():
+        np.copyto(residual, residual0)
+
+    for _, fn, _, _ in cases:  # compile (or load the cache) and fault pages in
+        reset()
         fn()
     times = {name: [] for name, _, _, _ in cases}
     for _ in range(args.rounds):
         for name, fn, _, _ in cases:
-            reset.get(name, lambda: None)()
+            reset()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

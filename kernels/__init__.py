@@ -21,7 +21,7 @@ No kernel spends a pass looking for them; they propagate by these rules, so a di
 rank shows up instead of being hidden:
 
 - ``pack_signs``: a NaN or Inf in a chunk makes that chunk's scale NaN or Inf (with two
-  scales: the one of its sign class; NaN counts as non-negative), so every rank decodes
+  scales: both, except that -inf leaves the positive one finite), so every rank decodes
   non-finite values for it; the residual turns NaN too.
 - ``threshold_select``, ``topk_*``: NaN counts as the largest magnitude, so it is always
   selected. Top-k sends values, so the NaN reaches every rank. Threshold sends only a

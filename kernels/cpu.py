@@ -212,18 +212,33 @@ def _pack_signs(x, r, use_r, pos, neg, size, bits):
 
 
 @njit(cache=True, fastmath=FM_SUM)
-def _split_sums(x, r, use_r, lo, hi):
-    """(sum of v over v >= 0 or NaN, their count, sum of -v over v < 0), float64."""
+def _split_sums_r(x, r, lo, hi):
+    """(sum of v over v >= 0 or NaN, their count, sum of |v|) for v = x + r, in float64;
+    the negative class's sum is the difference (a form that vectorises)."""
     sp = 0.0
-    sn = 0.0
+    sa = 0.0
     cp = 0
     for i in range(_U(lo), _U(hi)):
-        v = np.float64(x[i] + r[i] if use_r else x[i])
-        isneg = v < 0
-        sp += 0.0 if isneg else v
-        sn += -v if isneg else 0.0
-        cp += 0 if isneg else 1
-    return sp, cp, sn
+        v = np.float64(x[i] + r[i])
+        nonneg = not v < 0
+        sp += v if nonneg else 0.0
+        sa += abs(v)
+        cp += nonneg
+    return sp, cp, sa
+
+
+@njit(cache=True, fastmath=FM_SUM)
+def _split_sums(x, lo, hi):
+    sp = 0.0
+    sa = 0.0
+    cp = 0
+    for i in range(_U(lo), _U(hi)):
+        v = np.float64(x[i])
+        nonneg = not v < 0
+        sp += v if nonneg else 0.0
+        sa += abs(v)
+        cp += nonneg
+    return sp, cp, sa
 
 
 @njit(cache=True, parallel=True)
@@ -235,7 +250,10 @@ def _chunk_split_sums(x, r, use_r, size, nc):
     cp = np.zeros(nc * per, np.int64)
     for u in prange(nc * per):
         c, lo, hi = _unit(u, per, size, n)
-        sp[u], cp[u], sn[u] = _split_sums(x, r, use_r, lo, hi)
+        if use_r:
+            sp[u], cp[u], sn[u] = _split_sums_r(x, r, lo, hi)
+        else:
+            sp[u], cp[u], sn[u] = _split_sums(x, lo, hi)
     out_sp = np.zeros(nc, np.float64)
     out_sn = np.zeros(nc, np.float64)
     out_cp = np.zeros(nc, np.int64)
@@ -255,8 +273,9 @@ def pack_signs(x, residual, chunk, two_scales):
     r = residual if use_r else x
     counts = np.minimum(size, n - size * np.arange(nc, dtype=np.int64))
     if two_scales:
-        sp, cp, sn = _chunk_split_sums(x, r, use_r, size, nc)
+        sp, cp, sa = _chunk_split_sums(x, r, use_r, size, nc)
         with np.errstate(invalid="ignore"):
+            sn = sa - sp  # as the reference: inf - inf gives NaN
             pos = np.where(cp > 0, sp / np.maximum(cp, 1), 0.0).astype(np.float32)
             neg = np.where(counts - cp > 0, sn / np.maximum(counts - cp, 1),
                            0.0).astype(np.float32)
@@ -576,6 +595,33 @@ def unpack_bits(packed, width, n):
 _u32 = np.uint32
 
 
+@intrinsic
+def _f32_as_u32(typingctx, x):
+    """The bits of a float32 as uint32 (LLVM bitcast; Numba has no scalar view)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _u32_as_f32(typingctx, x):
+    """The float32 whose bits are the uint32 x (LLVM bitcast)."""
+    if x != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return types.float32(types.uint32), codegen
+
+
+_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it rounds to an integer (RNE)
+
+
 @njit(cache=True, inline="always")
 def _f32_to_f16_bits(f):
     """float32 bits -> float16 bits, round to nearest even; overflow -> inf, NaN -> quiet NaN
@@ -584,16 +630,9 @@ def _f32_to_f16_bits(f):
     a = f & _u32(0x7FFFFFFF)
     # normal halves: drop 13 mantissa bits with round-half-even, rebias 127 -> 15
     normal = ((a + _u32(0x0FFF) + ((a >> _u32(13)) & _u32(1))) >> _u32(13)) - _u32(0x1C000)
-    # subnormal halves: the mantissa with its implicit 1, shifted right by 126 - exponent
-    e = a >> _u32(23)
-    m = (a & _u32(0x007FFFFF)) | _u32(0x00800000)
-    # 14..31 for subnormal results; kept in [1, 31] for the others too (never selected,
-    # but a shift by 32 or more would be undefined)
-    sh = min(max(_u32(126) - min(e, _u32(126)), _u32(1)), _u32(31))
-    hm = m >> sh
-    rem = m & ((_u32(1) << sh) - _u32(1))
-    half = _u32(1) << (sh - _u32(1))
-    sub = hm + _u32((rem > half) | ((rem == half) & ((hm & _u32(1)) == _u32(1))))
+    # subnormal halves (|x| < 2**-14): the integer round(|x| * 2**24), half to even, read
+    # from the low mantissa bits of |x| * 2**24 + 1.5 * 2**23 (the product is exact)
+    sub = _f32_as_u32(_u32_as_f32(_u32(a)) * np.float32(2.0 ** 24) + _MAGIC) - _u32(0x4B400000)
     nan = _u32(0x7E00) | ((a >> _u32(13)) & _u32(0x03FF))
     h = normal if a >= _u32(0x38800000) else sub
     h = _u32(0x7C00) if a >= _u32(0x47800000) else h
@@ -609,18 +648,6 @@ def _to_fp16_bits(x_bits):
         for i in range(_U(u * BLOCK), _U(min(n, (u + 1) * BLOCK))):
             out[i] = _f32_to_f16_bits(x_bits[i])
     return out
-
-
-@intrinsic
-def _f32_as_u32(typingctx, x):
-    """The bits of a float32 as uint32 (LLVM bitcast; Numba has no scalar view)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.uint32))
-
-    return types.uint32(types.float32), codegen
 
 
 @njit(cache=True, inline="always")

@@ -106,12 +106,13 @@ def pack_signs(x, residual, chunk, two_scales):
     counts = cp.minimum(size, n - size * cp.arange(nc, dtype=cp.int64))
     if two_scales:
         spos = cp.zeros(nc, cp.float64)
-        sneg = cp.zeros(nc, cp.float64)
+        sabs = cp.zeros(nc, cp.float64)
         cpos = cp.zeros(nc, cp.uint64)
         if n:
             _module("onebit").get_function("chunk_split_sums")(
                 (nc * per,), (_THREADS,), (x, r, _i32(use_r), _i64(n), _i64(size), _i64(per),
-                                          _i64(_BLOCK), spos, cpos, sneg))
+                                          _i64(_BLOCK), spos, cpos, sabs))
+        sneg = sabs - spos
         cpos = cpos.astype(cp.int64)
         cneg = counts - cpos
         pos = cp.where(cpos > 0, spos / cp.maximum(cpos, 1), 0.0).astype(cp.float32)

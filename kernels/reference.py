@@ -98,7 +98,8 @@ def pack_signs(x, residual=None, chunk=0, two_scales=False):
     Bit i (byte i // 8, bit i % 8, least significant first) is 1 where v < 0. One scale:
     the mean |v| of the chunk; the receiver reads bit 0 as +scale and 1 as -scale. Two
     scales (Seide et al.'s 1-bit SGD): the mean of the chunk's v >= 0 (NaN counted there)
-    and the mean |v| of its v < 0, interleaved as [pos0, neg0, pos1, neg1, ...]; the
+    and the mean |v| of its v < 0 (computed as (sum |v| - sum of the v >= 0) / count),
+    interleaved as [pos0, neg0, pos1, neg1, ...]; the
     receiver reads 0 as +pos and 1 as -neg, which keeps each chunk's sum exact. With a
     residual, it becomes v - decoded.
     """
@@ -116,7 +117,9 @@ def pack_signs(x, residual=None, chunk=0, two_scales=False):
                 npos = np.add.reduceat((~neg).astype(np.int64), starts)
                 nneg = np.diff(np.append(starts, n)) - npos
                 spos = np.add.reduceat(np.where(neg, 0.0, v64), starts)
-                sneg = np.add.reduceat(np.where(neg, -v64, 0.0), starts)
+                # the negative sum as the total |v| minus the non-negative sum: a NaN or
+                # +inf makes both scales non-finite, a -inf the negative one
+                sneg = np.add.reduceat(np.abs(v64), starts) - spos
                 pos_s[:] = np.where(npos > 0, spos / np.maximum(npos, 1), 0.0)
                 neg_s[:] = np.where(nneg > 0, sneg / np.maximum(nneg, 1), 0.0)
         else:

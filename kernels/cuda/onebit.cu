@@ -51,12 +51,12 @@ __global__ void chunk_max_bits(const float* __restrict__ x, long long n, long lo
 }
 
 // Per-chunk split sums for two scales: sum of v over v >= 0 (NaN counted there), their
-// count, and sum of -v over v < 0.
+// count, and the sum of |v| (the negative class's sum is the difference, as on the CPU).
 __global__ void chunk_split_sums(const float* __restrict__ x, const float* __restrict__ r,
                                  int use_r, long long n, long long size, long long per,
                                  long long block, double* __restrict__ spos,
                                  unsigned long long* __restrict__ cpos,
-                                 double* __restrict__ sneg) {
+                                 double* __restrict__ sabs) {
     long long u = blockIdx.x;
     long long c = u / per;
     long long lo = c * size + (u - c * per) * block;
@@ -65,7 +65,8 @@ __global__ void chunk_split_sums(const float* __restrict__ x, const float* __res
     unsigned long long cp = 0;
     for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         float v = use_r ? __fadd_rn(x[i], r[i]) : x[i];
-        if (v < 0.0f) sn -= (double)v; else { sp += (double)v; cp += 1; }
+        sn += (double)fabsf(v);
+        if (!(v < 0.0f)) { sp += (double)v; cp += 1; }
     }
     __shared__ double psp[256], psn[256];
     __shared__ unsigned long long pcp[256];
@@ -81,7 +82,7 @@ __global__ void chunk_split_sums(const float* __restrict__ x, const float* __res
     }
     if (threadIdx.x == 0) {
         atomicAdd(&spos[c], psp[0]);
-        atomicAdd(&sneg[c], psn[0]);
+        atomicAdd(&sabs[c], psn[0]);
         atomicAdd(&cpos[c], pcp[0]);
     }
 }
