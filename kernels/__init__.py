@@ -53,7 +53,7 @@ except ImportError:  # kernels used on their own
         return cupy
 
 __all__ = [
-    "PayloadError", "pack_signs", "unpack_signs", "threshold_select", "topk_exact",
+    "PayloadError", "share_cores", "pack_signs", "unpack_signs", "threshold_select", "topk_exact",
     "topk_sampled", "sample_size", "sample_indices", "randomk_indices", "hash_uniform",
     "chunk_norms", "l2norm", "maxabs", "quantize", "dequantize", "code_width", "pack_bits", "unpack_bits",
     "to_fp16", "from_fp16", "encode_sparse", "decode_sparse", "scatter_add", "reference",
@@ -116,6 +116,23 @@ def _count(value, what, upper=None):
     if value < 0 or (upper is not None and value > upper):
         raise ValueError(f"{what} must be in [0, {upper}], got {value}")
     return value
+
+
+def share_cores(ranks_on_node):
+    """Give this rank's CPU kernels its share of the node's cores: at most
+    cpu_count // ranks_on_node Numba threads (never more than it has). Several ranks each
+    running one thread per core oversubscribe the node, and every parallel kernel then
+    waits for threads the OS has not scheduled. An explicit NUMBA_NUM_THREADS is left
+    alone. Applies to the calling thread; returns the thread count in effect."""
+    import os  # noqa: PLC0415
+
+    import numba  # noqa: PLC0415
+
+    if "NUMBA_NUM_THREADS" not in os.environ and ranks_on_node > 1:
+        share = max(1, (os.cpu_count() or 1) // int(ranks_on_node))
+        if share < numba.get_num_threads():
+            numba.set_num_threads(share)
+    return numba.get_num_threads()
 
 
 # ---------------------------------------------------------------- 1-bit signs

@@ -8,6 +8,7 @@ whose outputs are tested bit for bit keep IEEE semantics (no FMA contraction, no
 no-NaN assumptions), so NaN and Inf follow the documented rules.
 """
 
+import numba
 import numpy as np
 from numba import njit, prange
 from numba.core import types
@@ -17,11 +18,39 @@ from . import wire
 
 FM_SUM = {"reassoc", "nsz", "arcp"}  # sums may be reordered (tolerance-tested)
 BLOCK = 1 << 16  # elements per parallel work unit in the streaming kernels
+SERIAL_MAX = 4 * BLOCK  # smaller inputs run on the calling thread alone (see below)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _ONE = np.uint64(1)
+
+
+def _serial_if_small(kernel, size_arg):
+    """Run a ``parallel=True`` kernel on one thread when its input (argument
+    ``size_arg``: an array, or a count) is small.
+
+    A parallel region wakes the worker threads and waits for them at its end: about
+    10 us on an idle machine, but 38 ms per call was measured here on a loaded 2-core
+    machine (OpenMP threads waiting to be scheduled), while the same call on one thread
+    took 12 us. Gradients of biases and small layers stay on the calling thread.
+    """
+    def run(*args):
+        a = args[size_arg]
+        n = a.size if hasattr(a, "size") else int(a)
+        threads = numba.get_num_threads()
+        if n > SERIAL_MAX or threads == 1:
+            return kernel(*args)
+        numba.set_num_threads(1)
+        try:
+            return kernel(*args)
+        finally:
+            numba.set_num_threads(threads)
+
+    run.__name__ = kernel.__name__[:-len("_par")]
+    run.__doc__ = kernel.__doc__
+    run.kernel = kernel
+    return run
 
 
 # ---------------------------------------------------------------- random numbers
@@ -124,7 +153,7 @@ ABS_SUM, ABS_SUM_R, SQ_SUM, MAX_BITS = 0, 1, 2, 3
 
 
 @njit(cache=True, parallel=True)
-def _chunk_reduce(x, r, mode, size, nc):
+def _chunk_reduce_par(x, r, mode, size, nc):
     """Per chunk of ``size``: sum |x| / sum |x + r| / sum x^2 (float64), or the max |x|
     bit pattern (mode MAX_BITS), over BLOCK-long work units in parallel."""
     n = x.size
@@ -195,7 +224,7 @@ def _signs(x, lo, hi, flags):
 
 
 @njit(cache=True, parallel=True)
-def _pack_signs(x, r, use_r, pos, neg, size, bits):
+def _pack_signs_par(x, r, use_r, pos, neg, size, bits):
     """Second pass: signs to flag bytes (and r <- v - decoded) in a vectorised loop, then
     8 flags per byte with one multiply; the flags stay in cache."""
     n = x.size
@@ -242,7 +271,7 @@ def _split_sums(x, lo, hi):
 
 
 @njit(cache=True, parallel=True)
-def _chunk_split_sums(x, r, use_r, size, nc):
+def _chunk_split_sums_par(x, r, use_r, size, nc):
     n = x.size
     per = (size + BLOCK - 1) // BLOCK
     sp = np.zeros(nc * per, np.float64)
@@ -288,7 +317,7 @@ def pack_signs(x, residual, chunk, two_scales):
 
 
 @njit(cache=True, parallel=True)
-def _unpack_signs(bits, pos, neg, size, out):
+def _unpack_signs_par(bits, pos, neg, size, out):
     n = out.size
     nc = pos.size
     per = (size + BLOCK - 1) // BLOCK
@@ -535,7 +564,7 @@ def _unpack_groups(packed, width, g0, codes, m):
 
 
 @njit(cache=True, parallel=True)
-def quantize(x, mults, levels, seed, width, size):
+def quantize_par(x, mults, levels, seed, width, size):
     """Codes levels +- level per element (vectorised, dither from the hash), then packed;
     one multiplier (levels / scale) per chunk of ``size``."""
     n = x.size
@@ -550,7 +579,7 @@ def quantize(x, mults, levels, seed, width, size):
 
 
 @njit(cache=True, parallel=True)
-def _dequantize(packed, steps, levels, width, size, out):
+def _dequantize_par(packed, steps, levels, width, size, out):
     """Values (code - levels) * step; returns how many codes exceed 2 * levels."""
     n = out.size
     per = (size + BLOCK - 1) // BLOCK
@@ -570,7 +599,7 @@ def _dequantize(packed, steps, levels, width, size, out):
 
 
 @njit(cache=True, parallel=True)
-def pack_bits(codes, width):
+def pack_bits_par(codes, width):
     n = codes.size
     out = np.empty((n * width + 7) // 8, np.uint8)
     for u in prange((n + BLOCK - 1) // BLOCK):
@@ -581,7 +610,7 @@ def pack_bits(codes, width):
 
 
 @njit(cache=True, parallel=True)
-def unpack_bits(packed, width, n):
+def unpack_bits_par(packed, width, n):
     out = np.empty(n, np.uint8)
     for u in prange((n + BLOCK - 1) // BLOCK):
         lo = u * BLOCK
@@ -641,7 +670,7 @@ def _f32_to_f16_bits(f):
 
 
 @njit(cache=True, parallel=True)
-def _to_fp16_bits(x_bits):
+def _to_fp16_bits_par(x_bits):
     n = x_bits.size
     out = np.empty(n, np.uint16)
     for u in prange((n + BLOCK - 1) // BLOCK):
@@ -664,7 +693,7 @@ def _f16_bits_to_f32_bits(h):
 
 
 @njit(cache=True, parallel=True)
-def _from_fp16_bits(h_bits):
+def _from_fp16_bits_par(h_bits):
     n = h_bits.size
     out = np.empty(n, np.uint32)
     for u in prange((n + BLOCK - 1) // BLOCK):
@@ -853,3 +882,16 @@ def scatter_add(out, indices, values):
         raise wire.PayloadError(f"scatter_add: index {int(indices[bad])} is outside "
                                 f"[0, {out.size})")
     return out
+
+
+# ---------------------------------------------------------------- small inputs
+_chunk_reduce = _serial_if_small(_chunk_reduce_par, 0)
+_chunk_split_sums = _serial_if_small(_chunk_split_sums_par, 0)
+_pack_signs = _serial_if_small(_pack_signs_par, 0)
+_unpack_signs = _serial_if_small(_unpack_signs_par, 4)
+quantize = _serial_if_small(quantize_par, 0)
+_dequantize = _serial_if_small(_dequantize_par, 5)
+pack_bits = _serial_if_small(pack_bits_par, 0)
+unpack_bits = _serial_if_small(unpack_bits_par, 2)
+_to_fp16_bits = _serial_if_small(_to_fp16_bits_par, 0)
+_from_fp16_bits = _serial_if_small(_from_fp16_bits_par, 0)

@@ -29,7 +29,7 @@ compression ratio. Malformed payloads raise PayloadError naming the tensor and t
 import numpy as np
 
 from mpidl.backend import array_module, is_gpu_array
-from mpidl.kernels import PayloadError
+from mpidl.kernels import PayloadError, share_cores
 
 from . import frame
 from .base import restore
@@ -61,6 +61,8 @@ class Exchanger:
         self.algorithm = algorithm
         self.size = comm.size
         compressor.bind(comm.rank, comm.size)
+        # ranks sharing a node share its cores (the kernels' threads, see share_cores)
+        share_cores(getattr(comm, "local_size", 1))
         self.bytes_sent = 0
         self.payload_bytes = 0
         self.dense_bytes = 0
