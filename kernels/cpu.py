@@ -137,10 +137,11 @@ def _sq_sum(x, lo, hi):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _max_bits(xb, lo, hi):
     """Largest |x| bit pattern in [lo, hi) as uint32: for non-negative floats the integer
-    order is the float order, and every NaN lies above +inf (so one NaN wins)."""
+    order is the float order, and every NaN lies above +inf (so one NaN wins, and the
+    selection kernels scan a block holding one)."""
     m = np.uint32(0)
     for i in range(_U(lo), _U(hi)):
         a = xb[i] & np.uint32(0x7FFFFFFF)
@@ -344,17 +345,6 @@ def _key(a):
     return np.float32(np.inf) if m != m else m
 
 
-@njit(cache=True, inline="always")
-def _block_max_bits(xb, lo, hi):
-    """Largest |x| bit pattern in [lo, hi) as uint32: for non-negative floats the integer
-    order is the float order, and every NaN lies above +inf (so NaN blocks get scanned)."""
-    m = np.uint32(0)
-    for i in range(_U(lo), _U(hi)):
-        a = xb[i] & np.uint32(0x7FFFFFFF)
-        m = a if a > m else m
-    return m
-
-
 @njit(cache=True)
 def _add_into(x, r, lo, hi):
     for i in range(_U(lo), _U(hi)):
@@ -382,7 +372,7 @@ def threshold_select(x, tau, r, use_r):
             _add_into(x, r, u0, u1)
         for lo in range(u0, u1, 32):
             hi = min(u1, lo + 32)
-            if _block_max_bits(vb, lo, hi) > tau_bits:
+            if _max_bits(vb, lo, hi) > tau_bits:
                 for i in range(lo, hi):
                     v = r[i] if use_r else x[i]
                     if _key(v) > tau:
@@ -482,7 +472,7 @@ def _select_at_least(x, t, cap):
     k = 0
     for lo in range(0, n, 32):
         hi = min(n, lo + 32)
-        if _block_max_bits(xb, lo, hi) >= t_bits:
+        if _max_bits(xb, lo, hi) >= t_bits:
             for i in range(lo, hi):
                 a = _key(x[i])
                 if a >= t and a > 0:
