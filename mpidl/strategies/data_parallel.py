@@ -171,6 +171,9 @@ class DataParallel(Strategy):
 
             # compressed: every tensor (Embedding's densified) through the exchanger
             self.exchanger = Exchanger(self.comm, self.compressor, algorithm=self.algorithm)
+            # onebit/dgc apply momentum before compressing: take it over from the optimizer
+            # (a no-op for compressors with plain error feedback)
+            self.exchanger.adopt_momentum(optimizer)
             self.sparse_params, self._sparse_names, dense = [], [], []
         # each rank's gradient is scaled by 1/N while packed, so a plain sum is the mean
         self.fusion = FusionBuffers(dense, int(self.bucket_mb * MiB), scale=1.0 / self.size)
