@@ -43,6 +43,8 @@ OPTIONS = [
     Option("data_dir", str, None, "folder holding the dataset files (default: "
            "/usr/share/datasets/<dataset>, or $MPIDL_DATA_DIR/<dataset>)", "model and data",
            metavar="DIR"),
+    Option("dropout", float, None, "dropout probability of the models that have dropout "
+           "layers (mlp, cnn); default: the model's own (0)", "model and data", metavar="P"),
     Option("init", str, None, "start from the weights of a model saved by mpidl train "
            "(--save); the network is rebuilt as it was saved (model, input shape, classes)",
            "model and data", metavar="FILE.npz"),
@@ -172,7 +174,7 @@ def strategy_kwargs(cfg):
             and getattr(cfg, o.name, o.default) != o.default}
 #: settings that change which samples a step sees: a checkpoint only resumes if they match
 RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "seed", "dtype",
-               "optimizer")
+               "optimizer", "dropout")
 
 
 class TrainConfig(SimpleNamespace):
@@ -278,6 +280,8 @@ def validate(cfg):
         bad("keep_checkpoints", "must be at least 1")
     if cfg.bucket_mb is not None and not cfg.bucket_mb > 0:
         bad("bucket_mb", "must be positive")
+    if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
+        bad("dropout", "must be in [0, 1)")
     if cfg.ratio is not None and not 0 < cfg.ratio <= 1:
         bad("ratio", "must be in (0, 1]")
     if cfg.strategy == "ps" and (cfg.resume or cfg.checkpoint_dir or cfg.checkpoint_every):

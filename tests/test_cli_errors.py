@@ -112,6 +112,9 @@ def test_init_file_missing(tmp_path):
     (["train", "--schedule", "exp"] + FAST, ["--schedule 'exp'", "unknown schedule"]),
     (["train", "--resume"] + FAST, ["--resume needs"]),
     (["train", "--batch-size", "4096", "--drop-last"] + FAST, ["larger than the 256"]),
+    (["train", "--model", "resnet-tiny", "--dropout", "0.1"] + FAST,
+     ["--dropout: model 'resnet-tiny' has no dropout layers"]),
+    (["train", "--dropout", "1.5"] + FAST, ["--dropout must be in [0, 1)"]),
     ([], ["no command given"]),
 ])
 def test_more_user_errors(args, needles):

@@ -135,9 +135,9 @@ def data_parallel_available():
 
 # cnn on 8x8 digits: BatchNorm buffers, Dropout's mask counter, momentum, a cosine schedule
 # and a mid-epoch position all have to come back exactly. 512 samples, batch 32 per rank.
-RESUME_ARGS = ["--model", "cnn", "--dataset", "digits", "--limit-train", "512",
-               "--limit-test", "128", "--epochs", "2", "--batch-size", "32", "--seed", "7",
-               "--checkpoint-every", "3"]
+RESUME_ARGS = ["--model", "cnn", "--dropout", "0.25", "--dataset", "digits",
+               "--limit-train", "512", "--limit-test", "128", "--epochs", "2",
+               "--batch-size", "32", "--seed", "7", "--checkpoint-every", "3"]
 
 
 def ranks_param():

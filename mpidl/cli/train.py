@@ -9,6 +9,7 @@ Two phases, so that no rank is ever left waiting on another that failed:
 """
 
 import argparse
+import inspect
 import os
 import time
 
@@ -208,7 +209,7 @@ def build_model_and_optimizer(cfg, dataset, init=None):
     """
     from mpidl.engine import ShapeError  # noqa: PLC0415
     from mpidl.engine.losses import SoftmaxCrossEntropy  # noqa: PLC0415
-    from mpidl.engine.models import build_model  # noqa: PLC0415
+    from mpidl.engine.models import MODELS, build_model  # noqa: PLC0415
 
     input_shape, num_classes = dataset.input_shape, dataset.num_classes
     if init is not None:
@@ -218,9 +219,13 @@ def build_model_and_optimizer(cfg, dataset, init=None):
                                       if init is not None else "") +
              f" does not fit dataset {dataset.name!r} (input shape {dataset.input_shape}, "
              f"{dataset.num_classes} classes)")
+    options = {} if cfg.dropout is None else {"dropout": cfg.dropout}
+    if options and "dropout" not in inspect.signature(MODELS[cfg.model]).parameters:
+        raise ConfigError(f"--dropout: model {cfg.model!r} has no dropout layers "
+                          f"(models with dropout: {', '.join(_with_dropout(MODELS))})")
     try:
         model = build_model(cfg.model, input_shape=input_shape, num_classes=num_classes,
-                            seed=cfg.seed, dtype=cfg.dtype)
+                            seed=cfg.seed, dtype=cfg.dtype, **options)
     except (ShapeError, ValueError) as e:  # the model's arguments come from the user
         raise UserError(f"{where}: {e}") from None
     if init is not None:
@@ -231,6 +236,10 @@ def build_model_and_optimizer(cfg, dataset, init=None):
                               f"{e}") from None
     check_model_fits(model, dataset, where, cfg.dtype)
     return model, make_optimizer(cfg, model), SoftmaxCrossEntropy(), SoftmaxCrossEntropy()
+
+
+def _with_dropout(models):
+    return [n for n, f in models.items() if "dropout" in inspect.signature(f).parameters]
 
 
 def check_model_fits(model, dataset, where, dtype):
