@@ -60,15 +60,7 @@ def run_ranks(n, args, timeout=120, env=None, module_mpi4py=True, cwd=None):
     if module_mpi4py:
         cmd += ["-m", "mpi4py"]
     cmd += [str(a) for a in args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=mpi_env(env), cwd=cwd, start_new_session=True, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return Launch(proc.returncode, out)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return Launch(proc.returncode, out, timed_out=True)
+    return run_command(cmd, timeout=timeout, env=env, cwd=cwd)
 
 
 def run_command(cmd, timeout=120, env=None, cwd=None):
