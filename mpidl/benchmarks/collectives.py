@@ -516,6 +516,9 @@ def run(args, out=print):
                 out("")
         if root:
             checked = goals(records, "median") + goals(records, "min")
+            if checked and comm.size != 2:
+                out(f"note: the goals are set for p = 2 (one rank per core); at p = "
+                    f"{comm.size} they are shown for reference only")
             for text, ok in checked:
                 out(f"goal {'met   ' if ok else 'MISSED'} {text}")
             doc = {"info": info, "collectives": args.collective_list, "results": records,

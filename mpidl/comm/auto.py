@@ -15,11 +15,13 @@ File format::
 Each entry ``[max_bytes, algorithm]`` covers sizes up to ``max_bytes`` (inclusive);
 ``null`` closes the table.
 
-The defaults reflect what was measured on 2-core machines with MPICH (bench/results):
-from Python, MPI's own call wins for small messages (MPICH even uses shared-memory
-collectives within a node); the pipelined ring with persistent buffers wins for large
-ones (MPI's Allreduce, Reduce_scatter and Reduce allocate a temporary per call and fall
-off above ~24 MiB). All-gather and broadcast need no temporary, so MPI's stay.
+The defaults are what a tuning run measured at p = 2 on a quiet 2-core machine with MPICH
+(bench/results): from Python, MPI's own call wins below ~8 KiB (per-call overhead);
+recursive doubling (one exchange straight into the result at p = 2) wins in the middle;
+the pipelined ring with persistent buffers wins for large messages (MPI's Allreduce,
+Reduce_scatter and Reduce allocate a temporary per call and fall off above ~24 MiB).
+Broadcast stays with MPI (no algorithm was consistently faster). Other p and other
+machines: run the tuning.
 """
 
 import json
@@ -27,14 +29,14 @@ import os
 
 ALGORITHMS = ("ring", "tree", "recursive_doubling", "mpi")
 COLLECTIVES = ("allreduce", "reduce_scatter", "reduce", "bcast", "allgather")
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
 
-DEFAULTS = {
-    "allreduce": [[4 * MiB, "mpi"], [None, "ring"]],
-    "reduce_scatter": [[4 * MiB, "mpi"], [None, "ring"]],
-    "reduce": [[16 * MiB, "mpi"], [None, "ring"]],
+DEFAULTS = {  # measured at p = 2 on a quiet 2-core machine (bench/results), see above
+    "allreduce": [[8 * KiB, "mpi"], [512 * KiB, "recursive_doubling"], [None, "ring"]],
+    "reduce_scatter": [[8 * KiB, "mpi"], [256 * KiB, "recursive_doubling"], [None, "ring"]],
+    "reduce": [[2 * KiB, "mpi"], [256 * KiB, "tree"], [None, "ring"]],
     "bcast": [[None, "mpi"]],
-    "allgather": [[None, "mpi"]],
+    "allgather": [[8 * KiB, "mpi"], [MiB, "recursive_doubling"], [None, "ring"]],
 }
 
 
