@@ -87,8 +87,9 @@ OPTIONS = [
            "mpi or auto (strategy default)", "parallelism"),
     Option("bucket_mb", float, None, "gradient fusion bucket size in MiB", "parallelism",
            metavar="MB"),
-    Option("overlap", bool, True, "do not overlap gradient communication with backward "
-           "(for comparison; config key: overlap = false)", "parallelism"),
+    Option("overlap", str, "auto", "overlap gradient communication with backward: on, "
+           "off, or auto (on with a GPU or a spare core per rank, where it pays); "
+           "--no-overlap is --overlap off", "parallelism", choices=("auto", "on", "off")),
     Option("compression", str, None, "gradient compression (e.g. topk, onebit, qsgd); "
            "default none", "parallelism"),
     Option("ratio", float, None, "compression ratio or density (e.g. 0.01 keeps 1%% of "
@@ -186,6 +187,8 @@ class TrainConfig(SimpleNamespace):
 
 def _check_type(opt, value, where):
     t = opt.type
+    if opt.choices and "on" in opt.choices and isinstance(value, bool):
+        return "on" if value else "off"  # overlap = true/false in a config file
     ok = (isinstance(value, bool) if t is bool else
           isinstance(value, int) and not isinstance(value, bool) if t is int else
           isinstance(value, (int, float)) and not isinstance(value, bool) if t is float else

@@ -38,16 +38,7 @@ T_START=$EPOCHREALTIME
 
 log()  { printf '[ci-cluster-up %6.2fs] %s\n' "$(awk "BEGIN{print $EPOCHREALTIME - $T_START}")" "$*"; }
 die()  { log "ERROR: $*"; for f in "$LOG"/slurmctld.log "$LOG"/slurmd.log; do [ -f "$f" ] && { echo "== tail $f"; tail -n 30 "$f"; }; done; exit 1; }
-# alive PIDFILE COMM: the pid in PIDFILE exists, is not a zombie, and runs COMM
-alive() {
-  local pid st
-  [ -s "$1" ] || return 1
-  pid=$(cat "$1" 2>/dev/null) || return 1
-  [[ $pid =~ ^[0-9]+$ ]] || return 1
-  [ "$(cat /proc/"$pid"/comm 2>/dev/null)" = "$2" ] || return 1
-  st=$(awk '{print $3}' /proc/"$pid"/stat 2>/dev/null) || return 1
-  [ "$st" != Z ]
-}
+source "$(dirname "${BASH_SOURCE[0]}")/ci-cluster-lib.sh"  # alive, clean_stale_mpi_shm
 wait_for() { # TIMEOUT_S CMD... : poll CMD every 0.2s
   local t=$1; shift
   local n=$(( t * 5 ))
@@ -55,21 +46,6 @@ wait_for() { # TIMEOUT_S CMD... : poll CMD every 0.2s
   return 1
 }
 
-# MPICH names its /dev/shm segment after the PMI job/step id (mpich_shm_<hash>_0) and only
-# unlinks it at MPI_Finalize, so killed jobs leave segments behind. When slurmctld restarts
-# with clean state, job ids start again at 1 and a new job attaches to the stale segment and
-# hangs or dies ("Message truncated", "Out of memory"). Remove MPI segments no process uses.
-clean_stale_mpi_shm() {
-  local f in_use n=0
-  in_use=$( { cat /proc/[0-9]*/maps 2>/dev/null | awk '$6 ~ /^\/dev\/shm\//{print $6}'
-              find /proc/[0-9]*/fd -maxdepth 1 -lname '/dev/shm/*' -printf '%l\n' 2>/dev/null; } | sort -u)
-  for f in /dev/shm/mpich_shm_* /dev/shm/sm_segment.* /dev/shm/vader_segment.*; do
-    [ -f "$f" ] || continue
-    grep -qxF "$f" <<<"$in_use" && continue
-    rm -f "$f" && n=$((n + 1))
-  done
-  [ "$n" = 0 ] || echo "removed $n stale MPI shared-memory segment(s) from /dev/shm"
-}
 
 INSTALL_ONLY=0
 case ${1:-} in

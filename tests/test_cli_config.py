@@ -75,3 +75,38 @@ def test_validation(flags, match):
 
 def test_float_accepts_int(tmp_path):
     assert config.resolve({}, write(tmp_path, "lr = 1\n")).lr == 1.0
+
+
+@pytest.mark.parametrize("text, want", [
+    ("", "auto"), ('overlap = "on"\n', "on"), ('overlap = "off"\n', "off"),
+    ("overlap = false\n", "off"), ("overlap = true\n", "on"),  # the older boolean key
+])
+def test_overlap_setting_from_file(tmp_path, text, want):
+    cfg = config.resolve({}, write(tmp_path, text))
+    assert cfg.overlap == want
+    # only a setting that differs from the default reaches the strategy
+    assert config.strategy_kwargs(cfg).get("overlap", "auto") == want
+
+
+def test_overlap_setting_rejects_other_words():
+    with pytest.raises(ConfigError, match="--overlap must be one of auto, on, off"):
+        config.resolve({"overlap": "sometimes"})
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], None), (["--overlap", "on"], "on"), (["--overlap", "off"], "off"),
+    (["--no-overlap"], "off"),
+])
+def test_overlap_flag_reaches_the_strategy(argv, want):
+    import argparse
+
+    from mpidl.cli import train
+    from mpidl.strategies import make_strategy
+
+    parser = argparse.ArgumentParser()
+    train.register(parser.add_subparsers())
+    args = vars(parser.parse_args(["train"] + argv))
+    flags = {k: v for k, v in args.items() if k in config.OPTIONS_BY_NAME}
+    kwargs = config.strategy_kwargs(config.resolve(flags))
+    assert kwargs.get("overlap") == want
+    assert make_strategy("allreduce", None, **kwargs).overlap_mode == (want or "auto")

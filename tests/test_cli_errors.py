@@ -131,7 +131,7 @@ def test_help_explains_every_flag():
     for flag in ("--model", "--dataset", "--data-dir", "--epochs", "--batch-size",
                  "--optimizer", "--lr", "--momentum", "--weight-decay", "--schedule",
                  "--warmup-epochs", "--scale-lr", "--seed", "--device", "--dtype", "--config",
-                 "--strategy", "--algorithm", "--bucket-mb", "--no-overlap", "--compression",
+                 "--strategy", "--algorithm", "--bucket-mb", "--overlap", "--compression",
                  "--ratio", "--checkpoint-dir", "--checkpoint-every", "--resume", "--metrics",
                  "--save", "--out-dir", "--limit-train", "--limit-test", "--no-progress",
                  "--verbose", "--drop-last", "--init"):

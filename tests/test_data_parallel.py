@@ -174,5 +174,7 @@ def test_overlap_option_values():
     assert make_strategy("allreduce", None).overlap_mode == "auto"
     assert make_strategy("allreduce", None, overlap=True).overlap_mode == "on"
     assert make_strategy("allreduce", None, overlap=False).overlap_mode == "off"
+    assert make_strategy("allreduce", None, overlap="on").overlap_mode == "on"
+    assert make_strategy("allreduce", None, overlap="off").overlap_mode == "off"
     with pytest.raises(ConfigError, match="overlap"):
         make_strategy("allreduce", None, overlap="sometimes")

@@ -14,6 +14,8 @@ correctness) and records what every rank saw; the tests below assert on it:
    workers say they pushed.
 4. Pushes compressed with each compressor (error feedback where it has one) arrive, are
    applied, and cost the bytes they should.
+5. With one worker, async, SSP and backup give sync's parameters bitwise (nothing is
+   stale), and sync matches the single-process reference.
 """
 
 import json
@@ -66,6 +68,18 @@ def test_sync_ps_equals_global_batch_reference(results, case, servers, tol):
     for r in servers_rows:
         assert r["pushed"] == r["applied"] and r["dropped"] == 0
         assert r["opt_state"] == sorted(r["holds"])  # optimizer state: own shard only
+
+
+def test_one_worker_every_mode_gives_sync_parameters(results):
+    rows = results["one_worker"]
+    worker = next(r for r in rows if "vs_sync" in r)
+    server = next(r for r in rows if "counts" in r)
+    assert sorted(worker["vs_sync"]) == sorted(["sync", "async", "async_salr", "ssp0",
+                                                "ssp2", "backup"])
+    assert all(d == 0.0 for d in worker["vs_sync"].values()), worker["vs_sync"]
+    assert worker["vs_reference"] <= 1e-12
+    for mode, c in server["counts"].items():
+        assert c["pushed"] == c["applied"] > 0 and c["dropped"] == 0, (mode, c)
 
 
 def test_sparse_gradients_travel_as_rows(results):

@@ -46,6 +46,9 @@ def register(subparsers):
             g.add_argument(flag, dest=o.name, type=o.type, default=argparse.SUPPRESS,
                            metavar=o.metavar or o.name.split("_")[-1].upper(),
                            help=o.help + default)
+        if o.name == "overlap":  # the older spelling
+            g.add_argument("--no-overlap", dest="overlap", action="store_const", const="off",
+                           default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(prepare=prepare)
     return p
 

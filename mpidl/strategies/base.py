@@ -98,7 +98,8 @@ class Strategy:
         """Make ``self.model`` hold the parameters to evaluate (e.g. pull from servers)."""
 
     def metrics(self):
-        """Extra {name: number} for the epoch's metrics line (e.g. parameter-server counts)."""
+        """Extra {name: number} for the epoch's metrics line (e.g. parameter-server counts);
+        called once per epoch, after the epoch's evaluation."""
         return {}
 
     # -- collectives for the trainer
@@ -153,10 +154,6 @@ class Strategy:
 
     def load_state_dict(self, state):
         """Restore what ``state_dict`` returned on the root; called on every rank."""
-
-    def metrics(self):
-        """Extra {name: number} for the epoch's metrics record (root only; e.g. counts)."""
-        return {}
 
     def finish(self):
         """Called once at the end: flush pending communication, stop helper threads."""

@@ -21,7 +21,7 @@ How a step runs:
   while backward goes on through earlier layers. After backward the optimizer waits for
   bucket 0, updates its parameters (``opt.step(names)``), waits for bucket 1, and so on:
   it waits only for what it needs, and later buckets keep travelling meanwhile.
-* **No overlap** (``overlap=False``, ``--no-overlap``): backward first, then each bucket
+* **No overlap** (``overlap=False``, ``--overlap off``): backward first, then each bucket
   all-reduced with a blocking call, then one optimizer step.
 * **Default** (``overlap="auto"``): overlap where it can pay, i.e. on GPU, or when this
   node has a spare CPU per rank for the progress thread (CPUs this rank may use >= ranks
@@ -105,10 +105,13 @@ class DataParallel(Strategy):
         self.bucket_mb = bucket_mb
         if overlap is None or overlap == "auto":
             self.overlap_mode = "auto"
+        elif overlap in ("on", "off"):
+            self.overlap_mode = overlap
         elif overlap in (True, False, 0, 1):
             self.overlap_mode = "on" if overlap else "off"
         else:
-            raise ConfigError(f"overlap must be True, False or 'auto', got {overlap!r}")
+            raise ConfigError(f"--overlap must be on, off or auto (or True/False), got "
+                              f"{overlap!r}")
         self.overlap = self.overlap_mode == "on"  # "auto" is decided in setup
         self.overlap_reason = ""
         self.sparse_mode = sparse
@@ -391,17 +394,14 @@ class DataParallel(Strategy):
         """Zero the per-step time counters (seconds, summed over steps)."""
         self.stats = {"steps": 0, "forward": 0.0, "backward": 0.0, "wait": 0.0,
                       "update": 0.0, "launched_in_backward": 0}
-        self._metrics_cache = None
 
     def metrics(self):
         """This rank's mean per-step times (ms) since the previous epoch, and bytes sent.
 
         compute = forward + backward + optimizer; wait = time blocked on communication
-        that overlap did not hide. Calling it twice in a row gives the same figures.
+        that overlap did not hide. Starts the next epoch's counts.
         """
         s = self.stats
-        if self._metrics_cache is not None and s["steps"] == 0:
-            return dict(self._metrics_cache)
         n = max(s["steps"], 1)
         out = {
             "compute_ms": 1e3 * (s["forward"] + s["backward"] + s["update"]) / n,
@@ -418,8 +418,7 @@ class DataParallel(Strategy):
             p = self.size
             out["bytes_sent_per_step"] = self.fusion.nbytes * 2 * (p - 1) / p
         self.reset_stats()
-        self._metrics_cache = out
-        return dict(out)
+        return out
 
     def finish(self):
         """Check every rank ran the same number of steps (the loader's promise)."""

@@ -201,7 +201,6 @@ class Trainer:
             "ranks": self.count,
             "global_batch": self.loader.global_batch_size,
         }
-        record.update(self.strategy.metrics())
         record.update(self.strategy.metrics() or {})
         self.last = record
         if self.metrics is not None:

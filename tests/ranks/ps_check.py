@@ -207,6 +207,37 @@ def modes(comm, mode, straggler_factor=4.0, **kw):
     return out
 
 
+ONE_WORKER_MODES = [("sync", "sync", {}), ("async", "async", {}),
+                    ("async_salr", "async", {"staleness_aware_lr": True}),
+                    ("ssp0", "ssp", {"staleness": 0}), ("ssp2", "ssp", {"staleness": 2}),
+                    ("backup", "backup", {"wait": 1})]
+
+
+def one_worker(comm):
+    """Ranks 0 (server) and 1 (the only worker): with one worker nothing can be stale, so
+    every mode must give sync's parameters bitwise (the modes differ only in timing)."""
+    sub = comm.Split(0 if comm.rank < 2 else MPI.UNDEFINED, comm.rank)
+    out = {"rank": comm.rank}
+    if sub == MPI.COMM_NULL:
+        return out
+    got, counts = {}, {}
+    for name, mode, kw in ONE_WORKER_MODES:
+        s = ParameterServerStrategy(sub, servers=1, mode=mode, **kw)
+        params, st, _ = train(s, mlp("float64"), dense_data(), 2, "float64")
+        if params is not None:
+            got[name] = params
+        else:
+            counts[name] = {k: st[k] for k in ("pushed", "applied", "dropped")}
+    if got:
+        ref = reference(mlp("float64"), dense_data(), 2, "float64", 1)
+        out["vs_sync"] = {name: max_rel_diff(p, got["sync"]) for name, p in got.items()}
+        out["vs_reference"] = max_rel_diff(got["sync"], ref)
+    else:
+        out["counts"] = counts
+    sub.Free()
+    return out
+
+
 def compressed(comm, name, ratio=None):
     """sync PS with compressed pushes (error feedback where the compressor has it)."""
     s = ParameterServerStrategy(comm, servers=1, mode="sync", compression=name, ratio=ratio)
@@ -238,6 +269,7 @@ def main():
     results["eq_s2_f64"] = world.gather(equivalence(world, 2, "float64"))
     results["eq_s1_f32"] = world.gather(equivalence(world, 1, "float32"))
     results["eq_sparse_s2"] = world.gather(equivalence(world, 2, "float64", net="embed"))
+    results["one_worker"] = world.gather(one_worker(world))
     for name, mode, kw in [("sync", "sync", {}), ("async", "async", {}),
                            ("async_salr", "async", {"staleness_aware_lr": True}),
                            ("ssp1", "ssp", {"staleness": 1}),
