@@ -287,9 +287,11 @@ def validate(cfg):
         bad("dropout", "must be in [0, 1)")
     if cfg.ratio is not None and not 0 < cfg.ratio <= 1:
         bad("ratio", "must be in (0, 1]")
-    if cfg.strategy == "ps" and (cfg.resume or cfg.checkpoint_dir or cfg.checkpoint_every):
-        bad("strategy", "does not support checkpoints yet (--checkpoint-dir, "
-            "--checkpoint-every, --resume)")
+    if cfg.strategy == "ps" and cfg.checkpoint_every:
+        bad("checkpoint_every", "is not supported with --strategy ps: its checkpoints are "
+            "written at the end of every epoch, the only moment the servers and all workers "
+            "agree on the parameters (drop --checkpoint-every; --checkpoint-dir turns them "
+            "on)")
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum == 0):
         bad("nesterov", "needs --optimizer sgd with --momentum > 0")
     return cfg

@@ -212,3 +212,52 @@ def test_compressed_pushes(results, name, max_fraction):
         assert w["bytes_sent"] <= max_fraction * w["pushes"] * w["dense_bytes"] + 64
         if name == "fp16":  # nearly lossless: close to the uncompressed reference
             assert w["vs_reference"] < 1e-3
+
+
+def _model_arrays(path):
+    import numpy as np
+
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files if not k.startswith("__")}  # not the metadata
+
+
+@pytest.mark.skipif(not _cli_ready(), reason="needs the engine's models and the communicator")
+@pytest.mark.parametrize("extra", [[], ["--servers", "2", "--compression", "topk",
+                                        "--ratio", "0.05"]], ids=["1-server", "2-servers-topk"])
+def test_cli_ps_checkpoint_after_rank_failure_then_resume_is_bitwise_equal(tmp_path, extra):
+    """Sync PS writes a checkpoint at every epoch end (servers' optimizer state included);
+    a worker that fails in epoch 3 and a --resume give the uninterrupted run's model."""
+    import numpy as np
+
+    from mpirun import mpiexec_path
+
+    n = 4 if "--servers" in extra else 3  # two workers either way
+    steps_per_epoch = 512 // (32 * 2)
+    args = ["train", "--strategy", "ps", "--dataset", "synthetic", "--model", "mlp",
+            "--epochs", "3", "--batch-size", "32", "--limit-train", "512", "--limit-test",
+            "128", "--seed", "3", "--no-progress"] + extra
+    cmd = [mpiexec_path(), "-n", str(n), _mpidl()] + args
+    full, run = tmp_path / "full", tmp_path / "run"
+    run_command(cmd + ["--out-dir", str(full)], timeout=120).check()
+    ckpt = ["--out-dir", str(run), "--checkpoint-dir", str(run / "ckpt")]
+    failed = run_command(cmd + ckpt, timeout=120,
+                         env={"MPIDL_FAIL_AT": f"{n - 1}:{2 * steps_per_epoch + 3}"})
+    assert failed.returncode != 0 and not failed.timed_out, failed.output
+    assert sorted(os.listdir(run / "ckpt")) == [f"ckpt-{steps_per_epoch:09d}.npz",
+                                                f"ckpt-{2 * steps_per_epoch:09d}.npz"]
+    resumed = run_command(cmd + ckpt + ["--resume"], timeout=120)
+    resumed.check()
+    assert f"step {2 * steps_per_epoch}, epoch 3" in resumed.output, resumed.output
+    a, b = _model_arrays(run / "model.npz"), _model_arrays(full / "model.npz")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), f"{k} differs after the resume"
+
+
+@pytest.mark.skipif(_mpidl() is None, reason="mpidl command not installed")
+def test_cli_ps_refuses_checkpoint_every():
+    launch = run_command([_mpidl(), "train", "--strategy", "ps", "--dataset", "synthetic",
+                          "--epochs", "1", "--checkpoint-every", "5"], timeout=60)
+    assert launch.returncode == 2, launch.output
+    assert "--checkpoint-every is not supported with --strategy ps" in launch.output
+    assert "Traceback" not in launch.output

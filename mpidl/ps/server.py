@@ -97,6 +97,7 @@ class ParameterServer:
         self.clock = {w: 0 for w in self.workers}
         self.sends = []
         self.at_barrier = set()
+        self.state_wanted = set()  # workers that asked for the optimizer state at the barrier
         self._barrier_passed = False
         self._stats_sent = False
         self._snapshot = None
@@ -170,6 +171,8 @@ class ParameterServer:
         elif kind == "barrier":
             self._check_worker(source, "barrier")
             self.at_barrier.add(source)
+            if header.get("state"):
+                self.state_wanted.add(source)
             self.policy.recheck(self)
             self._maybe_pass_barrier()
         elif kind == "done":
@@ -221,7 +224,13 @@ class ParameterServer:
             waiting, self.at_barrier = sorted(self.at_barrier), set()
             self.stats.updates = self.version
             counts = {k: v for k, v in self.stats.as_dict().items() if k != "trace"}
-            self.reply_many(waiting, stats=counts)  # exact: nothing is in flight now
+            # exact: nothing is in flight now, so counts, parameters and optimizer state
+            # all belong to the same moment
+            wanting = [w for w in waiting if w in self.state_wanted]
+            self.reply_many([w for w in waiting if w not in wanting], stats=counts)
+            if wanting:
+                self.reply_many(wanting, stats=counts, state=self.export_state())
+            self.state_wanted = set()
             self._barrier_passed = True
 
     # -- decoding and checking
@@ -277,6 +286,25 @@ class ParameterServer:
         if shape != tuple(want[0]) or dtype != want[1]:
             self._fail(f"{where} with shape {shape} and dtype {dtype}; the parameter has "
                        f"shape {tuple(want[0])} and dtype {want[1]}")
+
+    # -- checkpoints
+    def export_state(self):
+        """What a checkpoint needs from this server: its shard's optimizer state (host
+        arrays) and its version."""
+        from mpidl.backend import to_numpy
+
+        opt = self.optimizer.state_dict()
+        opt["state"] = {name: {k: (v if isinstance(v, int) else to_numpy(v))
+                               for k, v in slots.items()}
+                        for name, slots in opt["state"].items()}
+        return {"version": self.version, "optimizer": opt}
+
+    def import_state(self, optimizer_state, version=0):
+        """Resume: take this shard's entries of a (merged) optimizer state."""
+        mine = dict(optimizer_state, state={n: v for n, v in optimizer_state["state"].items()
+                                            if n in self.params})
+        self.optimizer.load_state_dict(mine)
+        self.version = int(version)
 
     # -- what modes call
     def pushing(self):

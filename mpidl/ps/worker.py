@@ -44,6 +44,7 @@ class PSWorker:
         self.sends = []
         self.server_stats = None
         self.barrier_stats = None
+        self.server_states = None
         self.stats = {"pushes": 0, "messages": 0, "bytes_sent": 0, "bytes_received": 0,
                       "compute_s": 0.0, "straggle_s": 0.0, "wait_s": 0.0, "pulls": 0}
         self._compute_start = time.perf_counter()
@@ -103,13 +104,17 @@ class PSWorker:
         self._take_params(self._await("params"))
         self.begin_step()
 
-    def barrier(self):
+    def barrier(self, want_state=False):
         """End of epoch: wait until every active worker got here, then take the current
-        parameters — the same ones on every worker, whatever the mode."""
+        parameters — the same ones on every worker, whatever the mode. ``want_state``:
+        the servers also send their optimizer state of that moment (``server_states``)."""
         for server in self.servers:
-            self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, {"kind": "barrier"})
+            self.sends += send(self.comm, server, TAG_CTRL, TAG_UP,
+                               {"kind": "barrier", "state": bool(want_state)})
         replies = self._await("params")
         self.barrier_stats = [replies[r][0].get("stats") for r in self.servers]
+        self.server_states = ([replies[r][0].get("state") for r in self.servers]
+                              if want_state else None)
         self._take_params(replies)
         self.begin_step()
 

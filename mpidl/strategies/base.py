@@ -56,6 +56,13 @@ class Strategy:
     name = "base"
     #: False on ranks that hold no data and run ``serve()`` instead (parameter servers).
     trains_on_data = True
+    #: True when a consistent checkpoint exists only between epochs (the parameter
+    #: server's barrier): the trainer then writes one at every epoch's end and refuses
+    #: ``--checkpoint-every``.
+    checkpoint_at_epoch_end = False
+    #: Set by the trainer before ``setup`` when checkpoints are on, so a strategy can keep
+    #: what a checkpoint will need.
+    checkpoints = False
 
     def __init__(self, comm=None, **options):
         self.comm = comm

@@ -16,6 +16,12 @@ the barrier's answer also carries the servers' counts, which ``metrics()`` repor
 (``ps_pushed = ps_applied + ps_dropped``). Every collective among the workers passes that
 barrier first, so no worker sits in a collective while a server waits for its push.
 
+Checkpoints: the servers' optimizer state and the workers' parameters agree only at the
+epoch barrier, so with ``--checkpoint-dir`` the trainer writes a checkpoint at the end of
+every epoch (``checkpoint_at_epoch_end``); the root worker's barrier request then asks
+each server for its shard's optimizer state, which ``state_dict`` merges. ``--resume``
+continues at the next epoch; in sync mode bitwise as if never stopped.
+
 Straggler injection for experiments: ``--straggler RANK:FACTOR`` makes that worker's
 steps take FACTOR times as long (it sleeps ``FACTOR - 1`` times its compute time).
 """
@@ -61,6 +67,7 @@ class ParameterServerStrategy(Strategy):
     """Parameter-server training; see the module docstring."""
 
     name = "ps"
+    checkpoint_at_epoch_end = True
 
     def __init__(self, comm=None, servers=None, mode=None, staleness=None, wait=None,
                  staleness_aware_lr=None, straggler=None, compression=None, ratio=None,
@@ -106,6 +113,7 @@ class ParameterServerStrategy(Strategy):
         self.layout = None
         self.latest_stats = {}
         self.final_stats = None
+        self._server_states = None
 
     # -- who am I
     @property
@@ -186,9 +194,10 @@ class ParameterServerStrategy(Strategy):
         if self.worker is None or (self._pulled and self._pushes_since_barrier == 0):
             return
         self._pulled = True
-        self.worker.barrier()
+        self.worker.barrier(want_state=self.checkpoints and self.is_root)
         self._pushes_since_barrier = 0
         self.latest_stats = self.worker.barrier_stats
+        self._server_states = self.worker.server_states
         self._average_buffers()
 
     def _average_buffers(self):
@@ -258,11 +267,45 @@ class ParameterServerStrategy(Strategy):
         self.group_comm.Barrier()
 
     def state_dict(self):
-        raise ConfigError("checkpoints are not supported with --strategy ps yet (the "
-                          "optimizer state lives on the servers); drop --checkpoint-dir")
+        """Collective over the workers, between epochs: the servers' optimizer state as
+        of the last barrier (merged over the shards, keyed by parameter name, so a resume
+        may use another --servers), their versions, and every worker's error-feedback
+        memory. The model the trainer saves holds that barrier's parameters."""
+        if self._pushes_since_barrier:
+            raise RuntimeError("a parameter-server checkpoint can only be taken between "
+                               "epochs (after the servers' barrier)")
+        mine = None
+        if self._compressor is not None:
+            mine = {"compressor": self._compressor.state_dict(),
+                    "memory": self._memory.state_dict() if self._memory is not None else {}}
+        per_worker = self.group_comm.gather(mine, root=0)
+        if not self.is_root:
+            return None
+        states = self._server_states
+        if states is None:
+            raise RuntimeError("no optimizer state came with the last barrier: set "
+                               "strategy.checkpoints = True before setup()")
+        merged = dict(states[0]["optimizer"], state={})
+        for st in states:
+            merged["state"].update(st["optimizer"]["state"])
+        return {"optimizer": merged, "versions": [st["version"] for st in states],
+                "workers": per_worker if mine is not None else None}
 
     def load_state_dict(self, state):
-        raise ConfigError("--resume is not supported with --strategy ps yet")
+        """Every rank: servers take their shard's optimizer state, workers their
+        compressor's state and error-feedback memory (when the worker count is the same)."""
+        if self.is_server:
+            index = self.server_ranks.index(self.rank)
+            versions = state.get("versions") or []
+            self.server.import_state(state["optimizer"],
+                                     versions[index] if index < len(versions) else 0)
+        elif self._compressor is not None and state.get("workers"):
+            per_worker = state["workers"]
+            if len(per_worker) == len(self.worker_ranks):
+                mine = per_worker[self.worker_ranks.index(self.rank)]
+                self._compressor.load_state_dict(mine["compressor"])
+                if self._memory is not None:
+                    self._memory.load_state_dict(mine["memory"])
 
     def finish(self):
         """Workers say they are done and wait for every server's final counts."""

@@ -135,6 +135,7 @@ class Trainer:
     def fit(self):
         cfg, strategy = self.cfg, self.strategy
         self.t_start = time.perf_counter()
+        strategy.checkpoints = self.checkpointing
         strategy.setup(self.model, self.optimizer, self.loss)
         if cfg.resume:
             self.restore()
@@ -171,6 +172,9 @@ class Trainer:
                     t = time.perf_counter()  # checkpoint time does not count as training
                 self.progress.close()
                 self.end_epoch()
+                if (self.checkpointing and strategy.checkpoint_at_epoch_end
+                        and self.epoch < cfg.epochs):
+                    self.save_checkpoint()  # (the last one is written below)
             if self.checkpointing:
                 self.save_checkpoint()
             self.save_model()
