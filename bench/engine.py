@@ -45,21 +45,11 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mpidl.benchmarks.machine import cpu_model  # noqa: E402
 from mpidl.engine import SGD, SoftmaxCrossEntropy, build_model  # noqa: E402
 
 PHASES = ("forward", "backward", "update")
 LR, MOMENTUM = 0.01, 0.9
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def blas_info():

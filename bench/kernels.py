@@ -37,17 +37,6 @@ def parse_args():
     return p.parse_args()
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main():
     args = parse_args()
     threads = args.threads or int(os.environ.get("NUMBA_NUM_THREADS", "1"))
@@ -56,6 +45,7 @@ def main():
     import numpy as np
 
     import mpidl.kernels as K
+    from mpidl.benchmarks.machine import cpu_model
 
     n, k = args.n, max(1, int(args.n * args.ratio))
     nbytes = 4 * n

@@ -89,14 +89,9 @@ def machine():
     import numpy as np
     from mpi4py import MPI
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f
-                       if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+    from mpidl.benchmarks.machine import cpu_model
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "numpy": np.__version__,
             "mpi": MPI.Get_library_version().splitlines()[0].strip()}
 
@@ -221,8 +216,10 @@ def run_rank(a):
         if options is None and straggler == world.rank:
             Straggle(model, a.straggler)
         index, count = strategy.shard()
-        loader = BatchLoader(ds.train_x, ds.train_y, a.batch, shard=(index, count),
-                             seed=a.seed)
+        x_train, y_train = ds.train_x, ds.train_y
+        if a.limit_train:
+            x_train, y_train = x_train[:a.limit_train], y_train[:a.limit_train]
+        loader = BatchLoader(x_train, y_train, a.batch, shard=(index, count), seed=a.seed)
         step = 0
         for epoch in range(a.epochs):
             for _, x, y in loader.epoch(epoch):
@@ -382,13 +379,14 @@ def speed(a):
         n = a.workers + (0 if opts is None else 1)
         args = [os.path.abspath(__file__), "_run", "--out", out, "--epochs", a.epochs,
                 "--batch", a.batch, "--lr", a.lr, "--every", a.every, "--seed", a.seed,
-                "--model", a.model, "--straggler", factor, "--test-limit", a.test_limit]
+                "--model", a.model, "--straggler", factor, "--test-limit", a.test_limit,
+                "--limit-train", a.limit_train]
         if opts is not None:
             opts = dict(opts)
             if opts.get("mode") == "backup":
                 opts["wait"] = a.workers - 1
             if opts.get("mode") in ("async", "ssp"):  # see ASYNC above
-                steps = 60000 // (a.batch * a.workers)
+                steps = (a.limit_train or 60000) // (a.batch * a.workers)
                 # staleness-aware lr divides by the staleness, about W - 1 on average
                 lr = a.async_lr * (max(1, a.workers - 1) if opts.get("staleness_aware_lr")
                                    else 1)
@@ -608,6 +606,8 @@ def main(argv=None):
     s.add_argument("--every", type=float, default=0.5, help="seconds between snapshots")
     s.add_argument("--target", type=float, default=0.85)
     s.add_argument("--factor", type=float, default=2.0, help="straggler slowdown")
+    s.add_argument("--limit-train", type=int, default=0, help="train on the first N "
+                   "training images (0: all 60000; for quick checks)")
     s.add_argument("--test-limit", type=int, default=0, help="evaluate on the first N "
                    "test images (0: all 10000)")
     s.add_argument("--no-anchor", action="store_true", help="skip the blocking-probe run")
@@ -625,7 +625,7 @@ def main(argv=None):
                                ("--every", float, 0.5), ("--seed", int, 1),
                                ("--model", str, "mlp"), ("--straggler", float, 1.0),
                                ("--test-limit", int, 0), ("--ps", str, None),
-                               ("--calibrate", int, 2000),
+                               ("--calibrate", int, 2000), ("--limit-train", int, 0),
                                ("--data-dir", str, None)):
         r.add_argument(flag, type=typ, default=default)
     m = sub.add_parser("summarize", parents=[common])

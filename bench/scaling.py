@@ -219,16 +219,10 @@ def derived(summary, args):
 def machine_info():
     import numpy  # noqa: PLC0415
 
+    from mpidl.benchmarks.machine import cpu_model  # noqa: PLC0415
+
     info = {"python": platform.python_version(), "numpy": numpy.__version__,
-            "platform": platform.platform(), "cpus": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+            "platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu_model()}
     try:
         import mpi4py  # noqa: PLC0415
         from mpi4py import MPI  # noqa: PLC0415

@@ -304,15 +304,9 @@ def machine_info(comm=None):
 
     import mpidl  # noqa: PLC0415
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from mpidl.benchmarks.machine import cpu_model  # noqa: PLC0415
+
+    cpu = cpu_model()
     try:
         with open("/proc/meminfo", encoding="utf-8") as f:
             mem_gib = round(int(f.readline().split()[1]) / (1 << 20), 1)

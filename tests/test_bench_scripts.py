@@ -1,0 +1,97 @@
+"""The benchmark scripts under bench/ run end to end on tiny settings and write what they
+promise (the figures themselves are measured by running them in full; see the README)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpirun import mpi_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fashion_available():
+    from mpidl.data import load_dataset
+    from mpidl.errors import DataError
+
+    try:
+        load_dataset("fashion-mnist")
+    except DataError:
+        return False
+    return True
+
+
+def bench(script, *args, timeout=240):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script)]
+                          + [str(a) for a in args], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=mpi_env(), timeout=timeout,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout
+    return proc.stdout
+
+
+def load_bench_module(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}",
+                                                  os.path.join(ROOT, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not fashion_available(), reason="needs Fashion-MNIST "
+                    "(apt-get install dataset-fashion-mnist)")
+def test_ps_speed_bench_writes_curves_counts_and_plot(tmp_path):
+    out = tmp_path / "ps.json"
+    bench("ps.py", "speed", "--workers", "2", "--epochs", "1", "--limit-train", "3072",
+          "--only", "ps-sync,async", "--repeats", "1", "--no-anchor", "--every", "0.2",
+          "--test-limit", "500", "--target", "0.5", "--work", tmp_path / "work",
+          "--out", out, "--plot", tmp_path / "ps.png")
+    report = json.loads(out.read_text())
+    assert sorted(report["runs"]) == ["async", "async+straggler", "ps-sync",
+                                      "ps-sync+straggler"]
+    for name, run in report["runs"].items():
+        assert run["curve"] and all(0 <= acc <= 1 for _, acc in run["curve"]), name
+        assert run["ps_pushed"] == run["ps_applied"] + run["ps_dropped"], name
+        assert run["ps_pushed"] == 2 * (3072 // (128 * 2)), name  # workers x steps
+    straggler = report["runs"]["ps-sync+straggler"]["ranks"][-1]["worker"]
+    assert straggler["straggle_s"] > 0.5 * straggler["compute_s"]  # it did sleep
+    assert "sync/async+straggler" in report["speedup_vs_sync"]
+    assert report["goal"]["goal"] == 1.4
+    assert (tmp_path / "ps.png").stat().st_size > 0
+
+
+def test_recalibrated_batchnorm_statistics_are_those_of_the_calibration_images():
+    from mpidl.engine.models import build_model
+
+    ps = load_bench_module("ps")
+    model = build_model("cnn", seed=0)
+    x = np.random.default_rng(0).standard_normal((1000, 1, 28, 28)).astype(np.float32) + 3
+    ps.recalibrate_batchnorm(model, x, batch=250)
+    bn = model.layers[1] if hasattr(model, "layers") else None
+    assert bn is not None and "running_mean" in bn._buffers
+    model.eval()
+    conv_out = model.layers[0].forward(x)  # what the first BatchNorm normalizes
+    want = conv_out.mean(axis=(0, 2, 3))
+    np.testing.assert_allclose(bn._buffers["running_mean"], want, rtol=1e-4, atol=1e-4)
+    assert bn.momentum == 0.1  # the layer's own momentum is back
+    assert not model.training
+
+
+def test_kernels_bench_runs_and_writes_json(tmp_path):
+    out = tmp_path / "kernels.json"
+    bench("kernels.py", "--n", 4096, "--rounds", 1, "--no-plot", "--out", out)
+    report = json.loads(out.read_text())
+    assert report["machine"]["cpu"]
+
+
+def test_engine_bench_runs_and_writes_json(tmp_path):
+    out = tmp_path / "engine.json"
+    bench("engine.py", "--steps", 2, "--rounds", 1, "--warmup", 1, "--no-torch",
+          "--out", out)
+    report = json.loads(out.read_text())
+    assert report["machine"]["cpu"]
