@@ -30,7 +30,9 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=6, help="alternating rounds (6)")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (10)")
     ap.add_argument("--no-torch", action="store_true", help="skip PyTorch even if installed")
-    ap.add_argument("--out", default="results/engine.json", help="JSON output path")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "results", "engine.json"),
+                    help="JSON output path (default: bench/results/engine.json)")
     ap.add_argument("--plot", default=None, help="PNG bar chart path (needs matplotlib)")
     return ap.parse_args(argv)
 
