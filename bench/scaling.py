@@ -146,13 +146,21 @@ def launch(n, worker_args, args, tmp, key, rep):
     env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(free_port())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env, timeout=args.timeout, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{key}: launch failed ({proc.returncode}):\n{proc.stdout}")
+    for attempt in range(2):  # PyTorch's gloo sometimes aborts at exit; one retry
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env, timeout=args.timeout, cwd=ROOT)
+        if proc.returncode == 0:
+            break
+        if attempt == 0:
+            print(f"{key}: launch failed ({proc.returncode}), retrying once; its output "
+                  f"ended:\n{proc.stdout[-600:]}", flush=True)
+            env["MASTER_PORT"] = str(free_port())
+    else:
+        raise RuntimeError(f"{key}: launch failed twice ({proc.returncode}):\n{proc.stdout}")
     with open(out, encoding="utf-8") as f:
         result = json.load(f)
     result["launch_s"] = time.perf_counter() - t
+    result["retried"] = attempt
     result["timeline_file"] = timeline.format(rank=0) if timeline else None
     return result
 

@@ -261,17 +261,22 @@ def run_torch(args):
     if size > 1:
         gathered = [None] * size
         dist.all_gather_object(gathered, times)
-        dist.destroy_process_group()
     else:
         gathered = [times]
-    if rank != 0:
-        return
-    per_step = np.max(np.array(gathered), axis=0)
-    result = {"framework": "torch-ddp-gloo" if size > 1 else "torch", "ranks": size,
-              "batch_per_rank": args.batch, "global_batch": args.batch * size,
-              "steps": args.steps, "torch": torch.__version__}
-    result.update(summarize(per_step, args.batch * size))
-    write_json(args.out, result)
+    if rank == 0:
+        per_step = np.max(np.array(gathered), axis=0)
+        result = {"framework": "torch-ddp-gloo" if size > 1 else "torch", "ranks": size,
+                  "batch_per_rank": args.batch, "global_batch": args.batch * size,
+                  "steps": args.steps, "torch": torch.__version__}
+        result.update(summarize(per_step, args.batch * size))
+        write_json(args.out, result)
+    if size > 1:
+        dist.barrier()  # the figures are written before any rank leaves
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # DDP's and gloo's threads often abort in C++ teardown here ("terminate called
+        # without an active exception"), and the launcher then kills every rank: skip it
+        os._exit(0)
 
 
 def write_json(path, obj):
