@@ -11,9 +11,13 @@ import importlib
 import os
 import sys
 
-from mpidl import __version__
-from mpidl.cli.errors import Agreement, World, handle, install_excepthook
-from mpidl.errors import UserError
+from mpidl.threads import share_blas_threads
+
+share_blas_threads()  # before anything imports NumPy: see mpidl.threads
+
+from mpidl import __version__  # noqa: E402
+from mpidl.cli.errors import Agreement, World, handle, install_excepthook  # noqa: E402
+from mpidl.errors import UserError  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):

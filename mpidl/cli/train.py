@@ -14,6 +14,7 @@ import os
 import time
 
 from mpidl.config import OPTIONS, extend_with_strategy_options, resolve, strategy_kwargs
+from mpidl.threads import blas_threads_note
 from mpidl.errors import ConfigError, UserError
 
 GROUPS = ["model and data", "training", "parallelism", "outputs"]
@@ -174,7 +175,8 @@ def prepare(args, world):
                 f"{cfg.batch_size}/rank = {trainer.loader.global_batch_size} global, "
                 f"{trainer.steps_per_epoch} steps/epoch x {cfg.epochs} epochs | "
                 f"{cfg.optimizer} lr {trainer.base_lr:g} ({cfg.schedule}, warm-up "
-                f"{trainer.warmup_steps} steps) | outputs in {out_dir}")
+                f"{trainer.warmup_steps} steps) | {blas_threads_note()} | outputs in "
+                f"{out_dir}")
         import socket  # noqa: PLC0415
 
         index, count = strategy.shard()

@@ -1,0 +1,51 @@
+"""Each rank gets its share of the node's cores for NumPy's BLAS (mpidl.threads)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpidl import threads
+from mpirun import mpi_env, mpiexec_path
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, 1),
+    ({"MPI_LOCALNRANKS": "4"}, 4),                     # MPICH / Hydra
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 3),          # Open MPI
+    ({"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_LOCALID": "0"}, 8),  # srun: 8 a node
+    ({"SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_LOCALID": "1"}, 2),
+    ({"SLURM_STEP_TASKS_PER_NODE": "4"}, 1),           # not a task srun started
+    ({"MPI_LOCALNRANKS": "junk"}, 1),
+])
+def test_ranks_on_this_node_from_the_launcher(env, want):
+    assert threads.ranks_on_this_node(env) == want
+
+
+def test_share_of_the_cores_unless_the_user_chose():
+    assert threads.blas_threads_share({"MPI_LOCALNRANKS": "2"}, cpus=8) == 4
+    assert threads.blas_threads_share({"MPI_LOCALNRANKS": "4"}, cpus=2) == 1  # at least 1
+    assert threads.blas_threads_share({}, cpus=8) is None                     # one rank
+    for var in threads.THREAD_VARS:
+        assert threads.blas_threads_share({"MPI_LOCALNRANKS": "2", var: "3"}, cpus=8) is None
+
+
+def test_the_mpidl_command_sets_the_share_before_numpy_under_mpiexec():
+    code = ("import mpidl.cli.main, os, sys; import numpy; "
+            "print('threads', os.environ.get('OMP_NUM_THREADS'), flush=True)")
+    env = mpi_env()
+    for var in threads.THREAD_VARS:
+        env.pop(var, None)
+    out = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-c", code],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 0, out.stdout
+    want = str(max(1, threads.usable_cpus() // 2))
+    assert out.stdout.count(f"threads {want}") == 2, out.stdout
+    # the user's choice stays
+    env["OMP_NUM_THREADS"] = "3"
+    out = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-c", code],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, timeout=60)
+    assert out.stdout.count("threads 3") == 2, out.stdout
