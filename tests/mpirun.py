@@ -75,3 +75,15 @@ def run_command(cmd, timeout=120, env=None, cwd=None):
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return Launch(proc.returncode, out, timed_out=True)
+
+
+def fashion_available():
+    """Whether Fashion-MNIST is installed (Debian's dataset-fashion-mnist package)."""
+    from mpidl.data import load_dataset  # noqa: PLC0415
+    from mpidl.errors import DataError  # noqa: PLC0415
+
+    try:
+        load_dataset("fashion-mnist")
+    except DataError:
+        return False
+    return True

@@ -10,20 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import mpi_env
+from mpirun import fashion_available, mpi_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def fashion_available():
-    from mpidl.data import load_dataset
-    from mpidl.errors import DataError
-
-    try:
-        load_dataset("fashion-mnist")
-    except DataError:
-        return False
-    return True
 
 
 def bench(script, *args, timeout=240):

@@ -21,24 +21,13 @@ import time
 import numpy as np
 import pytest
 
-from mpirun import mpi_env, mpiexec_path, run_command
+from mpirun import fashion_available, mpi_env, mpiexec_path, run_command
 
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
 
 
 def mpidl_cmd(n, *args):
     return [mpiexec_path(), "-n", str(n)] + MPIDL + ["train", "--no-progress"] + list(args)
-
-
-def fashion_available():
-    from mpidl.data import load_dataset  # noqa: PLC0415
-    from mpidl.errors import DataError  # noqa: PLC0415
-
-    try:
-        load_dataset("fashion-mnist")
-    except DataError:
-        return False
-    return True
 
 
 def records(path):
