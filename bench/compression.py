@@ -186,13 +186,10 @@ def print_table(rows):
 
 
 def plot(rows, path, args):
-    try:
-        import matplotlib
+    from mpidl.benchmarks.plotting import pyplot  # noqa: PLC0415
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for r in rows:

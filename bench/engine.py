@@ -189,13 +189,10 @@ def print_report(report):
 
 
 def plot(report, path):
-    try:
-        import matplotlib  # noqa: PLC0415
+    from mpidl.benchmarks.plotting import pyplot  # noqa: PLC0415
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     names = list(report["results"])
     fig, ax = plt.subplots(figsize=(6, 3.2))

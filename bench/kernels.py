@@ -173,13 +173,10 @@ def main():
 
 
 def plot(rows, path, threads):
-    try:
-        import matplotlib
+    from mpidl.benchmarks.plotting import pyplot  # noqa: PLC0415
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     # sparse coding works on the 0.1 % entries, random-k reads only k of the gradient:
     # neither is a pass over 64 MiB, so they stay in the table and out of the plot

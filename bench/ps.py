@@ -489,12 +489,10 @@ def fmt(v, unit=" s"):
 
 
 def plot(results, path, target):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    from mpidl.benchmarks.plotting import pyplot  # noqa: PLC0415
+
+    plt = pyplot()
+    if plt is None:
         return
     runs = results["runs"]
     names = [n for n, _ in SPEED_CONFIGS]

@@ -280,13 +280,10 @@ def print_table(summary, extra):
 
 
 def plot(report, path):
-    try:
-        import matplotlib  # noqa: PLC0415
+    from mpidl.benchmarks.plotting import pyplot  # noqa: PLC0415
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
     summary, args = report["summary"], report["settings"]
     b, gb = args["batch"], args["global_batch"]

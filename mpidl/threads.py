@@ -36,6 +36,17 @@ def ranks_on_this_node(environ=None):
     return 1
 
 
+def blas_threads_set(environ=None):
+    """The BLAS thread count the environment sets (the first of ``THREAD_VARS`` holding a
+    positive number), or None."""
+    env = os.environ if environ is None else environ
+    for var in THREAD_VARS:
+        value = env.get(var, "").split(",")[0].strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
 def usable_cpus():
     try:
         return len(os.sched_getaffinity(0))

@@ -63,6 +63,7 @@ from mpidl.engine.module import SparseGrad
 from mpidl.errors import ConfigError
 from mpidl.strategies.base import Strategy, check_options
 from mpidl.strategies.fusion import MiB, FusionBuffers
+from mpidl.threads import blas_threads_set, usable_cpus
 
 ALGORITHMS = ("auto", "ring", "tree", "recursive_doubling", "mpi")
 #: Default fusion buffer size; see bench/results/scaling.json for the measurements.
@@ -430,15 +431,6 @@ class DataParallel(Strategy):
                                    "batches (use mpidl.data.BatchLoader's sharding)")
 
 
-def _blas_threads():
-    """Threads each rank's BLAS may use, from the usual variables (1 if none is set)."""
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        value = os.environ.get(var, "").split(",")[0].strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
-
-
 def overlap_pays(comm, named_params):
     """(whether to overlap, why) for ``overlap="auto"``; see the module docstring.
 
@@ -465,13 +457,10 @@ def overlap_pays(comm, named_params):
 
 
 def _cpu_room(comm):
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count() or 1
+    usable = usable_cpus()
     total = os.cpu_count() or usable
     local = max(1, getattr(comm, "local_size", 1))
-    threads = _blas_threads()
+    threads = blas_threads_set() or 1  # (a BLAS nobody limited: counted as 1)
     if usable * local <= total and usable < total:  # ranks bound to their own CPUs
         ok = usable >= threads + 1
         why = f"{usable} CPU(s) bound to this rank, {threads} BLAS thread(s)"
