@@ -32,8 +32,9 @@ def test_share_of_the_cores_unless_the_user_chose():
 
 
 def test_the_mpidl_command_sets_the_share_before_numpy_under_mpiexec():
+    # one write() per rank: print() writes in pieces that two ranks' output can interleave
     code = ("import mpidl.cli.main, os, sys; import numpy; "
-            "print('threads', os.environ.get('OMP_NUM_THREADS'), flush=True)")
+            "os.write(1, ('threads %s\\n' % os.environ.get('OMP_NUM_THREADS')).encode())")
     env = mpi_env()
     for var in threads.THREAD_VARS:
         env.pop(var, None)

@@ -16,12 +16,14 @@
 import os
 import sys
 import threading
+import time
 import traceback
 
 from mpidl.errors import AgreedUserError, UserError
 
 USER_ERROR_STATUS = 2
 CRASH_STATUS = 1
+ABORT_GRACE_S = 1.0
 
 
 class World:
@@ -39,10 +41,16 @@ class World:
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
 
     def abort(self, status):
-        """End every rank now (MPI_Abort), or just this process when alone."""
+        """End every rank now (MPI_Abort), or just this process when alone.
+
+        Before MPI_Abort the launcher gets ``ABORT_GRACE_S`` to forward what this rank
+        just printed: MPICH's hydra kills the ranks without draining their output pipes,
+        and on a busy node the traceback saying why was sometimes lost.
+        """
         sys.stdout.flush()
         sys.stderr.flush()
         if self.mpi is not None and self.size > 1:
+            time.sleep(ABORT_GRACE_S)
             self.mpi.Abort(status)
         os._exit(status)
 
