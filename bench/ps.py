@@ -182,7 +182,7 @@ def run_rank(a):
     from mpidl.data import BatchLoader, eval_batches, load_dataset
     from mpidl.engine.losses import SoftmaxCrossEntropy
     from mpidl.engine.models import build_model
-    from mpidl.engine.optim import SGD
+    from mpidl.engine.optim import SGD, Adam
     from mpidl.strategies import make_strategy
 
     backend.use("cpu")
@@ -190,7 +190,10 @@ def run_rank(a):
     ds = load_dataset("fashion-mnist", a.data_dir)
     model = build_model(a.model, input_shape=ds.input_shape, num_classes=ds.num_classes,
                         seed=a.seed)
-    opt = SGD(model.named_parameters(), lr=a.lr, momentum=a.momentum)
+    if a.optimizer == "adam":
+        opt = Adam(model.named_parameters(), lr=a.lr)
+    else:
+        opt = SGD(model.named_parameters(), lr=a.lr, momentum=a.momentum)
     loss = SoftmaxCrossEntropy()
     options = json.loads(a.ps) if a.ps else None
     straggler = world.size - 1 if a.straggler > 1 else None
@@ -372,15 +375,15 @@ def speed(a):
     plan = [(name, opts, f, rep) for rep in range(a.repeats) for name, opts, f in plan]
     repeats = {}
     for name, opts, factor, rep in plan:
-        if only and name not in only:
-            continue
         key = f"{name}{'+straggler' if factor > 1 else ''}"
+        if only and name not in only and key not in only:
+            continue
         out = os.path.join(a.work, f"{key}.{rep}.json")
         n = a.workers + (0 if opts is None else 1)
         args = [os.path.abspath(__file__), "_run", "--out", out, "--epochs", a.epochs,
                 "--batch", a.batch, "--lr", a.lr, "--every", a.every, "--seed", a.seed,
                 "--model", a.model, "--straggler", factor, "--test-limit", a.test_limit,
-                "--limit-train", a.limit_train]
+                "--limit-train", a.limit_train, "--optimizer", a.optimizer]
         if opts is not None:
             opts = dict(opts)
             if opts.get("mode") == "backup":
@@ -391,7 +394,8 @@ def speed(a):
                 lr = a.async_lr * (max(1, a.workers - 1) if opts.get("staleness_aware_lr")
                                    else 1)
                 args += ["--momentum", a.async_momentum, "--lr", lr,
-                         "--warmup-steps", int(a.async_warmup * steps)]
+                         "--warmup-steps", int(a.async_warmup * steps),
+                         "--optimizer", a.async_optimizer or a.optimizer]
             args += ["--ps", json.dumps(opts)]
         if a.data_dir:
             args += ["--data-dir", a.data_dir]
@@ -588,7 +592,8 @@ def main(argv=None):
     common.add_argument("--model", default="mlp")
     common.add_argument("--seed", type=int, default=1)
     common.add_argument("--data-dir", default=None)
-    common.add_argument("--only", default=None, help="comma-separated run names")
+    common.add_argument("--only", default=None, help="comma-separated run names "
+                        "(async: with and without the straggler; async+straggler: with)")
     common.add_argument("--work", default=os.path.join(ROOT, "runs", "bench-ps"),
                         help="folder for per-run logs and results")
     common.add_argument("--timeout", type=float, default=1800)
@@ -601,6 +606,10 @@ def main(argv=None):
     s.add_argument("--async-lr", type=float, default=0.15, help="lr for async/SSP")
     s.add_argument("--async-warmup", type=float, default=0.25,
                    help="linear lr warm-up for async/SSP, in epochs")
+    s.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="sgd (momentum 0.9) or adam (betas 0.9, 0.999), at --lr")
+    s.add_argument("--async-optimizer", choices=("sgd", "adam"), default=None,
+                   help="optimizer for async/SSP (default: --optimizer)")
     s.add_argument("--every", type=float, default=0.5, help="seconds between snapshots")
     s.add_argument("--target", type=float, default=0.85)
     s.add_argument("--factor", type=float, default=2.0, help="straggler slowdown")
@@ -624,7 +633,7 @@ def main(argv=None):
                                ("--model", str, "mlp"), ("--straggler", float, 1.0),
                                ("--test-limit", int, 0), ("--ps", str, None),
                                ("--calibrate", int, 2000), ("--limit-train", int, 0),
-                               ("--data-dir", str, None)):
+                               ("--data-dir", str, None), ("--optimizer", str, "sgd")):
         r.add_argument(flag, type=typ, default=default)
     m = sub.add_parser("summarize", parents=[common])
     m.add_argument("--target", type=float, default=0.85)

@@ -16,6 +16,8 @@ correctness) and records what every rank saw; the tests below assert on it:
    applied, and cost the bytes they should.
 5. With one worker, async, SSP and backup give sync's parameters bitwise (nothing is
    stale), and sync matches the single-process reference.
+6. With 3 workers and a straggler, async and SSP equal a single-process replay of the
+   server's schedule (which push, computed from which version, applied when).
 """
 
 import json
@@ -134,6 +136,15 @@ def test_sync_has_no_staleness_and_the_server_does_not_spin(results):
         st = results[case][0]["stats"]
         # 4 ranks on 2 cores, workers mostly compute: the waiting server sleeps
         assert st["cpu_s"] < 0.5 * st["wall_s"] + 0.05, (case, st["cpu_s"], st["wall_s"])
+
+
+@pytest.mark.parametrize("case", ["replay_async", "replay_ssp1", "replay_async_salr"])
+def test_async_and_ssp_equal_a_replay_of_the_servers_schedule(results, case):
+    """3 workers, a 3x straggler, float64: recomputing every applied push from the
+    version it was computed on, in the server's order, gives its parameters."""
+    r = results[case][0]
+    assert r["stale"] > 0 and r["max_staleness"] >= 2, r  # staleness really happened
+    assert r["vs_replay"] <= 1e-12, r
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype"])

@@ -207,6 +207,62 @@ def modes(comm, mode, straggler_factor=4.0, **kw):
     return out
 
 
+def async_replay(comm, mode="async", **kw):
+    """Async (or SSP) with 3 workers and a straggler, replayed in one process.
+
+    The server's trace gives the order in which pushes were applied and each one's
+    staleness, so the version of the parameters it was computed from (push i of an
+    all-applied run came from version i - staleness). Replaying that schedule —
+    the gradient of worker w's clock-t batch at that old version, then one optimizer
+    step on the newest parameters — must give the server's parameters exactly: any
+    mix-up of buffers, versions or batches between workers shows here."""
+    epochs, dtype = 2, "float64"
+    s = ParameterServerStrategy(comm, servers=1, mode=mode, trace=True,
+                                straggler=f"{comm.size - 1}:3", **kw)
+    model = mlp(dtype, busy=0.002)
+    data = dense_data(n=192)
+    params, st, _ = train(s, model, data, epochs, dtype)
+    final = {n: p.data.copy() for n, p in model.named_parameters()}
+    shards = comm.gather(s.shard() if params is not None else None)
+    out = {"rank": comm.rank}
+    if st is None:
+        return out
+    trace = st["trace"]
+    x, y = data
+    batches = {}  # (worker rank, clock) -> (lr, x, y), as the worker's loop in train()
+    for w, (index, count) in ((r, sh) for r, sh in enumerate(shards) if sh is not None):
+        loader = BatchLoader(x, y, BATCH, shard=(index, count), seed=0, dtype=dtype)
+        clock = 0
+        for epoch in range(epochs):
+            for _, xb, yb in loader.epoch(epoch):
+                batches[w, clock] = (LR * 0.9 ** epoch, xb, yb)
+                clock += 1
+    ref = mlp(dtype, busy=0.002)
+    next(layer for _, layer in ref.children()).seconds = 0.0  # same names, no sleep
+    named = dict(ref.named_parameters())
+    opt = SGD(ref.named_parameters(), lr=LR, momentum=MOMENTUM)
+    loss = SoftmaxCrossEntropy()
+    ref.needs_input_grad = False
+    versions = [{n: p.data.copy() for n, p in named.items()}]
+    for i, (w, clock, _lead, staleness, applied) in enumerate(trace):
+        assert applied, "async/SSP apply every push"
+        lr, xb, yb = batches[w, clock]
+        for n, p in named.items():  # the gradient at the version the worker had
+            p.data[...] = versions[i - staleness][n]
+        ref.zero_grad()
+        loss.forward(ref.forward(xb), yb)
+        ref.backward(loss.backward())
+        for n, p in named.items():  # applied to the newest parameters
+            p.data[...] = versions[i][n]
+        opt.lr = lr * (1.0 / max(1, staleness) if kw.get("staleness_aware_lr") else 1.0)
+        opt.step()
+        versions.append({n: p.data.copy() for n, p in named.items()})
+    out.update(vs_replay=max_rel_diff(final, versions[-1]), pushes=len(trace),
+               stale=sum(1 for row in trace if row[3] > 0),
+               max_staleness=max(row[3] for row in trace))
+    return out
+
+
 ONE_WORKER_MODES = [("sync", "sync", {}), ("async", "async", {}),
                     ("async_salr", "async", {"staleness_aware_lr": True}),
                     ("ssp0", "ssp", {"staleness": 0}), ("ssp2", "ssp", {"staleness": 2}),
@@ -276,6 +332,9 @@ def main():
                            ("ssp3", "ssp", {"staleness": 3}),
                            ("backup", "backup", {"wait": 2})]:
         results["mode_" + name] = world.gather(modes(world, mode, **kw))
+    for name, mode, kw in [("async", "async", {}), ("ssp1", "ssp", {"staleness": 1}),
+                           ("async_salr", "async", {"staleness_aware_lr": True})]:
+        results["replay_" + name] = world.gather(async_replay(world, mode, **kw))
     for name, kw in [("fp16", {}), ("topk", {"ratio": 0.1}), ("onebit", {}),
                      ("qsgd", {}), ("randomk", {"ratio": 0.25}), ("dgc", {"ratio": 0.1})]:
         results["comp_" + name] = world.gather(compressed(world, name, **kw))
