@@ -117,19 +117,12 @@ class Snapshots:
         self.items.append((t, {n: p.data.copy() for n, p in self.named}))
 
 
-def _batchnorms(layer):
-    found = [layer] if "running_mean" in layer._buffers else []
-    for _, child in layer.children():
-        found += _batchnorms(child)
-    return found
-
-
 def recalibrate_batchnorm(model, x, batch=250):
     """Recompute BatchNorm running statistics for the current parameters as the plain
     average over the batches of ``x`` ("precise BN"). The server's copy of the
     parameters never saw the workers' running statistics, so every snapshot is
     recalibrated on the same training images before it is evaluated."""
-    layers = _batchnorms(model)
+    layers = [m for _, m in model.modules() if "running_mean" in m._buffers]
     if not layers:
         return
     saved = [bn.momentum for bn in layers]

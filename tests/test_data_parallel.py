@@ -6,6 +6,7 @@ plus an Embedding model with row-sparse gradients) against a one-process referen
 batch N*b, within 1e-12 in float64 (see that script).
 """
 
+import json
 import os
 
 import numpy as np
@@ -178,3 +179,41 @@ def test_overlap_option_values():
     assert make_strategy("allreduce", None, overlap="off").overlap_mode == "off"
     with pytest.raises(ConfigError, match="overlap"):
         make_strategy("allreduce", None, overlap="sometimes")
+
+
+DROPOUT_MASKS = """
+import json, sys
+import numpy as np
+from mpi4py import MPI
+from mpidl.comm import Communicator
+from mpidl.engine import SGD, Dropout, Linear, Sequential, SoftmaxCrossEntropy
+from mpidl.strategies import make_strategy
+
+model = Sequential(Linear(4, 64, rng=np.random.default_rng(0)), Dropout(0.5, seed=3))
+strategy = make_strategy(sys.argv[2], Communicator(MPI.COMM_WORLD))
+strategy.setup(model, SGD(model.named_parameters(), lr=0.1), SoftmaxCrossEntropy())
+if strategy.trains_on_data:
+    mask = (model.forward(np.ones((8, 4), np.float32)) != 0).tolist()
+else:
+    mask = None
+masks = MPI.COMM_WORLD.gather(mask)
+if MPI.COMM_WORLD.rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump([m for m in masks if m is not None], f)
+"""
+
+
+@pytest.mark.parametrize("strategy, ranks", [("allreduce", 2), ("ps", 3)])
+def test_each_rank_draws_its_own_dropout_masks(tmp_path, strategy, ranks):
+    """Replicas are built from one seed; their dropout masks must still differ by rank,
+    else every rank drops the same units and dropout regularizes less."""
+    script = tmp_path / "masks.py"
+    script.write_text(DROPOUT_MASKS)
+    masks = []
+    for run in range(2):
+        out = tmp_path / f"masks{run}.json"
+        run_ranks(ranks, [script, out, strategy], timeout=60).check()
+        masks.append(json.loads(out.read_text()))
+    assert len(masks[0]) == 2
+    assert masks[0][0] != masks[0][1]  # two training ranks, two masks
+    assert masks[0] == masks[1]  # and the same ones again in the same set-up

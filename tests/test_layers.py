@@ -260,6 +260,9 @@ def test_dropout_train_eval_and_reproducibility():
     np.testing.assert_array_equal(again.forward(x), y1)  # same seed, same masks
     again.load_state_dict(d.state_dict())  # resumed at call 2
     np.testing.assert_array_equal(again.forward(x), d.forward(x))
+    other = Dropout(0.3, seed=7)
+    other.stream = 1  # another rank's share of the data: other masks
+    assert not np.array_equal(other.forward(x), y1)
     d.eval()
     assert d.forward(x) is x
     with pytest.raises(ValueError, match=r"Dropout p must be in \[0, 1\)"):

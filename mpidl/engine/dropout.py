@@ -11,9 +11,11 @@ class Dropout(Layer):
     ``1 / (1 - p)``; identity in eval mode.
 
     The mask of the k-th training forward is drawn on the host from
-    ``numpy.random.default_rng((seed, k))`` and moved to the input's device, so masks are
-    the same on CPU and GPU and a run resumed from a checkpoint draws the same masks: k is
-    the buffer ``calls``, saved with the model's state.
+    ``numpy.random.default_rng((seed, stream, k))`` and moved to the input's device, so
+    masks are the same on CPU and GPU and a run resumed from a checkpoint draws the same
+    masks: k is the buffer ``calls``, saved with the model's state. ``stream`` is the
+    rank's share of the data (the strategy sets it): replicas built from the same seed
+    must not drop the same units on every rank.
     """
 
     def __init__(self, p=0.5, seed=0):
@@ -22,6 +24,7 @@ class Dropout(Layer):
             raise ValueError(f"Dropout p must be in [0, 1), got {p}")
         self.p = float(p)
         self.seed = int(seed)
+        self.stream = 0
         self.add_buffer("calls", np.zeros((), dtype=np.int64))
         self._mask = None
 
@@ -31,7 +34,7 @@ class Dropout(Layer):
             return x
         xp = array_module(x)
         calls = int(to_numpy(self._buffers["calls"]))
-        rng = np.random.default_rng((self.seed, calls))
+        rng = np.random.default_rng((self.seed, self.stream, calls))
         self._buffers["calls"] = xp.asarray(np.int64(calls + 1))
         keep = rng.random(x.shape, dtype=np.float32) >= self.p
         mask = keep.astype(x.dtype)

@@ -125,6 +125,13 @@ class Layer:
         """Sub-layers as (name, layer) pairs; leaf layers have none."""
         return []
 
+    def modules(self, prefix=""):
+        """This layer and every layer under it, as (dotted name, layer), parents first."""
+        out = [(prefix.rstrip("."), self)]
+        for cname, child in self.children():
+            out += child.modules(f"{prefix}{cname}.")
+        return out
+
     def named_parameters(self, prefix=""):
         """All parameters of this layer and its children as (dotted name, Parameter)."""
         out = [(prefix + n, p) for n, p in self._params.items()]

@@ -36,6 +36,7 @@ Rules a strategy keeps:
   the same order (server ranks included; they may contribute nothing).
 """
 
+from mpidl.engine.dropout import Dropout
 from mpidl.errors import ConfigError
 
 
@@ -92,6 +93,10 @@ class Strategy:
         """Take the model, optimizer and loss; collective (e.g. broadcast parameters)."""
         self.model, self.optimizer, self.loss = model, optimizer, loss
         model.needs_input_grad = False  # nobody uses the gradient w.r.t. the images
+        index, _ = self.shard()
+        for _, layer in model.modules():  # each share of the data its own dropout masks
+            if isinstance(layer, Dropout):
+                layer.stream = index
 
     def train_step(self, x, y):
         """One step on this rank's batch (x, y), parameters updated; returns the local loss."""

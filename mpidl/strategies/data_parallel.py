@@ -478,14 +478,9 @@ def _sparse_param_names(model):
     from mpidl.engine.embedding import Embedding  # noqa: PLC0415
 
     names = set()
-
-    def walk(layer, prefix):
+    for name, layer in model.modules():
         if isinstance(layer, Embedding) or getattr(layer, "sparse_grad", False):
-            names.update(prefix + n for n in layer._params)
-        for cname, child in layer.children():
-            walk(child, f"{prefix}{cname}.")
-
-    walk(model, "")
+            names.update(f"{name}.{n}" if name else n for n in layer._params)
     return names
 
 
