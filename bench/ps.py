@@ -117,28 +117,6 @@ class Snapshots:
         self.items.append((t, {n: p.data.copy() for n, p in self.named}))
 
 
-def recalibrate_batchnorm(model, x, batch=250):
-    """Recompute BatchNorm running statistics for the current parameters as the plain
-    average over the batches of ``x`` ("precise BN"). The server's copy of the
-    parameters never saw the workers' running statistics, so every snapshot is
-    recalibrated on the same training images before it is evaluated."""
-    layers = [m for _, m in model.modules() if "running_mean" in m._buffers]
-    if not layers:
-        return
-    saved = [bn.momentum for bn in layers]
-    for bn in layers:
-        bn.set_buffer("running_mean", bn._buffers["running_mean"] * 0)
-        bn.set_buffer("running_var", bn._buffers["running_var"] * 0 + 1)
-    model.train()
-    for k, start in enumerate(range(0, len(x), batch)):
-        for bn in layers:
-            bn.momentum = 1.0 / (k + 1)
-        model.forward(x[start:start + batch])
-    for bn, m in zip(layers, saved):
-        bn.momentum = m
-    model.eval()
-
-
 class Straggle:
     """For all-reduce: sleep (factor - 1) x the previous step's forward+backward time
     before each forward (PS workers do the same themselves with --straggler)."""
@@ -175,6 +153,7 @@ def run_rank(a):
     from mpidl.data import BatchLoader, eval_batches, load_dataset
     from mpidl.engine.losses import SoftmaxCrossEntropy
     from mpidl.engine.models import build_model
+    from mpidl.engine.normalization import recalibrate_batchnorm
     from mpidl.engine.optim import SGD, Adam
     from mpidl.strategies import make_strategy
 

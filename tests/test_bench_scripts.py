@@ -56,11 +56,11 @@ def test_ps_speed_bench_writes_curves_counts_and_plot(tmp_path):
 
 def test_recalibrated_batchnorm_statistics_are_those_of_the_calibration_images():
     from mpidl.engine.models import build_model
+    from mpidl.engine.normalization import recalibrate_batchnorm
 
-    ps = load_bench_module("ps")
     model = build_model("cnn", seed=0)
     x = np.random.default_rng(0).standard_normal((1000, 1, 28, 28)).astype(np.float32) + 3
-    ps.recalibrate_batchnorm(model, x, batch=250)
+    recalibrate_batchnorm(model, x, batch=250)
     bn = model.layers[1] if hasattr(model, "layers") else None
     assert bn is not None and "running_mean" in bn._buffers
     model.eval()
@@ -84,3 +84,29 @@ def test_engine_bench_runs_and_writes_json(tmp_path):
           "--out", out)
     report = json.loads(out.read_text())
     assert report["machine"]["cpu"]
+
+
+@pytest.mark.skipif(not fashion_available(), reason="needs Fashion-MNIST "
+                    "(apt-get install dataset-fashion-mnist)")
+def test_staleness_bench_trains_with_delayed_gradients(tmp_path):
+    out = tmp_path / "staleness.json"
+    bench("staleness.py", "--images", 1536, "--eval-every", 512, "--taus", "0,3",
+          "--lr", 0.05, "--momentum", 0.9, "--warmup", 0, "--test-limit", 500, "--target", 0.3,
+          "--out", out, "--plot", tmp_path / "staleness.png")
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert sorted(runs) == ["0", "3"]
+    fresh, stale = runs["0"]["curve"], runs["3"]["curve"]
+    assert [n for n, _ in fresh] == [0, 512, 1024, 1536] == [n for n, _ in stale]
+    assert fresh[0] == stale[0]  # the same initial parameters
+    assert fresh[1:] != stale[1:]  # then the stale gradients change the path
+    assert runs["0"]["images_to_target"] and runs["0"]["vs_tau0"] == 1.0
+    assert (tmp_path / "staleness.png").stat().st_size > 0
+
+
+def test_images_to_target_is_the_first_crossing():
+    staleness = load_bench_module("staleness")
+    curve = [(0, 0.1), (100, 0.6), (200, 0.5), (300, 0.7)]
+    assert staleness.images_to(curve, 0.55) == 100
+    assert staleness.images_to(curve, 0.65) == 300
+    assert staleness.images_to(curve, 0.9) is None

@@ -190,3 +190,26 @@ class LayerNorm(Layer):
 
     def __repr__(self):
         return f"LayerNorm({self.normalized_shape})"
+
+
+def recalibrate_batchnorm(model, x, batch=250):
+    """Recompute every BatchNorm's running statistics for the current parameters as the
+    plain average over the batches of ``x`` ("precise BN"); leaves the model in eval mode.
+
+    For parameters that no training forward produced statistics for: a parameter
+    server's copy (the workers hold the statistics) or a benchmark's snapshot."""
+    layers = [m for _, m in model.modules() if isinstance(m, _BatchNorm)]
+    if not layers:
+        return
+    saved = [bn.momentum for bn in layers]
+    for bn in layers:
+        bn.set_buffer("running_mean", bn._buffers["running_mean"] * 0)
+        bn.set_buffer("running_var", bn._buffers["running_var"] * 0 + 1)
+    model.train()
+    for k, start in enumerate(range(0, len(x), batch)):
+        for bn in layers:
+            bn.momentum = 1.0 / (k + 1)
+        model.forward(x[start:start + batch])
+    for bn, m in zip(layers, saved):
+        bn.momentum = m
+    model.eval()
