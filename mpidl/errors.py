@@ -24,6 +24,16 @@ class DataError(UserError):
 class AgreedUserError(UserError):
     """A user error that every rank raises together (the ranks agreed on it first).
 
-    The command line then lets rank 0 print it once and every rank exit 2 on its own; a
+    The command line then lets one rank print it once and every rank exit 2 on its own; a
     plain UserError raised by some ranks only ends all ranks through MPI_Abort instead.
+    ``report``: whether this rank is the one that prints it (None: rank 0).
     """
+
+    def __init__(self, message, report=None):
+        super().__init__(message)
+        self.report = report
+
+
+class TrainingDiverged(AgreedUserError):
+    """The training loss became NaN or infinite; every training rank sees the same
+    (reduced) loss, so they stop together."""

@@ -5,7 +5,9 @@ corrupt IDX file, a layer whose input does not fit its weights), a few more, and
 under mpiexec with several ranks: every rank exits 2, the line is printed once.
 """
 
+import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -153,3 +155,31 @@ def test_info_under_mpiexec_json():
     assert len(lines) == 1, launch.output  # rank 0 prints
     info = json.loads(lines[0])
     assert info["ranks"] == 2 and [r["rank"] for r in info["per_rank"]] == [0, 1]
+
+
+@pytest.mark.parametrize("n, extra", [
+    (None, []),
+    (2, []),
+    (3, ["--strategy", "ps", "--mode", "async"]),  # the server ends cleanly too
+])
+def test_a_diverging_run_stops_with_one_error_and_saves_nothing(tmp_path, n, extra):
+    """A learning rate far too large: once an epoch's loss is NaN, every rank stops after
+    that epoch (exit 2, one line saying what to try) instead of training on NaN."""
+    out = tmp_path / "run"
+    launch = run(["train"] + FAST + ["--epochs", "4", "--limit-train", "2048", "--lr", "1e6",
+                                     "--out-dir", out] + extra, n=n)
+    assert not launch.timed_out, launch.output
+    assert launch.returncode == 2, launch.output
+    errors = [line for line in launch.output.splitlines() if "mpidl: error:" in line]
+    assert len(errors) == 1, launch.output
+    m = re.search(r"training diverged: the mean training loss of epoch (\d) is (nan|inf)",
+                  errors[0])
+    assert m, errors[0]
+    assert "lower --lr" in errors[0]
+    assert ("try --momentum 0" in errors[0]) == ("async" in extra)
+    assert "Traceback" not in launch.output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+               if line]
+    assert len(records) == int(m.group(1)) < 4  # stopped at the first diverged epoch,
+    assert records[-1]["train_loss"] is None  # which is logged,
+    assert not list(out.glob("*.npz")), sorted(os.listdir(out))  # but no model is saved

@@ -105,7 +105,7 @@ def handle(world, fn):
         status = fn()
         return 0 if status is None else int(status)
     except AgreedUserError as e:
-        if world.rank == 0:
+        if e.report if e.report is not None else world.rank == 0:
             print(format_user_error(e), file=sys.stderr, flush=True)
         return USER_ERROR_STATUS
     except UserError as e:  # raised by some ranks only, outside an agreement

@@ -9,6 +9,7 @@ metrics, every rank's RNG states and the strategy's state — so a resumed run e
 bitwise equal to an uninterrupted one with the same seed and rank count.
 """
 
+import math
 import os
 import time
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from mpidl import backend
 from mpidl.data import BatchLoader, eval_batches
-from mpidl.errors import AgreedUserError, ConfigError
+from mpidl.errors import AgreedUserError, ConfigError, TrainingDiverged
 from mpidl.training import checkpoint as ckpt
 from mpidl.training.log import get_logger
 from mpidl.training.metrics import EpochStats, MetricsWriter, truncate_metrics
@@ -147,8 +148,9 @@ class Trainer:
         self.progress = Progress(cfg.progress and self.is_root)
         self.model.train()
         images_per_step = self.loader.global_batch_size
+        diverged = False
         try:
-            while self.epoch < cfg.epochs:
+            while self.epoch < cfg.epochs and not diverged:
                 epoch = self.epoch
                 if self.batch < self.steps_per_epoch:
                     self.progress.start_epoch(epoch + 1, cfg.epochs, self.steps_per_epoch,
@@ -172,16 +174,35 @@ class Trainer:
                     t = time.perf_counter()  # checkpoint time does not count as training
                 self.progress.close()
                 self.end_epoch()
+                diverged = not math.isfinite(self.last["train_loss"])
                 if (self.checkpointing and strategy.checkpoint_at_epoch_end
-                        and self.epoch < cfg.epochs):
+                        and self.epoch < cfg.epochs and not diverged):
                     self.save_checkpoint()  # (the last one is written below)
-            if self.checkpointing:
+            if self.checkpointing and not diverged:
                 self.save_checkpoint()
-            self.save_model()
+            if not diverged:
+                self.save_model()
         finally:
             self.progress.close()
         strategy.finish()
+        if diverged:
+            raise self.divergence()
         return self.last
+
+    def divergence(self):
+        """The error for a NaN or infinite training loss: what happened and what to try."""
+        cfg, r = self.cfg, self.last
+        hint = "lower --lr or add --warmup-epochs"
+        if getattr(cfg, "strategy", None) == "ps" and getattr(cfg, "mode", None) in (
+                "async", "ssp"):
+            hint += (f"; with --mode {cfg.mode}, stale gradients act as extra momentum: "
+                     "try --momentum 0 (the README's parameter-server section has a recipe)")
+        saved = (f"; checkpoints written before it are in {self.paths['checkpoint_dir']}"
+                 if self.checkpointing else "")
+        return TrainingDiverged(
+            f"training diverged: the mean training loss of epoch {r['epoch']} is "
+            f"{r['train_loss']} (step {r['step']}, lr {r['lr']:.4g}); {hint}. Nothing was "
+            f"saved for this epoch{saved}", report=self.is_root)
 
     def end_epoch(self):
         """Evaluate, print the epoch's metrics, move to the next epoch."""
