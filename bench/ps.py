@@ -6,7 +6,8 @@ a straggler; and final accuracy of every mode after the same number of epochs.
 
 ``speed``: the MLP (784-1024-1024-10) on Fashion-MNIST, W workers (default 3) with batch
 128 each, SGD at a constant lr 0.05 with momentum 0.9 (async/SSP: lr 0.15, no momentum,
-a quarter-epoch warm-up; see ASYNC below), for a fixed number of epochs of each
+a quarter-epoch warm-up; see ASYNC below; or Adam for all, ``--optimizer adam``, with
+async/SSP's rate from ``--async-lr``), for a fixed number of epochs of each
 worker's shard; configurations allreduce (W ranks), ps-sync, async, ssp (s = 1, 4) and
 backup (first W-1 of W) (W + 1 ranks: one server), each without and with one worker
 slowed 2x (it sleeps as long as it computed, every step; for all-reduce the same is done
