@@ -163,10 +163,11 @@ def test_info_under_mpiexec_json():
     (3, ["--strategy", "ps", "--mode", "async"]),  # the server ends cleanly too
 ])
 def test_a_diverging_run_stops_with_one_error_and_saves_nothing(tmp_path, n, extra):
-    """A learning rate far too large: once an epoch's loss is NaN, every rank stops after
-    that epoch (exit 2, one line saying what to try) instead of training on NaN."""
+    """A learning rate far too large (1e30: the loss overflows at once): once an epoch's
+    loss is NaN or infinite, every rank stops after that epoch (exit 2, one line saying
+    what to try) instead of training on NaN."""
     out = tmp_path / "run"
-    launch = run(["train"] + FAST + ["--epochs", "4", "--limit-train", "2048", "--lr", "1e6",
+    launch = run(["train"] + FAST + ["--epochs", "4", "--limit-train", "2048", "--lr", "1e30",
                                      "--out-dir", out] + extra, n=n)
     assert not launch.timed_out, launch.output
     assert launch.returncode == 2, launch.output
