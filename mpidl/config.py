@@ -103,6 +103,10 @@ OPTIONS = [
            "ahead of the slowest", "parallelism", metavar="S"),
     Option("wait", int, None, "--mode backup: use the first K gradients of each step, drop "
            "the late ones (default: workers - 1)", "parallelism", metavar="K"),
+    Option("epoch_quorum", int, None, "--mode async/ssp/backup: an epoch ends once K "
+           "workers finished their share; the others skip the rest of theirs (default: "
+           "all workers, so the slowest sets every epoch's length)", "parallelism",
+           metavar="K"),
     Option("staleness_aware_lr", bool, False, "--mode async/ssp: divide the learning rate "
            "by each gradient's staleness", "parallelism"),
     Option("straggler", str, None, "--strategy ps: slow worker RANK's compute by FACTOR "

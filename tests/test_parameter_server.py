@@ -65,6 +65,12 @@ def test_mode_config_checks():
         ModeConfig("ssp", staleness=-1).check(3)
     with pytest.raises(ConfigError, match="async or ssp only"):
         ModeConfig("sync", staleness_aware_lr=True).check(3)
+    assert ModeConfig("async", epoch_quorum=2).check(3).epoch_quorum == 2
+    with pytest.raises(ConfigError, match="--epoch-quorum applies to --mode async, ssp or "
+                       "backup"):
+        ModeConfig("sync", epoch_quorum=2).check(3)
+    with pytest.raises(ConfigError, match=r"--epoch-quorum 4: .* 1 <= K <= 3"):
+        ModeConfig("backup", epoch_quorum=4).check(3)
 
 
 def test_straggler_parsing():

@@ -147,6 +147,28 @@ def test_async_and_ssp_equal_a_replay_of_the_servers_schedule(results, case):
     assert r["vs_replay"] <= 1e-12, r
 
 
+@pytest.mark.parametrize("case", ["quorum_async", "quorum_ssp", "quorum_backup"])
+def test_epoch_quorum_ends_epochs_without_the_straggler(results, case):
+    """--epoch-quorum 2 of 3, the last worker 6x slower: the two fast workers do their
+    whole shard in both epochs, the straggler stops early (fewer pushes), and every push
+    is still counted as applied or dropped. Under SSP the fast workers cannot get more
+    than s clocks ahead, so the straggler is cut short by at most s steps an epoch and the
+    bound still holds."""
+    rows = results[case]
+    st = rows[0]["stats"]
+    workers = rows[1:]
+    full = 2 * workers[0]["steps_per_epoch"]
+    fast, slow = workers[:-1], workers[-1]
+    assert all(w["pushes"] == full for w in fast), (full, workers)
+    if case == "quorum_ssp":
+        assert full - 2 * 1 <= slow["pushes"] <= full, (full, workers)
+        assert st["max_lead"] <= 1
+    else:
+        assert 0 < slow["pushes"] < full, (full, workers)
+    assert st["pushed"] == st["applied"] + st["dropped"] == sum(w["pushes"] for w in workers)
+    assert all(w["finite"] for w in workers)
+
+
 @pytest.mark.parametrize("bad", ["shape", "dtype"])
 def test_bad_push_ends_every_rank_with_the_message(bad):
     t0 = time.monotonic()
@@ -198,6 +220,29 @@ def test_cli_ps_two_servers_ssp_with_straggler(tmp_path):
     assert last["ps_max_lead"] <= 1
     assert last["test_acc"] > 0.15  # chance is 0.1; the accuracy runs are on Fashion-MNIST
     assert "pushed" in launch.output and "applied" in launch.output
+    assert os.path.exists(tmp_path / "model.npz")
+
+
+@pytest.mark.skipif(_mpidl() is None, reason="mpidl command not installed")
+def test_cli_epoch_quorum_cuts_the_stragglers_epochs(tmp_path):
+    """The trainer's side of --epoch-quorum: the straggler (6x slower) leaves each epoch
+    when the two others are done, and the run still ends normally with every count."""
+    from mpirun import mpiexec_path
+
+    metrics = tmp_path / "m.jsonl"
+    cmd = [mpiexec_path(), "-n", "4", _mpidl(), "train", "--strategy", "ps", "--mode",
+           "backup", "--epoch-quorum", "2", "--straggler", "3:6", "--dataset", "synthetic",
+           "--model", "mlp", "--epochs", "2", "--batch-size", "32", "--limit-train", "768",
+           "--limit-test", "256", "--no-progress", "--metrics", str(metrics),
+           "--out-dir", str(tmp_path)]
+    run_command(cmd, timeout=120).check()
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    assert [r["epoch"] for r in records] == [1, 2]
+    last = records[-1]
+    full = 3 * 2 * (768 // (32 * 3))  # workers x epochs x steps
+    assert last["step"] == 2 * (768 // (32 * 3))
+    assert last["ps_pushed"] == last["ps_applied"] + last["ps_dropped"]
+    assert 2 * 2 * (768 // (32 * 3)) < last["ps_pushed"] < full  # only the straggler cut
     assert os.path.exists(tmp_path / "model.npz")
 
 

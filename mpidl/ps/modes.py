@@ -35,6 +35,7 @@ class ModeConfig:
     staleness: int = 0          # ssp: the bound s
     wait: int = 0               # backup: gradients used per step (0: all but one)
     staleness_aware_lr: bool = False  # async/ssp: lr / max(1, staleness of the gradient)
+    epoch_quorum: int = 0       # async/ssp/backup: workers whose finish ends the epoch (0: all)
 
     def check(self, num_workers):
         from mpidl.errors import ConfigError
@@ -49,6 +50,15 @@ class ModeConfig:
             if not 1 <= k <= num_workers:
                 raise ConfigError(f"--wait {self.wait}: backup mode uses the first k of "
                                   f"{num_workers} workers' gradients, so 1 <= k <= "
+                                  f"{num_workers}")
+        if self.epoch_quorum:
+            if self.mode == "sync":
+                raise ConfigError("--epoch-quorum applies to --mode async, ssp or backup: in "
+                                  "sync mode every worker computes every step, so no epoch "
+                                  "can end without the slowest")
+            if not 1 <= self.epoch_quorum <= num_workers:
+                raise ConfigError(f"--epoch-quorum {self.epoch_quorum}: the epoch ends once "
+                                  f"K of the {num_workers} workers are done, so 1 <= K <= "
                                   f"{num_workers}")
         if self.staleness_aware_lr and self.mode not in ("async", "ssp"):
             raise ConfigError("--staleness-aware-lr applies to --mode async or ssp only "
@@ -124,6 +134,7 @@ class SSPMode:
     def _release(self, srv):
         slowest = srv.slowest_clock()
         for w, t in sorted(self.held.items()):
-            if slowest is None or t + 1 - slowest <= self.cfg.staleness:
+            # once the epoch is cut, an answer only tells the worker to stop: no step follows
+            if slowest is None or srv.epoch_cut or t + 1 - slowest <= self.cfg.staleness:
                 del self.held[w]
                 srv.reply(w)

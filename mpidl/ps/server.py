@@ -99,6 +99,7 @@ class ParameterServer:
         self.at_barrier = set()
         self.state_wanted = set()  # workers that asked for the optimizer state at the barrier
         self._barrier_passed = False
+        self.epoch_cut = False  # --epoch-quorum reached: answers tell workers to stop
         self._stats_sent = False
         self._snapshot = None
         self._recv_buffers = {}
@@ -173,6 +174,9 @@ class ParameterServer:
             self.at_barrier.add(source)
             if header.get("state"):
                 self.state_wanted.add(source)
+            quorum = self.cfg.epoch_quorum
+            if quorum and len(self.at_barrier) >= min(quorum, len(self.active)):
+                self.epoch_cut = True
             self.policy.recheck(self)
             self._maybe_pass_barrier()
         elif kind == "done":
@@ -222,6 +226,7 @@ class ParameterServer:
         """Everyone active waits at the barrier: all get the same (current) parameters."""
         if self.at_barrier and self.at_barrier >= self.active:
             waiting, self.at_barrier = sorted(self.at_barrier), set()
+            self.epoch_cut = False
             self.stats.updates = self.version
             counts = {k: v for k, v in self.stats.as_dict().items() if k != "trace"}
             # exact: nothing is in flight now, so counts, parameters and optimizer state
@@ -359,7 +364,8 @@ class ParameterServer:
             arrays = [np.array(to_numpy(self.params[n].data), copy=True) for n in self.names]
             self._snapshot = (self.version, arrays)
         arrays = self._snapshot[1]
-        header = {"kind": "params", "version": self.version, "names": self.names, **extra}
+        header = {"kind": "params", "version": self.version, "names": self.names,
+                  "epoch_over": self.epoch_cut, **extra}
         for w in workers:
             self.sends += send(self.comm, w, TAG_REPLY, TAG_DOWN, header, arrays)
             self.stats.bytes_sent += sum(a.nbytes for a in arrays)

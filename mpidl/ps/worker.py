@@ -41,6 +41,7 @@ class PSWorker:
         self.poller = poller or Poller(comm, who=f"worker rank {self.rank}")
         self.versions = {r: 0 for r in self.servers}
         self.clock = 0
+        self.epoch_over = False
         self.sends = []
         self.server_stats = None
         self.barrier_stats = None
@@ -81,7 +82,10 @@ class PSWorker:
             self.stats["messages"] += 1
         self.stats["pushes"] += 1
         self.clock += 1
-        self._take_params(self._await("params"))
+        replies = self._await("params")
+        # --epoch-quorum: enough workers finished the epoch; this one skips the rest
+        self.epoch_over = any(h.get("epoch_over") for h, _ in replies.values())
+        self._take_params(replies)
         self.begin_step()
 
     def _encode(self, name, g):
@@ -112,6 +116,7 @@ class PSWorker:
             self.sends += send(self.comm, server, TAG_CTRL, TAG_UP,
                                {"kind": "barrier", "state": bool(want_state)})
         replies = self._await("params")
+        self.epoch_over = False
         self.barrier_stats = [replies[r][0].get("stats") for r in self.servers]
         self.server_states = ([replies[r][0].get("state") for r in self.servers]
                               if want_state else None)

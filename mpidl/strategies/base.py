@@ -102,6 +102,11 @@ class Strategy:
         """One step on this rank's batch (x, y), parameters updated; returns the local loss."""
         raise NotImplementedError
 
+    def epoch_cut(self):
+        """True when this rank should end its epoch before its share of the data is
+        done (a parameter server's ``--epoch-quorum``); checked after every step."""
+        return False
+
     def serve(self):
         """Run a non-training rank (``trains_on_data`` False) until training is over."""
         raise NotImplementedError(f"strategy {self.name!r} has no server role")

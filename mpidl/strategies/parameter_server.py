@@ -15,6 +15,8 @@ takes the current parameters, so all workers evaluate the same model whatever th
 the barrier's answer also carries the servers' counts, which ``metrics()`` reports
 (``ps_pushed = ps_applied + ps_dropped``). Every collective among the workers passes that
 barrier first, so no worker sits in a collective while a server waits for its push.
+``--epoch-quorum K`` (async/ssp/backup): once K workers wait at that barrier, the servers'
+answers tell the others to stop (``epoch_cut()``), and the trainer ends their epoch early.
 
 Checkpoints: the servers' optimizer state and the workers' parameters agree only at the
 epoch barrier, so with ``--checkpoint-dir`` the trainer writes a checkpoint at the end of
@@ -36,7 +38,7 @@ from mpidl.ps.worker import PSWorker
 from mpidl.strategies.base import Strategy, check_options
 
 KNOWN = {"servers", "mode", "staleness", "wait", "staleness_aware_lr", "straggler",
-         "compression", "ratio", "trace", "poll_max_ms"}
+         "compression", "ratio", "trace", "poll_max_ms", "epoch_quorum"}
 #: options of other strategies that the CLI passes to every strategy; ignored here
 IGNORED = {"algorithm", "bucket_mb", "overlap"}
 
@@ -71,11 +73,12 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, comm=None, servers=None, mode=None, staleness=None, wait=None,
                  staleness_aware_lr=None, straggler=None, compression=None, ratio=None,
-                 trace=False, poll_max_ms=None, **options):
+                 trace=False, poll_max_ms=None, epoch_quorum=None, **options):
         check_options("ps", KNOWN, {k: v for k, v in options.items() if k not in IGNORED})
         super().__init__(comm, servers=servers, mode=mode, staleness=staleness, wait=wait,
                          staleness_aware_lr=staleness_aware_lr, straggler=straggler,
-                         compression=compression, ratio=ratio, **options)
+                         compression=compression, ratio=ratio, epoch_quorum=epoch_quorum,
+                         **options)
         self.num_servers = 1 if servers is None else int(servers)
         if self.num_servers < 1:
             raise ConfigError(f"--servers must be at least 1, got {self.num_servers}")
@@ -89,7 +92,8 @@ class ParameterServerStrategy(Strategy):
         self.worker_ranks = list(range(self.num_servers, self.size))
         self.mode_cfg = ModeConfig(
             mode=(mode or "sync"), staleness=int(staleness or 0), wait=int(wait or 0),
-            staleness_aware_lr=bool(staleness_aware_lr)).check(len(self.worker_ranks))
+            staleness_aware_lr=bool(staleness_aware_lr),
+            epoch_quorum=int(epoch_quorum or 0)).check(len(self.worker_ranks))
         if self.mode_cfg.mode not in MODES:  # pragma: no cover - check() raised already
             raise ConfigError(f"unknown mode {mode!r}")
         self.straggler = parse_straggler(straggler)
@@ -179,6 +183,10 @@ class ParameterServerStrategy(Strategy):
         self.worker.push(lr=getattr(self.optimizer, "lr", None))
         self._pushes_since_barrier += 1
         return float(loss)
+
+    def epoch_cut(self):
+        """True once ``--epoch-quorum`` workers finished this epoch: stop it here."""
+        return self.worker is not None and self.worker.epoch_over
 
     def prepare_eval(self):
         """End of epoch: all workers meet at the barrier and take the same parameters."""

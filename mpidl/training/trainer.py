@@ -172,6 +172,10 @@ class Trainer:
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_checkpoint()
                     t = time.perf_counter()  # checkpoint time does not count as training
+                    if strategy.epoch_cut():
+                        break
+                # a rank that ended its epoch early keeps the schedule in step with the rest
+                self.step = max(self.step, (epoch + 1) * self.steps_per_epoch)
                 self.progress.close()
                 self.end_epoch()
                 diverged = not math.isfinite(self.last["train_loss"])

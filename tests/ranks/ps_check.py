@@ -105,6 +105,8 @@ def train(strategy, model, data, epochs, dtype, bad=None):
                 strategy.worker.push = broken
             loss = strategy.train_step(xb, yb)
             step += 1
+            if strategy.epoch_cut():  # as the trainer does (--epoch-quorum)
+                break
         # the trainer's order: a collective over the workers first, then evaluation
         strategy.reduce({"loss": loss, "steps": 1}, "sum")
         strategy.prepare_eval()
@@ -263,6 +265,23 @@ def async_replay(comm, mode="async", **kw):
     return out
 
 
+def epoch_quorum(comm, mode, **kw):
+    """--epoch-quorum 2 of 3 workers, the last one 6x slower: every epoch ends when the
+    two fast workers are done; the straggler skips the rest of its shard."""
+    s = ParameterServerStrategy(comm, servers=1, mode=mode, epoch_quorum=2, trace=True,
+                                straggler=f"{comm.size - 1}:6", **kw)
+    params, st, _ = train(s, mlp("float32", busy=0.002), dense_data(n=288), 2, "float32")
+    out = {"rank": comm.rank}
+    if st is not None:
+        out["stats"] = st
+    else:
+        out["pushes"] = s.worker.stats["pushes"]
+        out["finite"] = bool(all(np.isfinite(v).all() for v in params.values()))
+        out["steps_per_epoch"] = len(BatchLoader(*dense_data(n=288), BATCH,
+                                                 shard=s.shard(), seed=0))
+    return out
+
+
 ONE_WORKER_MODES = [("sync", "sync", {}), ("async", "async", {}),
                     ("async_salr", "async", {"staleness_aware_lr": True}),
                     ("ssp0", "ssp", {"staleness": 0}), ("ssp2", "ssp", {"staleness": 2}),
@@ -332,6 +351,9 @@ def main():
                            ("ssp3", "ssp", {"staleness": 3}),
                            ("backup", "backup", {"wait": 2})]:
         results["mode_" + name] = world.gather(modes(world, mode, **kw))
+    for name, mode, kw in [("async", "async", {}), ("ssp", "ssp", {"staleness": 1}),
+                           ("backup", "backup", {"wait": 2})]:
+        results["quorum_" + name] = world.gather(epoch_quorum(world, mode, **kw))
     for name, mode, kw in [("async", "async", {}), ("ssp1", "ssp", {"staleness": 1}),
                            ("async_salr", "async", {"staleness_aware_lr": True})]:
         results["replay_" + name] = world.gather(async_replay(world, mode, **kw))
