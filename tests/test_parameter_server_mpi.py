@@ -281,8 +281,9 @@ def _model_arrays(path):
 @pytest.mark.parametrize("extra", [[], ["--servers", "2", "--compression", "topk",
                                         "--ratio", "0.05"]], ids=["1-server", "2-servers-topk"])
 def test_cli_ps_checkpoint_after_rank_failure_then_resume_is_bitwise_equal(tmp_path, extra):
-    """Sync PS writes a checkpoint at every epoch end (servers' optimizer state included);
-    a worker that fails in epoch 3 and a --resume give the uninterrupted run's model."""
+    """Sync PS writes a checkpoint at every epoch end (servers' optimizer state and counts
+    included); a worker that fails in epoch 3 and a --resume give the uninterrupted run's
+    model and counts."""
     import numpy as np
 
     from mpirun import mpiexec_path
@@ -308,6 +309,10 @@ def test_cli_ps_checkpoint_after_rank_failure_then_resume_is_bitwise_equal(tmp_p
     assert sorted(a) == sorted(b)
     for k in a:
         assert np.array_equal(a[k], b[k]), f"{k} differs after the resume"
+    # the servers' counts go on from the checkpoint: the last epoch's line is the same
+    last = [json.loads((d / "metrics.jsonl").read_text().splitlines()[-1]) for d in (run, full)]
+    counts = ("ps_pushed", "ps_applied", "ps_dropped", "ps_updates", "ps_max_lead")
+    assert {k: last[0][k] for k in counts} == {k: last[1][k] for k in counts}, last
 
 
 @pytest.mark.skipif(_mpidl() is None, reason="mpidl command not installed")

@@ -62,6 +62,27 @@ class ServerStats:
     idle_s: float = 0.0
     trace: list = field(default_factory=list)  # (worker, clock, lead, staleness, applied)
 
+    #: what a checkpoint keeps, so that a resumed run's counts go on from there
+    CUMULATIVE = ("pushed", "applied", "dropped", "pulls", "pushes_by_worker",
+                  "dropped_by_worker", "max_lead", "max_staleness", "sum_staleness",
+                  "bytes_received", "bytes_sent")
+
+    def counts(self):
+        return {k: (dict(v) if isinstance(v, dict) else v)
+                for k, v in self.__dict__.items() if k in self.CUMULATIVE}
+
+    def restore(self, counts):
+        """Take a checkpoint's counts; per-worker ones only for the same worker ranks."""
+        for k in self.CUMULATIVE:
+            if k not in counts:
+                continue
+            v = counts[k]
+            if isinstance(v, dict):
+                v = {int(w): n for w, n in v.items()}
+                if set(v) != set(getattr(self, k)):
+                    continue
+            setattr(self, k, v)
+
     def as_dict(self):
         d = dict(self.__dict__)
         d["mean_staleness"] = self.sum_staleness / self.pushed if self.pushed else 0.0
@@ -302,14 +323,17 @@ class ParameterServer:
         opt["state"] = {name: {k: (v if isinstance(v, int) else to_numpy(v))
                                for k, v in slots.items()}
                         for name, slots in opt["state"].items()}
-        return {"version": self.version, "optimizer": opt}
+        return {"version": self.version, "optimizer": opt, "counts": self.stats.counts()}
 
-    def import_state(self, optimizer_state, version=0):
-        """Resume: take this shard's entries of a (merged) optimizer state."""
+    def import_state(self, optimizer_state, version=0, counts=None):
+        """Resume: take this shard's entries of a (merged) optimizer state, and this
+        server's version and counts (when the checkpoint has as many servers)."""
         mine = dict(optimizer_state, state={n: v for n, v in optimizer_state["state"].items()
                                             if n in self.params})
         self.optimizer.load_state_dict(mine)
         self.version = int(version)
+        if counts:
+            self.stats.restore(counts)
 
     # -- what modes call
     def pushing(self):

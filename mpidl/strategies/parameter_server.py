@@ -297,6 +297,7 @@ class ParameterServerStrategy(Strategy):
         for st in states:
             merged["state"].update(st["optimizer"]["state"])
         return {"optimizer": merged, "versions": [st["version"] for st in states],
+                "counts": [st.get("counts") for st in states],
                 "workers": per_worker if mine is not None else None}
 
     def load_state_dict(self, state):
@@ -305,8 +306,11 @@ class ParameterServerStrategy(Strategy):
         if self.is_server:
             index = self.server_ranks.index(self.rank)
             versions = state.get("versions") or []
+            counts = state.get("counts") or []
+            same = len(counts) == self.num_servers  # counts are per server
             self.server.import_state(state["optimizer"],
-                                     versions[index] if index < len(versions) else 0)
+                                     versions[index] if index < len(versions) else 0,
+                                     counts[index] if same else None)
         elif self._compressor is not None and state.get("workers"):
             per_worker = state["workers"]
             if len(per_worker) == len(self.worker_ranks):
