@@ -214,6 +214,9 @@ def test_cli_ps_two_servers_ssp_with_straggler(tmp_path):
     with open(metrics) as f:
         records = [json.loads(line) for line in f if line.strip()]
     assert [r["epoch"] for r in records] == [1, 2]
+    # the first worker's own step time, and the epoch until every worker is done (the
+    # straggler's tail included)
+    assert all(0 < r["epoch_time"] <= r["epoch_wall"] for r in records), records
     last = records[-1]
     assert last["ps_pushed"] == last["ps_applied"] + last["ps_dropped"]
     assert last["ps_pushed"] == 2 * 2 * 2 * (512 // 64)  # servers x workers x epochs x steps

@@ -291,4 +291,5 @@ def test_resume_does_not_repeat_metrics_lines(tmp_path):
     assert [r["epoch"] for r in lines] == [1, 2]
     assert lines[0] == json_lines(resumed.output)[0] | {"elapsed": lines[0]["elapsed"],
                                                        "epoch_time": lines[0]["epoch_time"],
+                                                       "epoch_wall": lines[0]["epoch_wall"],
                                                        "images_per_sec": lines[0]["images_per_sec"]}

@@ -117,6 +117,7 @@ class Trainer:
         self.epoch = 0
         self.batch = 0
         self.stats = EpochStats()
+        self.epoch_start = time.perf_counter()  # set again as each epoch starts
         self.seconds_before = 0.0  # time spent in earlier (interrupted) runs
         self.last = {}
 
@@ -155,7 +156,7 @@ class Trainer:
                 if self.batch < self.steps_per_epoch:
                     self.progress.start_epoch(epoch + 1, cfg.epochs, self.steps_per_epoch,
                                               self.batch)
-                t = time.perf_counter()
+                t = self.epoch_start = time.perf_counter()
                 for b, x, y in self.loader.epoch(epoch, start=self.batch):
                     if self.step in self.fail_at:
                         raise InjectedFailure(f"{FAIL_ENV}: injected failure on rank "
@@ -215,6 +216,7 @@ class Trainer:
                        f"{self.stats.steps} step(s)")
         train = self.strategy.reduce({"loss_sum": self.stats.loss_sum,
                                       "steps": self.stats.steps}, "sum")
+        wall = time.perf_counter() - self.epoch_start  # every rank is done by now
         test_loss, test_acc = self.evaluate()
         seconds = self.stats.seconds
         record = {
@@ -226,6 +228,7 @@ class Trainer:
             "test_acc": test_acc,
             "images_per_sec": self.stats.images / seconds if seconds > 0 else 0.0,
             "epoch_time": seconds,
+            "epoch_wall": wall,
             "elapsed": self.elapsed(),
             "ranks": self.count,
             "global_batch": self.loader.global_batch_size,
