@@ -293,3 +293,14 @@ def test_resume_does_not_repeat_metrics_lines(tmp_path):
                                                        "epoch_time": lines[0]["epoch_time"],
                                                        "epoch_wall": lines[0]["epoch_wall"],
                                                        "images_per_sec": lines[0]["images_per_sec"]}
+
+
+def test_one_process_says_which_parallel_options_have_no_effect(tmp_path):
+    """One command line runs on 1 and on N ranks: on one process the parallelism flags are
+    accepted, and the log says they do nothing here."""
+    args = ["--dataset", "synthetic", "--limit-train", "256", "--limit-test", "64",
+            "--epochs", "1", "--no-progress", "--out-dir", tmp_path]
+    launch = train(args + ["--mode", "async", "--epoch-quorum", "2"]).check()
+    assert ("one process: --epoch-quorum, --mode apply to several ranks and have no effect "
+            "here") in launch.output, launch.output
+    assert "no effect" not in train(args).check().output

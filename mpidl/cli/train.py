@@ -177,6 +177,10 @@ def prepare(args, world):
                 f"{cfg.optimizer} lr {trainer.base_lr:g} ({cfg.schedule}, warm-up "
                 f"{trainer.warmup_steps} steps) | {blas_threads_note()} | outputs in "
                 f"{out_dir}")
+            if name == "local" and options:  # one command line runs on 1 and N ranks
+                flags = ", ".join("--" + k.replace("_", "-") for k in sorted(options))
+                log.info(f"one process: {flags} apply to several ranks and have no effect "
+                         "here")
         import socket  # noqa: PLC0415
 
         index, count = strategy.shard()
