@@ -13,6 +13,7 @@ the server tells every other rank (abort), waits until each has printed it (ack,
 time limit), releases them (fin) and raises ``PSError`` itself.
 """
 
+import copy
 import sys
 import time
 from dataclasses import dataclass, field
@@ -68,8 +69,7 @@ class ServerStats:
                   "bytes_received", "bytes_sent")
 
     def counts(self):
-        return {k: (dict(v) if isinstance(v, dict) else v)
-                for k, v in self.__dict__.items() if k in self.CUMULATIVE}
+        return {k: copy.copy(getattr(self, k)) for k in self.CUMULATIVE}
 
     def restore(self, counts):
         """Take a checkpoint's counts; per-worker ones only for the same worker ranks."""
@@ -316,7 +316,7 @@ class ParameterServer:
     # -- checkpoints
     def export_state(self):
         """What a checkpoint needs from this server: its shard's optimizer state (host
-        arrays) and its version."""
+        arrays), its version and its counts."""
         from mpidl.backend import to_numpy
 
         opt = self.optimizer.state_dict()

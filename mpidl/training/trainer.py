@@ -183,9 +183,9 @@ class Trainer:
                 if (self.checkpointing and strategy.checkpoint_at_epoch_end
                         and self.epoch < cfg.epochs and not diverged):
                     self.save_checkpoint()  # (the last one is written below)
-            if self.checkpointing and not diverged:
-                self.save_checkpoint()
             if not diverged:
+                if self.checkpointing:
+                    self.save_checkpoint()
                 self.save_model()
         finally:
             self.progress.close()
