@@ -9,10 +9,10 @@ turns into one line and exit status 2.
 """
 
 import os
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 from mpidl.errors import ConfigError
+from mpidl.options import Option
 
 try:
     import tomllib
@@ -20,24 +20,12 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 
-@dataclass(frozen=True)
-class Option:
-    """One training setting: its name (the flag without dashes), type, default and help."""
-
-    name: str
-    type: type
-    default: object
-    help: str
-    group: str = "training"
-    choices: tuple = None
-    metavar: str = None
-
-
 OPTIONS = [
     # model and data
     Option("model", str, "mlp", "network to train (see `mpidl info --models`); its "
-           "recommended optimizer, lr, schedule, batch size and epochs become the defaults",
-           "model and data"),
+           "recommended optimizer, lr, schedule, batch size and epochs become the defaults; "
+           "or FILE.py:FUNC, your own model: FUNC(input_shape, num_classes, rng, dtype) "
+           "returns an mpidl Layer", "model and data", metavar="NAME|FILE.py:FUNC"),
     Option("dataset", str, "fashion-mnist", "fashion-mnist, mnist, cifar10, digits "
            "(scikit-learn) or synthetic", "model and data"),
     Option("data_dir", str, None, "folder holding the dataset files (default: "
@@ -79,38 +67,6 @@ OPTIONS = [
            "rank)", choices=("cpu", "gpu")),
     Option("dtype", str, "float32", "float32 or float64 parameters and activations",
            choices=("float32", "float64")),
-    # parallelism
-    Option("strategy", str, None, "local (one process), allreduce (data parallel) or ps "
-           "(parameter server); default: local on one rank, allreduce on several",
-           "parallelism"),
-    Option("algorithm", str, None, "allreduce algorithm: ring, tree, recursive_doubling, "
-           "mpi or auto (strategy default)", "parallelism"),
-    Option("bucket_mb", float, None, "gradient fusion bucket size in MiB", "parallelism",
-           metavar="MB"),
-    Option("overlap", str, "auto", "overlap gradient communication with backward: on, "
-           "off, or auto (on with a GPU or a spare core per rank, where it pays); "
-           "--no-overlap is --overlap off", "parallelism", choices=("auto", "on", "off")),
-    Option("compression", str, None, "gradient compression (e.g. topk, onebit, qsgd); "
-           "default none", "parallelism"),
-    Option("ratio", float, None, "compression ratio or density (e.g. 0.01 keeps 1%% of "
-           "gradient entries with topk)", "parallelism"),
-    Option("servers", int, None, "--strategy ps: number of server ranks (ranks 0..S-1; "
-           "parameters sharded over them by size); default 1", "parallelism", metavar="S"),
-    Option("mode", str, None, "--strategy ps: sync, async (Downpour), ssp (bounded "
-           "staleness) or backup (first k of n gradients); default sync", "parallelism",
-           choices=(None, "sync", "async", "ssp", "backup")),
-    Option("staleness", int, None, "--mode ssp: a worker may run at most this many clocks "
-           "ahead of the slowest", "parallelism", metavar="S"),
-    Option("wait", int, None, "--mode backup: use the first K gradients of each step, drop "
-           "the late ones (default: workers - 1)", "parallelism", metavar="K"),
-    Option("epoch_quorum", int, None, "--mode async/ssp/backup: an epoch ends once K "
-           "workers finished their share; the others skip the rest of theirs (default: "
-           "all workers, so the slowest sets every epoch's length)", "parallelism",
-           metavar="K"),
-    Option("staleness_aware_lr", bool, False, "--mode async/ssp: divide the learning rate "
-           "by each gradient's staleness", "parallelism"),
-    Option("straggler", str, None, "--strategy ps: slow worker RANK's compute by FACTOR "
-           "(experiments), e.g. 3:2", "parallelism", metavar="RANK:FACTOR"),
     # outputs
     Option("out_dir", str, None, "folder for this run's outputs (default "
            "runs/<name or date-time>)", "outputs", metavar="DIR"),
@@ -134,41 +90,20 @@ OPTIONS = [
 ]
 CORE_OPTIONS = list(OPTIONS)
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
-_extended = []
 
 
-def extend_with_strategy_options():
-    """Add the options strategy modules declare (``CLI_OPTIONS``, a list of ``Option``).
-
-    A strategy with settings of its own (``--servers`` for the parameter server, ...)
-    lists them in its module as ``CLI_OPTIONS = [Option("servers", int, None, "...",
-    "parallelism"), ...]``; they become flags, config-file keys and, when set, keyword
-    arguments of the strategy. Called once by the command line before parsing.
-    """
-    if _extended:
-        return OPTIONS
-    _extended.append(True)
-    import importlib  # noqa: PLC0415
-    import pkgutil  # noqa: PLC0415
-
-    import mpidl.strategies as pkg  # noqa: PLC0415
-
-    for m in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
-        if m.name == "base":
-            continue
-        try:
-            module = importlib.import_module(f"mpidl.strategies.{m.name}")
-        except Exception as e:  # noqa: BLE001 - one broken strategy must not break the CLI
-            import logging  # noqa: PLC0415
-
-            logging.getLogger("mpidl").warning(f"strategy module {m.name} failed to import "
-                                               f"({type(e).__name__}: {e}); its options "
-                                               "are missing")
-            continue
-        for o in getattr(module, "CLI_OPTIONS", []):
-            if o.name not in OPTIONS_BY_NAME:
-                OPTIONS.append(o)
-                OPTIONS_BY_NAME[o.name] = o
+def register(options):
+    """Add settings that other parts declare (the runtime's schedule, syncs and presets
+    list theirs as ``OPTIONS`` of ``mpidl.options.Option``): they become flags,
+    config-file keys and, when set, keyword arguments of those parts. The command line
+    calls it before parsing; registering the same option twice is harmless."""
+    for o in options:
+        known = OPTIONS_BY_NAME.get(o.name)
+        if known is None:
+            OPTIONS.append(o)
+            OPTIONS_BY_NAME[o.name] = o
+        elif known != o:
+            raise ValueError(f"two different settings are both called {o.name!r}")
     return OPTIONS
 
 
@@ -178,8 +113,8 @@ def strategy_kwargs(cfg):
             if o.group == "parallelism" and o.name != "strategy"
             and getattr(cfg, o.name, o.default) != o.default}
 #: settings that change which samples a step sees: a checkpoint only resumes if they match
-RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "seed", "dtype",
-               "optimizer", "dropout")
+RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "accumulate",
+               "seed", "dtype", "optimizer", "dropout")
 
 
 class TrainConfig(SimpleNamespace):
@@ -225,8 +160,10 @@ def load_toml(path):
 
 def model_defaults(model):
     """The engine's recommended settings for ``model``, restricted to known options."""
-    from mpidl.engine.models import MODEL_DEFAULTS, MODELS  # noqa: PLC0415
+    from mpidl.engine.models import MODEL_DEFAULTS, MODELS, is_model_file  # noqa: PLC0415
 
+    if is_model_file(model):  # a model of the user's own: the built-in defaults apply
+        return {}
     if model not in MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
     return {k: v for k, v in dict(MODEL_DEFAULTS.get(model, {})).items()
@@ -264,7 +201,10 @@ def validate(cfg):
     for o in OPTIONS:
         v = getattr(cfg, o.name)
         if o.choices and v not in o.choices:
-            bad(o.name, f"must be one of {', '.join(o.choices)}")
+            bad(o.name, f"must be one of {', '.join(str(c) for c in o.choices if c)}")
+        why = o.check(v) if o.check is not None and v is not None else None
+        if why:
+            bad(o.name, why)
     if not cfg.lr > 0:
         bad("lr", "must be positive")
     if cfg.epochs < 1:
@@ -285,17 +225,8 @@ def validate(cfg):
         bad("checkpoint_every", "must not be negative (0: only at the end)")
     if cfg.keep_checkpoints < 1:
         bad("keep_checkpoints", "must be at least 1")
-    if cfg.bucket_mb is not None and not cfg.bucket_mb > 0:
-        bad("bucket_mb", "must be positive")
     if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
         bad("dropout", "must be in [0, 1)")
-    if cfg.ratio is not None and not 0 < cfg.ratio <= 1:
-        bad("ratio", "must be in (0, 1]")
-    if cfg.strategy == "ps" and cfg.checkpoint_every:
-        bad("checkpoint_every", "is not supported with --strategy ps: its checkpoints are "
-            "written at the end of every epoch, the only moment the servers and all workers "
-            "agree on the parameters (drop --checkpoint-every; --checkpoint-dir turns them "
-            "on)")
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum == 0):
         bad("nesterov", "needs --optimizer sgd with --momentum > 0")
     return cfg

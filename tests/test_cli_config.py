@@ -6,6 +6,14 @@ from mpidl import config
 from mpidl.errors import ConfigError
 
 
+@pytest.fixture(autouse=True, scope="module")
+def runtime_options():
+    """The runtime's parts declare the parallelism settings (as the command line does)."""
+    from mpidl.cli.train import register_options
+
+    register_options()
+
+
 @pytest.fixture(autouse=True)
 def fake_model_defaults(monkeypatch):
     monkeypatch.setattr(config, "model_defaults",
@@ -101,7 +109,7 @@ def test_overlap_flag_reaches_the_strategy(argv, want):
     import argparse
 
     from mpidl.cli import train
-    from mpidl.strategies import make_strategy
+    from mpidl.runtime import build
 
     parser = argparse.ArgumentParser()
     train.register(parser.add_subparsers())
@@ -109,4 +117,5 @@ def test_overlap_flag_reaches_the_strategy(argv, want):
     flags = {k: v for k, v in args.items() if k in config.OPTIONS_BY_NAME}
     kwargs = config.strategy_kwargs(config.resolve(flags))
     assert kwargs.get("overlap") == want
-    assert make_strategy("allreduce", None, **kwargs).overlap_mode == (want or "auto")
+    runtime = build("allreduce", None, **kwargs)
+    assert runtime.syncs[0][1].overlap_mode == (want or "auto")

@@ -15,9 +15,10 @@ import pytest
 from mpirun import run_ranks
 from mpidl.engine import SGD, Linear, ReLU, Sequential, SoftmaxCrossEntropy
 from mpidl.errors import ConfigError
-from mpidl.strategies import make_strategy, strategy_class
-from mpidl.strategies.data_parallel import DataParallel
-from mpidl.strategies.fusion import FusionBuffers, plan
+from mpidl.runtime import build, canonical
+from mpidl.runtime.fusion import FusionBuffers, plan
+from mpidl.runtime.sync import FusedAllreduce
+from mpidl.runtime.sync import fused as dp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANKS = os.path.join(HERE, "ranks")
@@ -103,17 +104,23 @@ def test_missing_gradient_packs_zeros():
     assert not f.buckets[0].buffer.any()
 
 
-# -- the strategy in one process ----------------------------------------------------------------
+def fused_sync(runtime):
+    """The fused all-reduce part of an allreduce runtime."""
+    return next(s for _, s in runtime.syncs if isinstance(s, FusedAllreduce))
+
+
+# -- the preset in one process ------------------------------------------------------------------
 
 def test_registry_and_options():
-    assert strategy_class("allreduce") is DataParallel
-    assert strategy_class("data_parallel") is DataParallel
+    assert canonical("allreduce") == canonical("data_parallel") == canonical("dp")
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        build("butterflies", None)
     with pytest.raises(ConfigError, match="algorithm"):
-        make_strategy("allreduce", None, algorithm="butterfly")
+        build("allreduce", None, algorithm="butterfly")
     with pytest.raises(ConfigError, match="bucket"):
-        make_strategy("allreduce", None, bucket_mb=0)
+        build("allreduce", None, bucket_mb=0)
     with pytest.raises(ConfigError, match="does not take"):
-        make_strategy("allreduce", None, servers=2)
+        build("allreduce", None, servers=2)
 
 
 def test_without_communicator_matches_local_training():
@@ -123,7 +130,7 @@ def test_without_communicator_matches_local_training():
     for name in ("local", "allreduce"):
         model = mlp(seed=5, dtype="float64")
         opt = SGD(model.named_parameters(), lr=0.1, momentum=0.9)
-        s = make_strategy(name, None)
+        s = build(name, None)
         s.setup(model, opt, SoftmaxCrossEntropy())
         for i in range(4):
             s.train_step(x[i], y[i])
@@ -150,8 +157,6 @@ class _Comm:
 
 
 def test_overlap_auto_wants_a_spare_core_per_rank(monkeypatch):
-    from mpidl.strategies import data_parallel as dp
-
     named = mlp().named_parameters()
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(dp.os, "cpu_count", lambda: 2)
@@ -172,13 +177,13 @@ def test_overlap_auto_wants_a_spare_core_per_rank(monkeypatch):
 
 
 def test_overlap_option_values():
-    assert make_strategy("allreduce", None).overlap_mode == "auto"
-    assert make_strategy("allreduce", None, overlap=True).overlap_mode == "on"
-    assert make_strategy("allreduce", None, overlap=False).overlap_mode == "off"
-    assert make_strategy("allreduce", None, overlap="on").overlap_mode == "on"
-    assert make_strategy("allreduce", None, overlap="off").overlap_mode == "off"
+    assert fused_sync(build("allreduce", None)).overlap_mode == "auto"
+    assert fused_sync(build("allreduce", None, overlap=True)).overlap_mode == "on"
+    assert fused_sync(build("allreduce", None, overlap=False)).overlap_mode == "off"
+    assert fused_sync(build("allreduce", None, overlap="on")).overlap_mode == "on"
+    assert fused_sync(build("allreduce", None, overlap="off")).overlap_mode == "off"
     with pytest.raises(ConfigError, match="overlap"):
-        make_strategy("allreduce", None, overlap="sometimes")
+        build("allreduce", None, overlap="sometimes")
 
 
 DROPOUT_MASKS = """
@@ -187,10 +192,10 @@ import numpy as np
 from mpi4py import MPI
 from mpidl.comm import Communicator
 from mpidl.engine import SGD, Dropout, Linear, Sequential, SoftmaxCrossEntropy
-from mpidl.strategies import make_strategy
+from mpidl.runtime import build
 
 model = Sequential(Linear(4, 64, rng=np.random.default_rng(0)), Dropout(0.5, seed=3))
-strategy = make_strategy(sys.argv[2], Communicator(MPI.COMM_WORLD))
+strategy = build(sys.argv[2], Communicator(MPI.COMM_WORLD))
 strategy.setup(model, SGD(model.named_parameters(), lr=0.1), SoftmaxCrossEntropy())
 if strategy.trains_on_data:
     mask = (model.forward(np.ones((8, 4), np.float32)) != 0).tolist()

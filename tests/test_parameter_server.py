@@ -14,8 +14,9 @@ from mpidl.ps.modes import ModeConfig
 from mpidl.ps.protocol import PSError
 from mpidl.ps.server import ParameterServer, _mean
 from mpidl.ps.sharding import shard_parameters
-from mpidl.strategies.parameter_server import (ParameterServerStrategy, parse_straggler,
-                                               summarize)
+from mpidl.runtime import build
+from mpidl.runtime.schedule import parse_straggler
+from mpidl.runtime.sync.pushpull import summarize
 
 
 def _params(*shapes, dtype=np.float32):
@@ -91,28 +92,30 @@ class FakeComm:
 
 def test_strategy_option_errors():
     with pytest.raises(ConfigError, match="needs at least 2 ranks"):
-        ParameterServerStrategy(None)
+        build("ps", None)
     with pytest.raises(ConfigError, match="needs at least 4 ranks"):
-        ParameterServerStrategy(FakeComm(0, 3), servers=3)
+        build("ps", FakeComm(0, 3), servers=3)
     with pytest.raises(ConfigError, match="rank 0 is not a worker"):
-        ParameterServerStrategy(FakeComm(0, 3), straggler="0:2")
+        build("ps", FakeComm(0, 3), straggler="0:2")
     with pytest.raises(ConfigError, match="does not take option"):
-        ParameterServerStrategy(FakeComm(0, 3), bogus=1)
+        build("ps", FakeComm(0, 3), bogus=1)
     with pytest.raises(ConfigError, match="--ratio is a compression setting"):
-        ParameterServerStrategy(FakeComm(0, 3), ratio=0.1)
+        build("ps", FakeComm(0, 3), ratio=0.1)
     with pytest.raises(ConfigError, match="--compression bogus"):
-        ParameterServerStrategy(FakeComm(0, 3), compression="bogus")
+        build("ps", FakeComm(0, 3), compression="bogus")
     with pytest.raises(ConfigError, match="powersgd needs all-reduces"):
-        ParameterServerStrategy(FakeComm(0, 3), compression="powersgd:rank=2")
-    s = ParameterServerStrategy(FakeComm(1, 3), compression="topk:ratio=0.05")
-    assert s._compressor.name == "topk" and s._memory is not None
-    s = ParameterServerStrategy(FakeComm(1, 4), servers=2, mode="ssp", staleness=2,
-                                algorithm="ring")  # allreduce options are ignored
-    assert (s.server_ranks, s.worker_ranks) == ([0, 1], [2, 3])
+        build("ps", FakeComm(0, 3), compression="powersgd:rank=2")
+    s = build("ps", FakeComm(1, 3), compression="topk:ratio=0.05")
+    assert s.compressor.name == "topk" and s.compressor.memory is not None
+    # from the command line, other layouts' options are accepted and reported unused
+    s = build("ps", FakeComm(1, 4), strict=False, servers=2, mode="ssp", staleness=2,
+              algorithm="ring")
+    assert s.unused_options == ("algorithm",)
+    assert (s.roles["server"], s.roles["trainer"]) == ([0, 1], [2, 3])
     assert not s.trains_on_data and not s.is_root and s.shard() == (0, 2)
-    w = ParameterServerStrategy(FakeComm(3, 4), servers=2)
+    w = build("ps", FakeComm(3, 4), servers=2)
     assert w.trains_on_data and w.shard() == (1, 2) and not w.is_root
-    assert ParameterServerStrategy(FakeComm(2, 4), servers=2).is_root
+    assert build("ps", FakeComm(2, 4), servers=2).is_root
 
 
 def test_summarize_sums_servers():

@@ -125,14 +125,6 @@ def test_failure_injection_under_mpiexec_n1(tmp_path):
 
 # -- checkpoint / resume
 
-def data_parallel_available():
-    try:
-        import mpidl.strategies.data_parallel  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # cnn on 8x8 digits: BatchNorm buffers, Dropout's mask counter, momentum, a cosine schedule
 # and a mid-epoch position all have to come back exactly. 512 samples, batch 32 per rank.
 RESUME_ARGS = ["--model", "cnn", "--dropout", "0.25", "--dataset", "digits",
@@ -141,8 +133,7 @@ RESUME_ARGS = ["--model", "cnn", "--dropout", "0.25", "--dataset", "digits",
 
 
 def ranks_param():
-    return [1, pytest.param(2, marks=pytest.mark.skipif(
-        not data_parallel_available(), reason="data-parallel strategy not available"))]
+    return [1, 2]
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +243,6 @@ def test_full_fashion_mnist_accuracy(request, tmp_path, model, target, timeout):
     assert best >= target, launch.output
 
 
-@pytest.mark.skipif(not data_parallel_available(), reason="data-parallel strategy not available")
 def test_two_ranks_log_with_their_rank(tmp_path):
     args = ["--dataset", "synthetic", "--limit-train", "512", "--limit-test", "64",
             "--epochs", "1", "--out-dir", tmp_path]
@@ -266,7 +256,6 @@ def test_two_ranks_log_with_their_rank(tmp_path):
             assert re.match(r"\[rank [01]\] ", line), line
 
 
-@pytest.mark.skipif(not data_parallel_available(), reason="data-parallel strategy not available")
 def test_scale_lr_with_warmup(tmp_path):
     launch = train(["--dataset", "synthetic", "--limit-train", "512", "--limit-test", "64",
                     "--epochs", "2", "--batch-size", "32", "--lr", "0.01", "--scale-lr",

@@ -13,15 +13,23 @@ import inspect
 import os
 import time
 
-from mpidl.config import OPTIONS, extend_with_strategy_options, resolve, strategy_kwargs
-from mpidl.threads import blas_threads_note
+from mpidl import config
+from mpidl.config import OPTIONS, resolve, strategy_kwargs
 from mpidl.errors import ConfigError, UserError
+from mpidl.threads import blas_threads_note
 
 GROUPS = ["model and data", "training", "parallelism", "outputs"]
 
 
+def register_options():
+    """The runtime's parts declare their settings; they become flags and config keys."""
+    from mpidl.runtime import cli_options  # noqa: PLC0415
+
+    return config.register(cli_options())
+
+
 def register(subparsers):
-    extend_with_strategy_options()
+    register_options()
     p = subparsers.add_parser(
         "train", help="train a model (one process, or many under mpiexec/srun)",
         description="Train a model on a dataset. Values come from, lowest to highest: "
@@ -107,8 +115,8 @@ def _local_rank(world):
 def prepare(args, world):
     """Phase 1 (local): everything that can go wrong because of the input. Returns phase 2."""
     from mpidl import backend  # noqa: PLC0415
+    from mpidl import runtime as runtimes  # noqa: PLC0415
     from mpidl.data import load_dataset  # noqa: PLC0415
-    from mpidl.strategies import make_strategy, strategy_class  # noqa: PLC0415
     from mpidl.training.log import setup_logging  # noqa: PLC0415
 
     flags = given_flags(args)
@@ -136,11 +144,12 @@ def prepare(args, world):
     if cfg.limit_train or cfg.limit_test:
         dataset = dataset.limit(cfg.limit_train, cfg.limit_test)
 
-    model, optimizer, loss, eval_loss = build_model_and_optimizer(cfg, dataset, init)
-    schedule_factory = make_schedule_factory(cfg)
+    model, optimizer = build_model_and_optimizer(cfg, dataset, init)
+    from mpidl.training.trainer import schedule_factory  # noqa: PLC0415
 
-    name = cfg.strategy or default_strategy(world.size)
-    strategy_class(name)  # a missing strategy module is found now, locally
+    lr_schedule = schedule_factory(cfg.schedule)
+
+    name = runtimes.canonical(cfg.strategy or default_strategy(world.size))
     options = strategy_kwargs(cfg)
     cfg.strategy = name
     meta = {"model": cfg.model, "dataset": dataset.name,
@@ -152,12 +161,13 @@ def prepare(args, world):
         from mpidl.training.trainer import Trainer  # noqa: PLC0415
 
         # The Communicator's constructor is collective, so it is built only now that every
-        # rank got through phase 1; the strategy's and loader's checks agree once more.
+        # rank got through phase 1; the runtime's and loader's checks agree once more.
         with Agreement(world):
             comm = make_comm(world) if world.size > 1 or name != "local" else None
-            strategy = make_strategy(name, comm, **options)
-            trainer = Trainer(cfg, model, optimizer, loss, strategy, dataset,
-                              schedule_factory, eval_loss, paths={}, model_meta=meta)
+            runtime = runtimes.build(name, comm, strict=False, **options)
+            trainer = Trainer(model, optimizer, dataset, runtime=runtime, config=cfg,
+                              lr_schedule=lr_schedule, model_meta=meta)
+        strategy = runtime
         stamp = strategy.bcast(time.strftime("%Y%m%d-%H%M%S") if strategy.is_root else None)
         out_dir = cfg.out_dir or os.path.join("runs", cfg.name or stamp)
         ckpt_on = bool(cfg.checkpoint_dir or cfg.checkpoint_every or cfg.resume)
@@ -177,10 +187,13 @@ def prepare(args, world):
                 f"{cfg.optimizer} lr {trainer.base_lr:g} ({cfg.schedule}, warm-up "
                 f"{trainer.warmup_steps} steps) | {blas_threads_note()} | outputs in "
                 f"{out_dir}")
-            if name == "local" and options:  # one command line runs on 1 and N ranks
-                flags = ", ".join("--" + k.replace("_", "-") for k in sorted(options))
-                log.info(f"one process: {flags} apply to several ranks and have no effect "
-                         "here")
+            unused = runtime.unused_options  # one command line runs on 1 and N ranks
+            if unused:
+                flags = ", ".join("--" + k.replace("_", "-") for k in unused)
+                where = ("one process: " if name == "local" else f"--strategy {name}: ")
+                log.info(f"{where}{flags} apply to other layouts and have no effect here"
+                         if name != "local" else
+                         f"{where}{flags} apply to several ranks and have no effect here")
         import socket  # noqa: PLC0415
 
         index, count = strategy.shard()
@@ -211,14 +224,13 @@ def read_init(path):
 
 
 def build_model_and_optimizer(cfg, dataset, init=None):
-    """Model, optimizer and losses; a model that does not fit the data is a UserError.
+    """Model and optimizer; a model that does not fit the data is a UserError.
 
     With ``init`` (from ``read_init``) the model is built as it was saved and its weights
     loaded, so data of another shape fails the fit check below with the layer named.
     """
     from mpidl.engine import ShapeError  # noqa: PLC0415
-    from mpidl.engine.losses import SoftmaxCrossEntropy  # noqa: PLC0415
-    from mpidl.engine.models import MODELS, build_model  # noqa: PLC0415
+    from mpidl.engine.models import MODELS, build_model, model_builder  # noqa: PLC0415
 
     input_shape, num_classes = dataset.input_shape, dataset.num_classes
     if init is not None:
@@ -229,7 +241,11 @@ def build_model_and_optimizer(cfg, dataset, init=None):
              f" does not fit dataset {dataset.name!r} (input shape {dataset.input_shape}, "
              f"{dataset.num_classes} classes)")
     options = {} if cfg.dropout is None else {"dropout": cfg.dropout}
-    if options and "dropout" not in inspect.signature(MODELS[cfg.model]).parameters:
+    try:
+        builder = model_builder(cfg.model)
+    except ValueError as e:
+        raise ConfigError(f"--model {cfg.model}: {e}") from None
+    if options and "dropout" not in inspect.signature(builder).parameters:
         raise ConfigError(f"--dropout: model {cfg.model!r} has no dropout layers "
                           f"(models with dropout: {', '.join(_with_dropout(MODELS))})")
     try:
@@ -244,7 +260,7 @@ def build_model_and_optimizer(cfg, dataset, init=None):
             raise ConfigError(f"--init {cfg.init}: weights do not fit model {cfg.model!r}: "
                               f"{e}") from None
     check_model_fits(model, dataset, where, cfg.dtype)
-    return model, make_optimizer(cfg, model), SoftmaxCrossEntropy(), SoftmaxCrossEntropy()
+    return model, make_optimizer(cfg, model)
 
 
 def _with_dropout(models):
@@ -260,7 +276,7 @@ def check_model_fits(model, dataset, where, dtype):
                   dtype=dtype)
     model.eval()
     try:
-        out = model.forward(x)
+        out = model(x)
     except ShapeError as e:
         raise UserError(f"{where}: {e}") from None
     finally:
@@ -279,21 +295,3 @@ def make_optimizer(cfg, model):
                          weight_decay=cfg.weight_decay)
     cls = {"adam": optim.Adam, "adamw": optim.AdamW}[cfg.optimizer]
     return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def make_schedule_factory(cfg):
-    """A function (base_lr, total_steps, warmup_steps) -> schedule; the kind is checked now."""
-    from mpidl.engine.schedules import make_schedule  # noqa: PLC0415
-
-    def factory(base_lr, total_steps, warmup_steps):
-        extra = {}
-        if cfg.schedule == "step":  # decay by 10x at half and at three quarters
-            extra["milestones"] = [max(1, total_steps // 2), max(1, total_steps * 3 // 4)]
-        return make_schedule(cfg.schedule, base_lr, max(total_steps, 1),
-                             warmup_steps=warmup_steps, **extra)
-
-    try:
-        factory(cfg.lr, 100, 0)
-    except (ValueError, KeyError) as e:
-        raise ConfigError(f"--schedule {cfg.schedule!r}: {e}") from None
-    return factory

@@ -128,6 +128,33 @@ def make_compressor(name, memory="default", **params):
     return compressor
 
 
+def build_compression(spec, ratio=None, optimizer=None):
+    """The one place a command line's ``--compression SPEC [--ratio R]`` becomes a
+    compressor with its memory, the same under every strategy; None for no compression.
+
+    ``optimizer``: the optimizer that applies the exchanged gradients (on every rank that
+    has one: data-parallel ranks, parameter servers). A memory that applies momentum
+    before compressing (onebit, dgc: momentum correction) takes the optimizer's momentum
+    over, and the optimizer's is set to 0, so momentum is applied exactly once whoever
+    runs the optimizer. Bad names, parameters or ratios raise ``ValueError`` saying what
+    is accepted (the command line turns it into one line).
+    """
+    if spec in (None, "", "none") and ratio is None:
+        return None
+    if spec in (None, ""):
+        raise ValueError("--ratio is a compression setting: give --compression too "
+                         "(e.g. --compression topk --ratio 0.01)")
+    kw = {} if ratio is None else {"ratio": ratio}
+    try:
+        compressor = make_compressor(spec, **kw)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    memory = compressor.memory
+    if optimizer is not None and memory is not None:
+        memory.adopt_momentum(optimizer)
+    return compressor
+
+
 def _make_memory(memory, compressor, momentum=None):
     if isinstance(memory, Memory) or memory is None:
         return memory
@@ -151,5 +178,6 @@ def _make_memory(memory, compressor, momentum=None):
 __all__ = ["COMPRESSORS", "Compressor", "Ctx", "DGCCompressor", "DGCMemory", "Exchanger",
            "FP16Compressor", "MEMORIES", "Memory", "MomentumMemory", "NoneCompressor", "OneBitCompressor",
            "PowerSGDCompressor", "QSGDCompressor", "RandomKCompressor", "ResidualMemory",
-           "TernGradCompressor", "ThresholdCompressor", "TopKCompressor", "make_compressor",
+           "TernGradCompressor", "ThresholdCompressor", "TopKCompressor", "build_compression",
+           "make_compressor",
            "parse_spec"]

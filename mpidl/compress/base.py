@@ -75,6 +75,14 @@ class Compressor:
 
     name = None
     summable = False
+    #: True for compressors that run their own protocol of several all-reduces between
+    #: the ranks (``reduce(tensor, name, allreduce_mean)``, PowerSGD): they need a group
+    #: of peers and cannot push to a parameter server
+    multi_round = False
+    #: "bucket": the math is element-wise, so a whole fused bucket can be compressed as
+    #: one tensor (a comm hook on the buckets); "tensor": per tensor (top-k ratios,
+    #: per-tensor scales, PowerSGD's matrices)
+    granularity = "tensor"
     memory = None
     rank, size = 0, 1
 
@@ -132,6 +140,12 @@ class Memory:
         payload, ctx = compressor.compress(t, name)
         self.update(t, name, compressor, payload, ctx)
         return payload, ctx
+
+    def adopt_momentum(self, optimizer):
+        """Memories that apply momentum before compressing take it over from the
+        optimizer (see ``memory.MomentumMemory``); this one leaves it. Returns the
+        momentum applied here."""
+        return 0.0
 
     def state_dict(self):
         return {}

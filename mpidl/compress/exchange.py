@@ -84,7 +84,7 @@ class Exchanger:
         self.calls += 1
         self.dense_bytes += grad.nbytes
         c = self.compressor
-        if hasattr(c, "reduce"):
+        if c.multi_round:
             return _Pending(name, grad, done=c.reduce(grad, name, self._allreduce_mean))
         if self.memory is not None:
             payload, ctx = self.memory.compress(c, grad, name)
@@ -153,10 +153,8 @@ class Exchanger:
 
     def adopt_momentum(self, optimizer):
         """Let a momentum-correcting memory (onebit, dgc) apply the momentum in place of
-        ``optimizer``: its momentum moves here and the optimizer's is set to 0. Call it
-        once after building the optimizer; returns the momentum applied in the memory."""
-        fn = getattr(self.memory, "adopt_momentum", None)
-        return fn(optimizer) if fn is not None else 0.0
+        ``optimizer`` (see ``mpidl.compress.build_compression``, which does it)."""
+        return self.memory.adopt_momentum(optimizer) if self.memory is not None else 0.0
 
     # -- checkpoints
     def state_dict(self):

@@ -12,6 +12,7 @@ from .base import Compressor, check_payload, ctx_of, flat32, restore
 class FP16Compressor(Compressor):
     name = "fp16"
     summable = True
+    granularity = "bucket"
 
     def compress(self, tensor, name):
         return [to_fp16(flat32(tensor))], ctx_of(tensor)

@@ -8,6 +8,7 @@ class NoneCompressor(Compressor):
 
     name = "none"
     summable = True
+    granularity = "bucket"
 
     def compress(self, tensor, name):
         return [tensor.reshape(-1)], ctx_of(tensor)

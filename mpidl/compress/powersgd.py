@@ -41,6 +41,7 @@ class PowerSGDCompressor(Compressor):
 
     name = "powersgd"
     summable = False
+    multi_round = True
 
     def __init__(self, rank=2, warm_start=True, error_feedback=True, seed=0):
         rank = int(rank)

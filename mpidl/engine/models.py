@@ -18,6 +18,7 @@ from mpidl.engine.normalization import BatchNorm2d
 from mpidl.engine.pooling import GlobalAvgPool2d, MaxPool2d
 from mpidl.engine.reshape import Flatten
 from mpidl.engine.residual import basic_block
+from mpidl.engine.user_models import check_model, is_model_file, load_model_function
 
 
 def _image_shape(name, input_shape):
@@ -97,18 +98,28 @@ MODEL_DEFAULTS = {
 }
 
 
+def model_builder(name):
+    """The builder function of model ``name``: one of ``MODELS``, or ``FILE.py:FUNC``
+    (a model of your own, ``mpidl.engine.user_models``)."""
+    if is_model_file(name):
+        return load_model_function(name)
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODELS)}, or "
+                         "FILE.py:FUNC for a model of your own") from None
+
+
 def build_model(name, input_shape=(1, 28, 28), num_classes=10, seed=0, dtype="float32",
                 **options):
-    """Build model ``name`` (one of ``MODELS``) for inputs of ``input_shape`` (without the
-    batch axis). ``options`` go to the builder (e.g. ``dropout=0.0``, ``hidden=(512,)``).
+    """Build model ``name`` (one of ``MODELS``, or ``FILE.py:FUNC``) for inputs of
+    ``input_shape`` (without the batch axis). ``options`` go to the builder (e.g.
+    ``dropout=0.0``, ``hidden=(512,)``).
 
     The returned model does not compute the gradient of its input (nobody needs the
     gradient of the data), which saves the first layer's ``dx`` GEMM.
     """
-    try:
-        builder = MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODELS)}") from None
+    builder = model_builder(name)
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
     try:
@@ -118,5 +129,7 @@ def build_model(name, input_shape=(1, 28, 28), num_classes=10, seed=0, dtype="fl
         if "unexpected keyword" in str(e):
             raise ValueError(f"model {name!r} does not take option(s) {sorted(options)}: {e}") from None
         raise
+    if is_model_file(name):
+        check_model(model, name)
     model.needs_input_grad = False
     return model

@@ -3,8 +3,8 @@ push gradients and pull parameters (sync, async/Downpour, SSP, backup workers).
 
 ``sharding`` decides which server holds which tensor, ``protocol`` is the wire format and
 the non-spinning wait, ``modes`` decides when a push is applied and answered, ``server``
-and ``worker`` are the two sides. ``mpidl.strategies.parameter_server`` plugs them into
-the trainer as ``--strategy ps``.
+and ``worker`` are the two sides. ``mpidl.runtime`` plugs them into
+the trainer as ``--strategy ps`` (``runtime.sync.pushpull``, ``runtime.server``).
 """
 
 from mpidl.ps.modes import MODES, ModeConfig

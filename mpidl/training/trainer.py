@@ -1,27 +1,32 @@
-"""The training loop: epochs of sharded batches driven through a Strategy.
+"""The training loop: epochs of sharded batches driven through a parallel ``Runtime``.
 
 The trainer owns data order, the learning-rate schedule, evaluation, metrics, the
-progress bar and checkpoints; the strategy (``mpidl.strategies``) owns what a step does
-across ranks. A checkpoint holds everything the loop needs to continue at the exact batch
+progress bar and checkpoints; the runtime (``mpidl.runtime``) owns what a step does
+across ranks, and the *task* (``mpidl.training.tasks``) what is learned and measured
+(classification today). Callbacks (``mpidl.training.callbacks``) see every step end,
+evaluation, epoch end and checkpoint, so benchmarks and experiments extend the loop
+instead of copying it. A checkpoint holds everything the loop needs to continue at the exact batch
 where it stopped — model (with buffers such as BatchNorm statistics and Dropout's mask
 counter), optimizer state, step, epoch, position in the epoch, the epoch's running
-metrics, every rank's RNG states and the strategy's state — so a resumed run ends
+metrics, every rank's RNG states and the runtime's state — so a resumed run ends
 bitwise equal to an uninterrupted one with the same seed and rank count.
 """
 
 import math
-import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
-from mpidl import backend
+from mpidl import backend, env
 from mpidl.data import BatchLoader, eval_batches
 from mpidl.errors import AgreedUserError, ConfigError, TrainingDiverged
 from mpidl.training import checkpoint as ckpt
+from mpidl.training.callbacks import CallbackList
 from mpidl.training.log import get_logger
 from mpidl.training.metrics import EpochStats, MetricsWriter, truncate_metrics
 from mpidl.training.progress import Progress
+from mpidl.training.tasks import ClassificationTask
 
 FAIL_ENV = "MPIDL_FAIL_AT"
 CRASH_IN_CHECKPOINT_ENV = "MPIDL_CRASH_IN_CHECKPOINT"
@@ -79,25 +84,47 @@ def set_rng_states(model, states):
 
 
 class Trainer:
-    """Runs ``cfg.epochs`` epochs of ``strategy`` on ``dataset``; see the module docstring.
+    """Runs ``epochs`` epochs of ``runtime``'s steps on ``dataset``; see the module doc.
 
-    ``schedule(step) -> lr`` is the per-step learning rate; ``eval_loss`` a loss object
-    used for the test set (kept apart from the training loss's cached state).
-    ``paths``: {"metrics", "save", "checkpoint_dir"} (None to skip each).
+    ``model``, ``optimizer``: an mpidl ``Layer`` and an engine optimizer over its
+    parameters. ``dataset``: any object with ``train_x, train_y, test_x, test_y`` host
+    arrays (``mpidl.data.Dataset``). ``runtime``: an ``mpidl.runtime.Runtime`` (default:
+    one process). ``task``: what is learned (default ``ClassificationTask``).
+    ``config``: an object with settings as attributes (``mpidl train``'s resolved
+    configuration); ``settings`` keywords override it, and anything not given takes the
+    command line's default (``epochs``, ``batch_size``, ``lr``, ``schedule``,
+    ``warmup_epochs``, ``scale_lr``, ``seed``, ``drop_last``, ``dtype``,
+    ``eval_batch_size``, ``checkpoint_every``, ``keep_checkpoints``, ``resume``,
+    ``progress``). ``paths``: {"metrics", "save", "checkpoint_dir"} (None to skip each).
+    ``lr_schedule``: a factory (base_lr, total_steps, warmup_steps) -> schedule(step);
+    default from ``schedule``. ``callbacks``: ``mpidl.training.callbacks.Callback``s.
     """
 
-    def __init__(self, cfg, model, optimizer, loss, strategy, dataset, schedule_factory,
-                 eval_loss, paths, model_meta=None):
-        self.cfg = cfg
-        self.model, self.optimizer, self.loss = model, optimizer, loss
-        self.strategy = strategy
+    def __init__(self, model, optimizer, dataset, runtime=None, task=None, config=None,
+                 callbacks=(), paths=None, lr_schedule=None, model_meta=None, **settings):
+        self.cfg = _settings(config, settings)
+        cfg = self.cfg
+        if runtime is None:
+            from mpidl.runtime import build  # noqa: PLC0415
+
+            runtime = build("local")
+        self.model, self.optimizer = model, optimizer
+        self.runtime = runtime
+        self.task = task if task is not None else ClassificationTask()
         self.dataset = dataset
-        self.eval_loss = eval_loss
-        self.paths = paths
+        self.paths = dict(paths or {})
         self.model_meta = dict(model_meta or {})
+        self.callbacks = CallbackList(callbacks)
         self.log = get_logger()
-        self.index, self.count = strategy.shard()
-        self.loader = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size,
+        if runtime.checkpoint_at_epoch_end and cfg.checkpoint_every:
+            raise ConfigError(
+                f"--checkpoint-every is not supported with --strategy {runtime.name}: its "
+                "checkpoints are written at the end of every epoch, the only moment the "
+                "servers and all workers agree on the parameters (drop --checkpoint-every; "
+                "--checkpoint-dir turns them on)")
+        self.index, self.count = runtime.shard()
+        micro = getattr(runtime.schedule, "k", 1)
+        self.loader = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size * micro,
                                   shard=(self.index, self.count), seed=cfg.seed,
                                   drop_last=cfg.drop_last, dtype=cfg.dtype)
         self.steps_per_epoch = len(self.loader)
@@ -107,9 +134,10 @@ class Trainer:
         if cfg.scale_lr and self.count > 1 and "warmup_epochs" not in getattr(cfg, "given", ()):
             warmup_epochs = 1.0  # a scaled lr needs a warm-up (Goyal et al. 2017)
         self.warmup_steps = int(round(warmup_epochs * self.steps_per_epoch))
-        self.schedule = schedule_factory(self.base_lr, self.total_steps, self.warmup_steps)
-        self.fail_at = parse_fail_at(os.environ.get(FAIL_ENV)).get(strategy.rank, set())
-        crash = os.environ.get(CRASH_IN_CHECKPOINT_ENV)  # "N" or "N:BYTES": test hook
+        factory = lr_schedule or schedule_factory(cfg.schedule)
+        self.schedule = factory(self.base_lr, self.total_steps, self.warmup_steps)
+        self.fail_at = parse_fail_at(env.get(FAIL_ENV)).get(runtime.rank, set())
+        crash = env.get(CRASH_IN_CHECKPOINT_ENV)  # "N" or "N:BYTES": test hook
         self.crash_in_checkpoint = tuple(int(v) for v in crash.split(":")) if crash else None
         self.checkpoints_written = 0
         # where the loop stands: the next step's epoch and batch, steps done so far
@@ -123,8 +151,13 @@ class Trainer:
 
     # -- helpers
     @property
+    def strategy(self):
+        """The runtime (the name earlier versions used)."""
+        return self.runtime
+
+    @property
     def is_root(self):
-        return self.strategy.is_root
+        return self.runtime.is_root
 
     @property
     def checkpointing(self):
@@ -135,15 +168,17 @@ class Trainer:
 
     # -- the loop
     def fit(self):
-        cfg, strategy = self.cfg, self.strategy
+        cfg, rt = self.cfg, self.runtime
         self.t_start = time.perf_counter()
-        strategy.checkpoints = self.checkpointing
-        strategy.setup(self.model, self.optimizer, self.loss)
+        rt.checkpoints = self.checkpointing
+        rt.setup(self.model, self.optimizer, self.task.loss)
         if cfg.resume:
             self.restore()
-        if not strategy.trains_on_data:
-            strategy.serve()
-            strategy.finish()
+        self.callbacks.on_fit_start(self)
+        if not rt.trains_on_data:
+            rt.serve()
+            rt.finish()
+            self.callbacks.on_fit_end(self)
             return self.last
         self.metrics = MetricsWriter(self.paths.get("metrics")) if self.is_root else None
         self.progress = Progress(cfg.progress and self.is_root)
@@ -160,27 +195,28 @@ class Trainer:
                 for b, x, y in self.loader.epoch(epoch, start=self.batch):
                     if self.step in self.fail_at:
                         raise InjectedFailure(f"{FAIL_ENV}: injected failure on rank "
-                                              f"{strategy.rank} at step {self.step}")
+                                              f"{rt.rank} at step {self.step}")
                     lr = self.lr_at(self.step)
                     self.optimizer.lr = lr
-                    loss = strategy.train_step(x, y)
+                    loss = rt.train_step(x, y)
                     self.step += 1
                     self.batch = b + 1
                     now = time.perf_counter()
                     self.stats.add(loss, images_per_step, now - t)
                     self.progress.update(self.stats.loss_sum / self.stats.steps,
                                          self.stats.images / max(self.stats.seconds, 1e-9), lr)
+                    self.callbacks.on_step_end(self, loss)
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_checkpoint()
                     t = time.perf_counter()  # checkpoint time does not count as training
-                    if strategy.epoch_cut():
+                    if rt.epoch_cut():
                         break
                 # a rank that ended its epoch early keeps the schedule in step with the rest
                 self.step = max(self.step, (epoch + 1) * self.steps_per_epoch)
                 self.progress.close()
                 self.end_epoch()
                 diverged = not math.isfinite(self.last["train_loss"])
-                if (self.checkpointing and strategy.checkpoint_at_epoch_end
+                if (self.checkpointing and rt.checkpoint_at_epoch_end
                         and self.epoch < cfg.epochs and not diverged):
                     self.save_checkpoint()  # (the last one is written below)
             if not diverged:
@@ -189,7 +225,8 @@ class Trainer:
                 self.save_model()
         finally:
             self.progress.close()
-        strategy.finish()
+        rt.finish()
+        self.callbacks.on_fit_end(self)
         if diverged:
             raise self.divergence()
         return self.last
@@ -198,9 +235,9 @@ class Trainer:
         """The error for a NaN or infinite training loss: what happened and what to try."""
         cfg, r = self.cfg, self.last
         hint = "lower --lr or add --warmup-epochs"
-        if getattr(cfg, "strategy", None) == "ps" and getattr(cfg, "mode", None) in (
-                "async", "ssp"):
-            hint += (f"; with --mode {cfg.mode}, stale gradients act as extra momentum: "
+        mode = getattr(getattr(self.runtime, "mode_cfg", None), "mode", None)
+        if mode in ("async", "ssp"):
+            hint += (f"; with --mode {mode}, stale gradients act as extra momentum: "
                      "try --momentum 0 (the README's parameter-server section has a recipe)")
         saved = (f"; checkpoints written before it are in {self.paths['checkpoint_dir']}"
                  if self.checkpointing else "")
@@ -214,18 +251,17 @@ class Trainer:
         self.log.debug(f"epoch {self.epoch + 1}: local train loss "
                        f"{self.stats.loss_sum / max(self.stats.steps, 1):.4f} over "
                        f"{self.stats.steps} step(s)")
-        train = self.strategy.reduce({"loss_sum": self.stats.loss_sum,
-                                      "steps": self.stats.steps}, "sum")
+        train = self.runtime.reduce({"loss_sum": self.stats.loss_sum,
+                                     "steps": self.stats.steps}, "sum")
         wall = time.perf_counter() - self.epoch_start  # every rank is done by now
-        test_loss, test_acc = self.evaluate()
+        results = self.evaluate()
         seconds = self.stats.seconds
         record = {
             "epoch": self.epoch + 1,
             "step": self.step,
             "lr": self.lr_at(max(self.step - 1, 0)),
             "train_loss": train["loss_sum"] / max(train["steps"], 1),
-            "test_loss": test_loss,
-            "test_acc": test_acc,
+            **results,
             "images_per_sec": self.stats.images / seconds if seconds > 0 else 0.0,
             "epoch_time": seconds,
             "epoch_wall": wall,
@@ -233,71 +269,72 @@ class Trainer:
             "ranks": self.count,
             "global_batch": self.loader.global_batch_size,
         }
-        record.update(self.strategy.metrics() or {})
+        record.update(self.runtime.metrics() or {})
         self.last = record
         if self.metrics is not None:
             self.metrics.write(record)
         self.epoch += 1
         self.batch = 0
         self.stats = EpochStats()
+        self.callbacks.on_epoch_end(self, record)
 
     def elapsed(self):
         return self.seconds_before + time.perf_counter() - self.t_start
 
     def evaluate(self):
-        """(mean loss, accuracy) on the test set: each rank takes a contiguous piece,
-        the sums are added over the ranks."""
-        from mpidl.engine.metrics import accuracy  # noqa: PLC0415
-
-        self.strategy.prepare_eval()
+        """The task's metrics on the test set: each rank takes a contiguous piece, the
+        task's sums are added over the ranks."""
+        self.runtime.prepare_eval()
         self.model.eval()
-        loss_sum, correct, n = 0.0, 0, 0
+        sums = {}
         try:
             for x, y in eval_batches(self.dataset.test_x, self.dataset.test_y,
                                      self.cfg.eval_batch_size, (self.index, self.count),
                                      dtype=self.cfg.dtype):
-                logits = self.model.forward(x)
-                loss_sum += float(self.eval_loss.forward(logits, y)) * len(y)
-                correct += accuracy(logits, y)
-                n += len(y)
+                for k, v in self.task.eval_sums(self.model, x, y).items():
+                    sums[k] = sums.get(k, 0) + v
         finally:
             self.model.train()
-        tot = self.strategy.reduce({"loss_sum": loss_sum, "correct": correct, "n": n}, "sum")
-        if tot["n"] == 0:
-            return float("nan"), float("nan")
-        return tot["loss_sum"] / tot["n"], tot["correct"] / tot["n"]
+        if not sums:  # an empty test piece: the same keys, zero
+            sums = {k: 0 for k in ("loss_sum", "correct", "n")}
+        results = self.task.eval_metrics(self.runtime.reduce(sums, "sum"))
+        self.callbacks.on_evaluate(self, results)
+        return results
 
     # -- checkpoints
     def resume_config(self):
         from mpidl.config import RESUME_KEYS  # noqa: PLC0415
 
-        out = {k: getattr(self.cfg, k) for k in RESUME_KEYS}
+        out = {k: getattr(self.cfg, k, None) for k in RESUME_KEYS}
         out["ranks"] = self.count
         return out
 
     def save_checkpoint(self):
         """Collective: gather every rank's RNG state, then the root writes atomically."""
         mine = {"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}
-        per_rank = self.strategy.gather(mine)
-        strategy_state = self.strategy.state_dict()
+        per_rank = self.runtime.gather(mine)
+        runtime_state = self.runtime.state_dict()
         self.checkpoints_written += 1
-        if not self.is_root:
-            return None
-        crash = None
-        if self.crash_in_checkpoint and self.crash_in_checkpoint[0] == self.checkpoints_written:
-            crash = self.crash_in_checkpoint[1] if len(self.crash_in_checkpoint) > 1 else 4096
-        state = {
-            "config": self.resume_config(),
-            "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
-                         "elapsed": self.elapsed(), "last": self.last},
-            "model": dict(self.model.state_dict()),
-            "optimizer": self.optimizer.state_dict(),
-            "ranks": per_rank,
-            "strategy": strategy_state,
-        }
-        path = ckpt.save(self.paths["checkpoint_dir"], self.step, state,
-                         keep=self.cfg.keep_checkpoints, crash_after_bytes=crash)
-        self.log.debug(f"checkpoint {path}")
+        path = None
+        if self.is_root:
+            crash = None
+            if self.crash_in_checkpoint and \
+                    self.crash_in_checkpoint[0] == self.checkpoints_written:
+                crash = (self.crash_in_checkpoint[1] if len(self.crash_in_checkpoint) > 1
+                         else 4096)
+            state = {
+                "config": self.resume_config(),
+                "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
+                             "elapsed": self.elapsed(), "last": self.last},
+                "model": dict(self.model.state_dict()),
+                "optimizer": self.optimizer.state_dict(),
+                "ranks": per_rank,
+                "runtime": runtime_state,
+            }
+            path = ckpt.save(self.paths["checkpoint_dir"], self.step, state,
+                             keep=self.cfg.keep_checkpoints, crash_after_bytes=crash)
+            self.log.debug(f"checkpoint {path}")
+        self.callbacks.on_checkpoint(self, path)
         return path
 
     def restore(self):
@@ -313,7 +350,7 @@ class Trainer:
                 payload = ("ok", path, state)
             except ConfigError as e:
                 payload = ("error", str(e), None)
-        kind, path, state = self.strategy.bcast(payload)
+        kind, path, state = self.runtime.bcast(payload)
         if kind == "error":
             raise AgreedUserError(path)
         if path is None:
@@ -323,7 +360,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         mine = state["ranks"][self.shard_rank_index()]
         set_rng_states(self.model, mine["rng"])
-        self.strategy.load_state_dict(state["strategy"])
+        self.runtime.load_state_dict(state.get("runtime"))
         p = state["progress"]
         self.step, self.epoch, self.batch = int(p["step"]), int(p["epoch"]), int(p["batch"])
         self.stats = EpochStats.from_state(mine["epoch_stats"])  # this rank's own sums
@@ -337,7 +374,7 @@ class Trainer:
 
     def shard_rank_index(self):
         """This rank's entry in the checkpoint's per-rank list (the order of ``gather``)."""
-        return self.index if self.strategy.trains_on_data else 0
+        return self.index if self.runtime.trains_on_data else 0
 
     def check_compatible(self, path, saved):
         now = self.resume_config()
@@ -357,6 +394,42 @@ class Trainer:
         ckpt.save_model(path, self.model, meta)
         self.log.info(f"saved the model to {path}")
         return path
+
+
+def _settings(config, settings):
+    """The trainer's settings: the core options' defaults < ``config`` < ``settings``."""
+    from mpidl.config import CORE_OPTIONS  # noqa: PLC0415
+
+    values = {o.name: o.default for o in CORE_OPTIONS}
+    values["given"] = ()
+    if config is not None:
+        values.update(vars(config))
+    unknown = sorted(k for k in settings if k not in values)
+    if unknown:
+        raise TypeError(f"Trainer got unknown setting(s) {unknown}; settings are the "
+                        f"options of mpidl train: {', '.join(o.name for o in CORE_OPTIONS)}")
+    values.update(settings)
+    return SimpleNamespace(**values)
+
+
+def schedule_factory(kind):
+    """A function (base_lr, total_steps, warmup_steps) -> lr schedule of ``kind``
+    (constant, step: 10x down at half and three quarters, cosine, linear); the kind is
+    checked now (ConfigError)."""
+    from mpidl.engine.schedules import make_schedule  # noqa: PLC0415
+
+    def factory(base_lr, total_steps, warmup_steps):
+        extra = {}
+        if kind == "step":  # decay by 10x at half and at three quarters
+            extra["milestones"] = [max(1, total_steps // 2), max(1, total_steps * 3 // 4)]
+        return make_schedule(kind, base_lr, max(total_steps, 1), warmup_steps=warmup_steps,
+                             **extra)
+
+    try:
+        factory(0.1, 100, 0)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"--schedule {kind!r}: {e}") from None
+    return factory
 
 
 def device_summary():

@@ -23,7 +23,8 @@ import numpy as np
 from mpidl.comm import Communicator
 from mpidl.engine import (SGD, BatchNorm1d, Embedding, Flatten, Linear, ReLU, Sequential,
                           SoftmaxCrossEntropy, SparseGrad, Tanh)
-from mpidl.strategies import make_strategy
+from mpidl.runtime import build
+from mpidl.runtime.sync import FusedAllreduce
 
 STEPS = 6
 B = 3              # per-rank batch
@@ -91,18 +92,20 @@ def run_case(comm, kind, algorithm, overlap, bucket_mb, sparse="allgather", comp
     # strategy's broadcast must overwrite
     model = BUILD[kind](seed=3 if r == 0 else 100 + r)
     opt, loss = optimizer(model), SoftmaxCrossEntropy()
-    strategy = make_strategy("allreduce", comm, algorithm=algorithm, overlap=overlap,
-                             bucket_mb=bucket_mb, sparse_grads=sparse,
-                             compression=compression, ratio=1.0 if compression else None)
+    strategy = build("allreduce", comm, algorithm=algorithm, overlap=overlap,
+                     bucket_mb=bucket_mb, sparse_grads=sparse,
+                     compression=compression, ratio=1.0 if compression else None)
     strategy.setup(model, opt, loss)
     x, y = data(kind, n * B)
     for s in range(STEPS):
         strategy.train_step(x[s][r * B:(r + 1) * B], y[s][r * B:(r + 1) * B])
     strategy.finish()
-    if overlap and len(strategy.fusion) > 1 and not strategy.stats["launched_in_backward"]:
-        raise AssertionError(f"rank {r}: overlap on, {len(strategy.fusion)} buckets, but no "
+    fused = next((s for _, s in strategy.syncs if isinstance(s, FusedAllreduce)), None)
+    buckets = len(fused.fusion) if fused is not None else 0
+    if overlap and buckets > 1 and not fused.launched_in_backward:
+        raise AssertionError(f"rank {r}: overlap on, {buckets} buckets, but no "
                              "bucket was launched during backward (the grad-ready hook)")
-    return {k: p.data.copy() for k, p in model.named_parameters()}, len(strategy.fusion)
+    return {k: p.data.copy() for k, p in model.named_parameters()}, buckets
 
 
 def check_batchnorm_buffers(comm):
@@ -114,7 +117,7 @@ def check_batchnorm_buffers(comm):
     model = Sequential(Linear(12, 8, rng=rng, dtype="float64"),
                        BatchNorm1d(8, dtype="float64"), ReLU(),
                        Linear(8, 5, rng=rng, dtype="float64"))
-    strategy = make_strategy("allreduce", comm)
+    strategy = build("allreduce", comm)
     strategy.setup(model, optimizer(model), SoftmaxCrossEntropy())
     x, y = data("mlp", n * B)
     for s in range(STEPS):

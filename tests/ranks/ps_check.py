@@ -24,7 +24,18 @@ from mpidl.engine.losses import SoftmaxCrossEntropy
 from mpidl.engine.module import Layer, Sequential
 from mpidl.engine.optim import SGD
 from mpidl.engine.reshape import Flatten
-from mpidl.strategies.parameter_server import ParameterServerStrategy
+from mpidl.comm import Communicator
+from mpidl.runtime import build
+
+
+def ps_runtime(comm, **options):
+    """``--strategy ps`` on the ranks of ``comm`` (an mpi4py communicator)."""
+    return build("ps", Communicator(comm), **options)
+
+
+def worker_of(runtime):
+    """The worker's side of the protocol (``mpidl.ps.worker.PSWorker``)."""
+    return runtime.syncs[0][1].worker
 
 WORLD = MPI.COMM_WORLD
 LR, MOMENTUM, BATCH = 0.05, 0.9, 8
@@ -96,13 +107,13 @@ def train(strategy, model, data, epochs, dtype, bad=None):
             opt.lr = LR * (0.9 ** epoch)  # a schedule: the server must follow it
             if bad and step == 2 and strategy.rank == strategy.size - 1:
                 p = dict(model.named_parameters())["2.weight"]
-                orig_push = strategy.worker.push
+                orig_push = worker_of(strategy).push
 
                 def broken(lr=None, p=p, orig_push=orig_push):
                     p.grad = (np.zeros((3, 3), p.data.dtype) if bad == "shape"
                               else p.grad.astype(np.float16))
                     return orig_push(lr)
-                strategy.worker.push = broken
+                worker_of(strategy).push = broken
             loss = strategy.train_step(xb, yb)
             step += 1
             if strategy.epoch_cut():  # as the trainer does (--epoch-quorum)
@@ -149,45 +160,35 @@ def equivalence(comm, servers, dtype, net="mlp", epochs=2):
     """sync PS vs the single-process global-batch reference; also vs data parallelism
     over the same worker ranks when that strategy is installed."""
     make, data = (mlp, dense_data()) if net == "mlp" else (embed_net, id_data())
-    s = ParameterServerStrategy(comm, servers=servers, mode="sync")
+    s = ps_runtime(comm, servers=servers, mode="sync")
     params, st, opt = train(s, make(dtype), data, epochs, dtype)
     out = {"rank": comm.rank, "server": st is not None}
     if st is not None:
         out.update(pushed=st["pushed"], applied=st["applied"], dropped=st["dropped"],
                    bytes_received=st["bytes_received"],
-                   opt_state=sorted(opt.state), holds=list(s.server.names))
+                   opt_state=sorted(opt.state), holds=list(s.server.server.names))
     workers = comm.size - servers
     if params is not None:
         ref = reference(make(dtype), data, epochs, dtype, workers)
         out["vs_reference"] = max_rel_diff(params, ref)
         out["dense_bytes"] = int(sum(p.nbytes for p in ref.values()))
-    # data parallelism on the worker ranks, when its strategy is there
+    # data parallelism on the worker ranks
     sub = comm.Split(1 if params is not None else MPI.UNDEFINED, comm.rank)
-    try:
-        from mpidl.strategies import make_strategy
-        from mpidl.comm import Communicator
-        have_dp = True
-    except Exception:  # noqa: BLE001 - not built yet
-        have_dp = False
-    if params is not None and have_dp:
-        try:
-            dp = make_strategy("allreduce", Communicator(sub))
-        except Exception as e:  # noqa: BLE001
-            out["dp_error"] = repr(e)
-        else:
-            model = make(dtype)
-            opt = SGD(model.named_parameters(), lr=LR, momentum=MOMENTUM)
-            dp.setup(model, opt, SoftmaxCrossEntropy())
-            x, y = data
-            loader = BatchLoader(x, y, BATCH, shard=dp.shard(), seed=0,
-                                 dtype=dtype if x.dtype.kind == "f" else None)
-            for epoch in range(epochs):
-                for _, xb, yb in loader.epoch(epoch):
-                    opt.lr = LR * (0.9 ** epoch)
-                    dp.train_step(xb.astype(np.int64) if x.dtype.kind != "f" else xb, yb)
-            dp.finish()
-            out["vs_allreduce"] = max_rel_diff(
-                params, {n: p.data for n, p in model.named_parameters()})
+    if params is not None:
+        dp = build("allreduce", Communicator(sub))
+        model = make(dtype)
+        opt = SGD(model.named_parameters(), lr=LR, momentum=MOMENTUM)
+        dp.setup(model, opt, SoftmaxCrossEntropy())
+        x, y = data
+        loader = BatchLoader(x, y, BATCH, shard=dp.shard(), seed=0,
+                             dtype=dtype if x.dtype.kind == "f" else None)
+        for epoch in range(epochs):
+            for _, xb, yb in loader.epoch(epoch):
+                opt.lr = LR * (0.9 ** epoch)
+                dp.train_step(xb.astype(np.int64) if x.dtype.kind != "f" else xb, yb)
+        dp.finish()
+        out["vs_allreduce"] = max_rel_diff(
+            params, {n: p.data for n, p in model.named_parameters()})
     if sub != MPI.COMM_NULL:
         sub.Free()
     return out
@@ -195,7 +196,7 @@ def equivalence(comm, servers, dtype, net="mlp", epochs=2):
 
 def modes(comm, mode, straggler_factor=4.0, **kw):
     """A run with a straggler (last rank, FACTOR x slower); the server keeps a trace."""
-    s = ParameterServerStrategy(comm, servers=1, mode=mode, trace=True,
+    s = ps_runtime(comm, servers=1, mode=mode, trace=True,
                                 straggler=f"{comm.size - 1}:{straggler_factor}", **kw)
     t0 = time.perf_counter()
     params, st, _ = train(s, mlp("float32", busy=0.002), dense_data(n=288), 1, "float32")
@@ -203,7 +204,7 @@ def modes(comm, mode, straggler_factor=4.0, **kw):
     if st is not None:
         out["stats"] = st
     else:
-        out["worker"] = dict(s.worker.stats)
+        out["worker"] = dict(worker_of(s).stats)
         out["finite"] = bool(all(np.isfinite(v).all() for v in params.values()))
         out["metrics"] = s.metrics()
     return out
@@ -219,7 +220,7 @@ def async_replay(comm, mode="async", **kw):
     step on the newest parameters — must give the server's parameters exactly: any
     mix-up of buffers, versions or batches between workers shows here."""
     epochs, dtype = 2, "float64"
-    s = ParameterServerStrategy(comm, servers=1, mode=mode, trace=True,
+    s = ps_runtime(comm, servers=1, mode=mode, trace=True,
                                 straggler=f"{comm.size - 1}:3", **kw)
     model = mlp(dtype, busy=0.002)
     data = dense_data(n=192)
@@ -268,14 +269,14 @@ def async_replay(comm, mode="async", **kw):
 def epoch_quorum(comm, mode, **kw):
     """--epoch-quorum 2 of 3 workers, the last one 6x slower: every epoch ends when the
     two fast workers are done; the straggler skips the rest of its shard."""
-    s = ParameterServerStrategy(comm, servers=1, mode=mode, epoch_quorum=2, trace=True,
+    s = ps_runtime(comm, servers=1, mode=mode, epoch_quorum=2, trace=True,
                                 straggler=f"{comm.size - 1}:6", **kw)
     params, st, _ = train(s, mlp("float32", busy=0.002), dense_data(n=288), 2, "float32")
     out = {"rank": comm.rank}
     if st is not None:
         out["stats"] = st
     else:
-        out["pushes"] = s.worker.stats["pushes"]
+        out["pushes"] = worker_of(s).stats["pushes"]
         out["finite"] = bool(all(np.isfinite(v).all() for v in params.values()))
         out["steps_per_epoch"] = len(BatchLoader(*dense_data(n=288), BATCH,
                                                  shard=s.shard(), seed=0))
@@ -297,7 +298,7 @@ def one_worker(comm):
         return out
     got, counts = {}, {}
     for name, mode, kw in ONE_WORKER_MODES:
-        s = ParameterServerStrategy(sub, servers=1, mode=mode, **kw)
+        s = ps_runtime(sub, servers=1, mode=mode, **kw)
         params, st, _ = train(s, mlp("float64"), dense_data(), 2, "float64")
         if params is not None:
             got[name] = params
@@ -315,7 +316,7 @@ def one_worker(comm):
 
 def compressed(comm, name, ratio=None):
     """sync PS with compressed pushes (error feedback where the compressor has it)."""
-    s = ParameterServerStrategy(comm, servers=1, mode="sync", compression=name, ratio=ratio)
+    s = ps_runtime(comm, servers=1, mode="sync", compression=name, ratio=ratio)
     data = dense_data()
     params, st, _ = train(s, mlp("float32"), data, 2, "float32")
     out = {"rank": comm.rank}
@@ -327,14 +328,14 @@ def compressed(comm, name, ratio=None):
         out["vs_reference"] = max_rel_diff(params, ref)
         out["dense_bytes"] = int(sum(p.nbytes for p in ref.values()))
         out["finite"] = bool(all(np.isfinite(v).all() for v in params.values()))
-        out["bytes_sent"] = s.worker.stats["bytes_sent"]
-        out["pushes"] = s.worker.stats["pushes"]
+        out["bytes_sent"] = worker_of(s).stats["bytes_sent"]
+        out["pushes"] = worker_of(s).stats["pushes"]
     return out
 
 
 def main():
     if sys.argv[1] == "--bad-push":
-        s = ParameterServerStrategy(WORLD, servers=1, mode="sync")
+        s = ps_runtime(WORLD, servers=1, mode="sync")
         train(s, mlp("float32"), dense_data(), 2, "float32", bad=sys.argv[2])
         return
     results = {}

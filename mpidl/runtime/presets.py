@@ -1,0 +1,201 @@
+"""``--strategy local|allreduce|ps``: presets that put a step's parts together.
+
+=========  ========================  =====================================  ============
+preset     schedule                  gradient syncs                         optimizer
+=========  ========================  =====================================  ============
+local      micro-batches             none                                   replicated
+allreduce  micro-batches             fused buckets (dense; a compressor     replicated
+                                     that works on buckets as their comm
+                                     hook) + row-sparse all-gather
+                                     (Embedding); or per-tensor compressed
+ps         micro-batches (workers)   push to / pull from parameter servers  on servers
+=========  ========================  =====================================  ============
+
+Each part declares its own settings (``OPTIONS`` in its module); ``cli_options()``
+collects them for the command line. ``build(name, comm, **options)`` hands each part
+only the settings it declares; a setting no part of the chosen preset uses is an error
+from Python (``strict=True``) and, from the command line (``strict=False``), a line in
+the log saying it has no effect here (one command line runs on 1 rank and on N).
+"""
+
+from mpidl.errors import ConfigError
+from mpidl.options import Option
+from mpidl.runtime import schedule as schedule_part
+from mpidl.runtime.placement import OnServers, Replicated
+from mpidl.runtime.runtime import Runtime
+from mpidl.runtime.sync import compressed, fused, pushpull, rowsparse
+from mpidl.runtime.sync.base import GradSync
+
+ALIASES = {"dp": "allreduce", "data_parallel": "allreduce", "parameter_server": "ps"}
+
+OPTIONS = [
+    Option("strategy", str, None, "local (one process), allreduce (data parallel) or ps "
+           "(parameter server): presets of a step's parts; default: local on one rank, "
+           "allreduce on several", "parallelism"),
+    Option("sync_bn", bool, False, "synchronize BatchNorm statistics over the data-parallel "
+           "group (forward and backward), so N ranks with batch b train exactly like one "
+           "process with batch N*b", "parallelism"),
+]
+
+#: options only the Python API takes (benchmarks, tests), never flags
+PS_TUNING = ("trace", "poll_max_ms")
+
+
+def cli_options():
+    """Every part's settings, for ``mpidl.config`` and the command line."""
+    return (OPTIONS + schedule_part.OPTIONS + fused.OPTIONS + rowsparse.OPTIONS
+            + compressed.OPTIONS + pushpull.OPTIONS)
+
+
+def names():
+    """The preset names usable with --strategy (aliases included)."""
+    return sorted(set(PRESETS) | set(ALIASES))
+
+
+def canonical(name):
+    name = ALIASES.get(name, name)
+    if name not in PRESETS:
+        raise ConfigError(f"unknown strategy {name!r}; available: {', '.join(names())}")
+    return name
+
+
+def build(name, comm=None, strict=True, **options):
+    """A ``Runtime`` for preset ``name`` on ``comm`` (an mpidl Communicator over every
+    rank, or None for one process); local work only, no communication."""
+    name = canonical(name)
+    given = {k: v for k, v in options.items() if v is not None}
+    preset, takes = PRESETS[name]
+    unused = sorted(k for k in given if k not in takes)
+    if unused and strict:
+        raise ConfigError(f"strategy {name!r} does not take option(s) {', '.join(unused)}; "
+                          f"it takes {', '.join(sorted(takes)) or 'none'}")
+    mine = {k: v for k, v in given.items() if k in takes}
+    return preset(comm, unused, **mine)
+
+
+def _names(options):
+    return {o.name for o in options}
+
+
+def _schedule(accumulate, straggler, rank, trainers, what="training rank"):
+    spec = schedule_part.parse_straggler(straggler)
+    factor = 1.0
+    if spec is not None:
+        if spec[0] not in trainers:
+            raise ConfigError(f"--straggler {straggler}: rank {spec[0]} is not a {what}; "
+                              f"{what}s are ranks {trainers[0]}..{trainers[-1]}"
+                              + (f" (ranks 0..{trainers[0] - 1} serve)" if trainers[0] else ""))
+        factor = spec[1] if spec[0] == rank else 1.0
+    return schedule_part.MicroBatches(accumulate, straggler=factor)
+
+
+def _size(comm):
+    return 1 if comm is None else comm.size
+
+
+def local(comm, unused, accumulate=1, straggler=None):
+    if _size(comm) > 1:
+        raise ConfigError(f"strategy 'local' trains on one process, but {comm.size} ranks "
+                          "were started: use --strategy allreduce (the default for more than "
+                          "one rank) or run without mpiexec")
+    sched = _schedule(accumulate, straggler, 0, [0])
+    return Runtime(comm, "local", sched, [(_everything, GradSync())], Replicated,
+                   unused=unused)
+
+
+def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket_mb=None,
+              overlap="auto", compression=None, ratio=None, sparse_grads=None, sync_bn=False):
+    size = _size(comm)
+    rank = 0 if comm is None else comm.rank
+    sched = _schedule(accumulate, straggler, rank, list(range(size)))
+    algorithm = fused.check_algorithm(algorithm)
+    sparse_mode = rowsparse.check_sparse_mode(sparse_grads)
+    try:
+        from mpidl.compress import build_compression  # noqa: PLC0415
+
+        compressor = build_compression(compression, ratio)
+    except ValueError as e:
+        raise ConfigError(f"--compression {compression}: {e}" if compression else str(e)) \
+            from None
+    if compressor is not None and compressor.granularity == "tensor":
+        syncs = [(_everything, compressed.PerTensorCompressed(
+            compressor, algorithm=algorithm, overlap=fused.check_overlap(overlap) == "on"))]
+    else:
+        hook = compressed.BucketHook(compressor, algorithm) if compressor is not None else None
+        dense = fused.FusedAllreduce(algorithm, bucket_mb, overlap, hook=hook)
+        if sparse_mode == "allgather" and compressor is None:
+            syncs = [(_NotSparse(), dense), (_Sparse(), rowsparse.RowSparseAllgather())]
+        else:
+            syncs = [(_everything, dense)]
+    rt = Runtime(comm, "allreduce", sched, syncs, Replicated, sync_bn=sync_bn, unused=unused)
+    rt.compressor = compressor
+    return rt
+
+
+def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, staleness=None,
+       wait=None, staleness_aware_lr=None, epoch_quorum=None, compression=None, ratio=None,
+       trace=False, poll_max_ms=None):
+    size = _size(comm)
+    num = pushpull.check_servers(servers, size)
+    server_ranks, worker_ranks = list(range(num)), list(range(num, size))
+    cfg = pushpull.mode_config(len(worker_ranks), mode, staleness, wait, staleness_aware_lr,
+                               epoch_quorum)
+    try:
+        from mpidl.compress import build_compression  # noqa: PLC0415
+
+        compressor = build_compression(compression, ratio)
+    except ValueError as e:
+        raise ConfigError(f"--compression {compression}: {e}" if compression else str(e)) \
+            from None
+    pushpull.check_compressor(compressor)
+    rank = comm.rank
+    sched = _schedule(accumulate, straggler, rank, worker_ranks, "worker")
+    poll = (poll_max_ms or 1.0) * 1e-3
+    roles = {"server": server_ranks, "trainer": worker_ranks}
+    if rank in server_ranks:
+        from mpidl.runtime.server import ServerRole  # noqa: PLC0415
+
+        server = ServerRole(cfg, server_ranks, worker_ranks, compressor=compressor,
+                            trace=bool(trace), poll_max_s=poll)
+        rt = Runtime(comm, "ps", sched, [], OnServers, role="server", server=server,
+                     roles=roles, unused=unused)
+    else:
+        sync = pushpull.PushPull(cfg, server_ranks, worker_ranks, compressor=compressor,
+                                 trace=bool(trace), poll_max_s=poll)
+        rt = Runtime(comm, "ps", sched, [(_everything, sync)], OnServers, roles=roles,
+                     unused=unused)
+    rt.compressor = compressor
+    rt.mode_cfg = cfg
+    rt.checkpoint_at_epoch_end = True
+    return rt
+
+
+def _everything(name):
+    return True
+
+
+class _Sparse:
+    """Selects parameters with row-sparse gradients (decided at setup from the model)."""
+
+    names = frozenset()
+
+    def bind(self, model):
+        self.names = rowsparse.sparse_param_names(model)
+
+    def __call__(self, name):
+        return name in self.names
+
+
+class _NotSparse(_Sparse):
+    def __call__(self, name):
+        return name not in self.names
+
+
+_COMMON = _names(schedule_part.OPTIONS)
+PRESETS = {
+    "local": (local, _COMMON),
+    "allreduce": (allreduce, _COMMON | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
+                  | _names(compressed.OPTIONS) | {"sync_bn"}),
+    "ps": (ps, _COMMON | _names(pushpull.OPTIONS) | _names(compressed.OPTIONS)
+           | set(PS_TUNING)),
+}

@@ -1,0 +1,369 @@
+"""``Runtime``: one training step built from parts, and what the trainer asks of the ranks.
+
+A step is three parts (``mpidl.runtime.presets`` puts them together from the command
+line; ``--strategy local|allreduce|ps`` are presets):
+
+* a **schedule** (``schedule.MicroBatches``): forward and backward over the step's
+  micro-batches, gradients accumulating;
+* **gradient syncs**, each for its own group of parameters (``sync/``): fused all-reduce
+  buckets, compressed exchange, row-sparse all-gather, parameter-server push/pull, or
+  none;
+* an **optimizer placement** (``placement``): replicated on every training rank, or on
+  the parameter servers.
+
+::
+
+    rt.zero_grad; for s in syncs: s.begin_step()
+    loss = schedule.run(model, loss, x, y, arm=hooks on for the final backward pass)
+    for s in syncs: for names in s.finish(): placement.step(names)
+
+A rank has a role: ``trainer`` (runs steps) or ``server`` (``serve()`` instead). The
+trainer talks to the runtime only (shard, step, evaluation, collectives, checkpoints),
+so a new way of training is new parts, not a new trainer.
+
+Rules the runtime keeps: ``__init__`` never communicates (it runs before the ranks have
+agreed the configuration is valid); ``setup`` is collective (groups, parameter
+broadcast); ``reduce``, ``gather``, ``bcast``, ``barrier``, ``state_dict`` and
+``load_state_dict`` are collective over the ranks that need them, called by every rank
+in the same order.
+"""
+
+import time
+
+from mpidl.engine.dropout import Dropout
+
+_clock = time.perf_counter
+
+
+class Runtime:
+    """A composed step on one rank; build it with ``mpidl.runtime.build``."""
+
+    #: True when a consistent checkpoint exists only between epochs (parameter server)
+    checkpoint_at_epoch_end = False
+
+    def __init__(self, comm, name, schedule, syncs, placement_cls, *, role="trainer",
+                 server=None, roles=None, sync_bn=False, options=None, unused=()):
+        self.comm = comm                      # the world Communicator (None: one process)
+        self.name = name                      # the preset's name, for logs
+        self.schedule = schedule
+        self.syncs = list(syncs)              # [(selector, GradSync)]; see presets
+        self.placement_cls = placement_cls
+        self.role = role
+        self.server = server                  # a ServerRole on server ranks
+        self.roles = dict(roles or {})        # role -> world ranks
+        self.sync_bn = bool(sync_bn)
+        self.options = dict(options or {})
+        self.unused_options = tuple(unused)   # given, but no part of this step uses them
+        self.checkpoints = False              # set by the trainer before setup
+        self.model = self.optimizer = self.loss = None
+        self.group = None                     # the data-parallel group of trainers
+        self.steps = 0
+        self.compressor = None                # set by the preset when --compression is on
+        self.reset_stats()
+
+    # -- who am I
+    @property
+    def rank(self):
+        return 0 if self.comm is None else self.comm.rank
+
+    @property
+    def size(self):
+        return 1 if self.comm is None else self.comm.size
+
+    @property
+    def trains_on_data(self):
+        return self.role == "trainer"
+
+    @property
+    def trainer_ranks(self):
+        return self.roles.get("trainer", list(range(self.size)))
+
+    @property
+    def is_root(self):
+        """The rank that logs, prints metrics and writes checkpoints: the first trainer."""
+        return self.rank == self.trainer_ranks[0]
+
+    def shard(self):
+        """(index, count): this rank's piece of every global batch."""
+        trainers = self.trainer_ranks
+        if not self.trains_on_data:
+            return 0, len(trainers)
+        return trainers.index(self.rank), len(trainers)
+
+    # -- set-up
+    def setup(self, model, optimizer, loss):
+        """Collective: groups, parameter broadcast, the syncs' layouts, hooks."""
+        self.model, self.optimizer, self.loss = model, optimizer, loss
+        self.named_params = model.named_parameters()
+        self._build_groups()
+        if self.compressor is not None and self.comm is not None:
+            # momentum applied once: a momentum-correcting memory (onebit, dgc) takes it
+            # over from whoever runs the optimizer (this rank, or this parameter server)
+            memory = self.compressor.memory
+            if memory is not None:
+                memory.adopt_momentum(optimizer)
+        index, _ = self.shard()
+        for _, layer in model.modules():  # each share of the data its own dropout masks
+            if isinstance(layer, Dropout):
+                layer.stream = index
+        if self.role == "server":
+            self.server.setup(self)
+            return
+        if self.sync_bn and self.group is not None and self.group.size > 1:
+            from mpidl.engine.normalization import convert_sync_batchnorm  # noqa: PLC0415
+
+            convert_sync_batchnorm(model, self.group)
+        if self.broadcast_at_start and self.group is not None and self.group.size > 1:
+            for _, p in self.named_params:
+                self.group.bcast(p.data, root=0)
+            for _, buf in model.named_buffers():
+                if hasattr(buf, "shape") and buf.ndim > 0 and buf.flags.c_contiguous:
+                    self.group.bcast(buf, root=0)
+        self.placement = self.placement_cls(optimizer)
+        owned = set()
+        for select, sync in self.syncs:
+            if hasattr(select, "bind"):
+                select.bind(model)
+            mine = [(n, p) for n, p in self.named_params if n not in owned and select(n)]
+            owned.update(n for n, _ in mine)
+            sync.checkpoints = self.checkpoints
+            sync.setup(self, mine)
+        self._hooked = [s for _, s in self.syncs if s.wants_hooks]
+        self._armed = False
+        if self._hooked:
+            add_hook = getattr(model, "add_grad_ready_hook", None)
+            if add_hook is None:  # a model without hooks: everything is synced after backward
+                self._hooked = []
+            else:
+                add_hook(self._on_grads_ready)
+
+    @property
+    def broadcast_at_start(self):
+        """Replicas start identical: rank 0's parameters go to the data-parallel group
+        (parameter servers hand theirs out with the first pull instead)."""
+        return not any(s.updates_remotely for _, s in self.syncs)
+
+    def _build_groups(self):
+        """The groups this step talks on: the data-parallel group of trainers, and for a
+        parameter server the servers' group and the protocol's private communicator."""
+        comm = self.comm
+        if comm is None:
+            self.group = None
+            return
+        trainers = self.trainer_ranks
+        if len(trainers) == comm.size:
+            self.group = comm
+            self.role_group = comm
+        else:
+            mine = comm.split(0 if self.role == "trainer" else 1, comm.rank)
+            self.group = mine if self.role == "trainer" else None
+            self.role_group = mine
+        if self.checkpoint_at_epoch_end:
+            self.ps_comm = comm.mpi.Dup()  # the protocol's traffic never meets anyone else's
+
+    def _on_grads_ready(self, names):
+        if self._armed:
+            for sync in self._hooked:
+                sync.on_grads_ready(names)
+
+    def _arm(self, on):
+        self._armed = on and bool(self._hooked)
+
+    # -- a step
+    def train_step(self, x, y):
+        """One step on this rank's batch; parameters updated; returns the local loss."""
+        syncs = [s for _, s in self.syncs]
+        self.placement.zero_grad(self.model)
+        for s in syncs:
+            s.begin_step()
+        loss = self.schedule.run(self.model, self.loss, x, y, arm=self._arm)
+        t2 = _clock()
+        wait = 0.0
+        for s in syncs:
+            for names in s.finish():
+                self.placement.step(names)
+            wait += s.wait_seconds()
+        t4 = _clock()
+        stats, sched = self.stats, self.schedule
+        stats["forward"] += sched.forward_s
+        stats["backward"] += sched.backward_s
+        stats["wait"] += wait
+        stats["update"] += (t4 - t2) - wait
+        stats["steps"] += 1
+        self.steps += 1
+        tl = self.timeline
+        if tl is not None:
+            t0 = t2 - sched.backward_s - sched.forward_s
+            tl.record("compute", "forward", "", 0, t0, t0 + sched.forward_s, 0)
+            tl.record("compute", "backward", "", 0, t0 + sched.forward_s, t2, 0)
+            tl.record("compute", "exchange+update", "", 0, t2, t4, 0)
+        return loss
+
+    @property
+    def timeline(self):
+        """The communicator's Chrome-trace recorder, if it keeps one: compute spans go
+        beside its collectives, so the trace shows what overlapped what."""
+        return getattr(self.group, "timeline", None) if self.group is not None else None
+
+    def epoch_cut(self):
+        """True when this rank should end its epoch early (``--epoch-quorum``)."""
+        return any(getattr(s, "epoch_cut", lambda: False)() for _, s in self.syncs)
+
+    def serve(self):
+        """Run a non-training rank until training is over."""
+        if self.server is None:
+            raise RuntimeError(f"{self.name}: rank {self.rank} has no server role")
+        return self.server.serve()
+
+    # -- evaluation and buffers
+    def prepare_eval(self):
+        """Make the model hold the parameters to evaluate and average its buffers."""
+        for _, s in self.syncs:
+            s.prepare_eval()
+        self.sync_buffers()
+
+    def sync_buffers(self):
+        """Average floating buffers (BatchNorm running statistics) over the data-parallel
+        group, so every rank evaluates and saves one model; collective. Integer buffers
+        (counters) are the same on every rank already; synchronized BatchNorms' are too."""
+        group = self.group
+        if group is None or group.size == 1 or not self.trains_on_data:
+            return
+        self._before_collective()
+        synced = {f"{name}." if name else "" for name, layer in self.model.modules()
+                  if getattr(layer, "sync_group", None) is not None}
+        for name, buf in self.model.named_buffers():
+            if not hasattr(buf, "dtype") or buf.dtype.kind != "f" or buf.size == 0:
+                continue
+            if any(name.startswith(prefix) and "." not in name[len(prefix):]
+                   for prefix in synced):
+                continue
+            out = buf.copy() if buf.ndim == 0 else buf
+            group.allreduce(out, out=out, op="mean", algorithm="mpi", name=f"buffer {name}")
+            if out is not buf:
+                self.model.set_buffer(name, out)
+
+    # -- metrics
+    def reset_stats(self):
+        """Zero the per-step time counters (seconds, summed over steps)."""
+        self.stats = {"steps": 0, "forward": 0.0, "backward": 0.0, "wait": 0.0,
+                      "update": 0.0}
+
+    def metrics(self):
+        """This rank's mean per-step times (ms) since the previous epoch and the syncs'
+        counters (bytes sent per step, parameter-server counts, ...)."""
+        out = {}
+        if self.trains_on_data and self.comm is not None and self.size > 1:
+            s = self.stats
+            n = max(s["steps"], 1)
+            out["compute_ms"] = 1e3 * (s["forward"] + s["backward"] + s["update"]) / n
+            out["wait_ms"] = 1e3 * s["wait"] / n
+            fused = [sy for _, sy in self.syncs if hasattr(sy, "bytes_per_step")]
+            if fused and fused[0].hook is None:
+                out["bytes_sent_per_step"] = sum(sy.bytes_per_step() for sy in fused)
+        for _, sync in self.syncs:
+            out.update(sync.metrics())
+        if self.server is not None and self.server.final_stats is not None:
+            from mpidl.runtime.sync.pushpull import summarize  # noqa: PLC0415
+
+            out.update(summarize(self.server.final_stats))
+        self.reset_stats()
+        return out
+
+    def describe(self):
+        """A few lines on how a step runs (for logs and reports)."""
+        lines = [f"{self.name}: {self.schedule.describe()}, optimizer "
+                 f"{getattr(getattr(self, 'placement', None), 'name', '-')}"]
+        for _, sync in self.syncs:
+            lines += sync.describe()
+        return lines
+
+    # -- collectives for the trainer (over the training ranks)
+    def _before_collective(self):
+        for _, s in self.syncs:
+            s.before_collective()
+
+    def _trainers(self):
+        """The mpi4py communicator of the training ranks (None for one process)."""
+        if self.comm is None or self.size == 1:
+            return None
+        return self.group.mpi if self.group is not None else None
+
+    def reduce(self, values, op="mean"):
+        """{name: float} summed ("sum") or averaged ("mean") over the training ranks, in
+        rank order on every rank (the same bits everywhere, whatever MPI does)."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"reduce op must be 'sum' or 'mean', got {op!r}")
+        self._before_collective()
+        comm = self._trainers()
+        if comm is None:
+            return {k: float(v) for k, v in values.items()}
+        keys = sorted(values)
+        rows = comm.allgather([float(values[k]) for k in keys])
+        totals = [0.0] * len(keys)
+        for row in rows:
+            totals = [t + v for t, v in zip(totals, row)]
+        if op == "mean":
+            totals = [t / len(rows) for t in totals]
+        return dict(zip(keys, totals))
+
+    def average(self, values):
+        return self.reduce(values, "mean")
+
+    def gather(self, obj):
+        """Every training rank's ``obj`` as a list on the root, None elsewhere."""
+        self._before_collective()
+        comm = self._trainers()
+        if comm is None:
+            return [obj]
+        return comm.gather(obj, root=0)
+
+    def bcast(self, obj):
+        """The root's ``obj`` on every rank (servers included)."""
+        if self.comm is None or self.size == 1:
+            return obj
+        return self.comm.mpi.bcast(obj, root=self.trainer_ranks[0])
+
+    def barrier(self):
+        self._before_collective()
+        comm = self._trainers()
+        if comm is not None:
+            comm.Barrier()
+
+    # -- checkpoints
+    def state_dict(self):
+        """The syncs' state, every training rank's gathered on the root (collective over
+        the training ranks): error-feedback residuals, the servers' optimizer state, ..."""
+        self.sync_buffers()
+        mine = [s.state_dict() for _, s in self.syncs]
+        per_rank = self.gather(mine)
+        return {"syncs": per_rank} if self.is_root else None
+
+    def load_state_dict(self, state):
+        """Every rank takes its own part of what ``state_dict`` saved (when the number of
+        training ranks is the same; parameter servers take their shard's in any case)."""
+        per_rank = (state or {}).get("syncs") or []
+        if self.role == "server":
+            servers = next((st["servers"] for st in (per_rank[0] if per_rank else [])
+                            if isinstance(st, dict) and st.get("servers")), None)
+            if servers is not None:
+                self.server.load_state_dict(servers)
+            return
+        index, count = self.shard()
+        if len(per_rank) != count:
+            return
+        for (_, sync), st in zip(self.syncs, per_rank[index]):
+            sync.load_state_dict(st)
+
+    def finish(self):
+        """Once at the end: the syncs say goodbye; every rank ran the same steps."""
+        for _, s in self.syncs:
+            s.finish_training()
+        comm = self._trainers()
+        if comm is not None and self.trains_on_data and self.broadcast_at_start:
+            counts = comm.allgather(self.steps)
+            if len(set(counts)) != 1:
+                raise RuntimeError(f"{self.name}: ranks ran different numbers of steps "
+                                   f"{counts}; every rank must see the same number of "
+                                   "batches (use mpidl.data.BatchLoader's sharding)")
+
