@@ -172,32 +172,40 @@ class Runtime:
     # -- a step
     def train_step(self, x, y):
         """One step on this rank's batch; parameters updated; returns the local loss."""
-        syncs = [s for _, s in self.syncs]
-        self.placement.zero_grad(self.model)
-        for s in syncs:
-            s.begin_step()
+        self.begin_step()
         loss = self.schedule.run(self.model, self.loss, x, y, arm=self._arm)
+        self.finish_step(self.schedule.forward_s, self.schedule.backward_s)
+        return loss
+
+    def begin_step(self):
+        """Clear the gradients and open the syncs' step (before the first forward)."""
+        self.placement.zero_grad(self.model)
+        for _, s in self.syncs:
+            s.begin_step()
+
+    def finish_step(self, forward_s=0.0, backward_s=0.0):
+        """After backward: every sync makes its gradients ready, the optimizer placement
+        applies them; the step's times go to the counters."""
         t2 = _clock()
         wait = 0.0
-        for s in syncs:
+        for _, s in self.syncs:
             for names in s.finish():
                 self.placement.step(names)
             wait += s.wait_seconds()
         t4 = _clock()
-        stats, sched = self.stats, self.schedule
-        stats["forward"] += sched.forward_s
-        stats["backward"] += sched.backward_s
+        stats = self.stats
+        stats["forward"] += forward_s
+        stats["backward"] += backward_s
         stats["wait"] += wait
         stats["update"] += (t4 - t2) - wait
         stats["steps"] += 1
         self.steps += 1
         tl = self.timeline
         if tl is not None:
-            t0 = t2 - sched.backward_s - sched.forward_s
-            tl.record("compute", "forward", "", 0, t0, t0 + sched.forward_s, 0)
-            tl.record("compute", "backward", "", 0, t0 + sched.forward_s, t2, 0)
+            t0 = t2 - backward_s - forward_s
+            tl.record("compute", "forward", "", 0, t0, t0 + forward_s, 0)
+            tl.record("compute", "backward", "", 0, t0 + forward_s, t2, 0)
             tl.record("compute", "exchange+update", "", 0, t2, t4, 0)
-        return loss
 
     @property
     def timeline(self):

@@ -1,0 +1,94 @@
+"""Your own model: ``mpidl train --model FILE.py:FUNC`` and the README's Python API.
+
+The model file here is not one of the built-ins (LayerNorm and Tanh, which no built-in
+uses); it trains on one and on two ranks, is saved and loads again with ``--init``, and
+every mistake in the spec is one line and exit 2.
+"""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from mpirun import mpiexec_path, run_command, run_ranks
+
+MODEL_FILE = '''
+from mpidl.engine import Flatten, LayerNorm, Linear, Sequential, Tanh
+
+
+def tanh_net(input_shape, num_classes, rng, dtype):
+    n = 1
+    for d in input_shape:
+        n *= d
+    return Sequential(Flatten(), Linear(n, 48, rng=rng, dtype=dtype),
+                      LayerNorm(48, dtype=dtype), Tanh(),
+                      Linear(48, num_classes, rng=rng, dtype=dtype))
+
+
+def not_a_model(input_shape, num_classes, rng, dtype):
+    return [input_shape, num_classes]
+
+
+HIDDEN = 48
+'''
+
+
+def _mpidl():
+    return os.path.join(os.path.dirname(sys.executable), "mpidl")
+
+
+@pytest.fixture()
+def model_file(tmp_path):
+    path = tmp_path / "my_model.py"
+    path.write_text(MODEL_FILE)
+    return path
+
+
+def _train(args, n=1, cwd=None):
+    cmd = ([mpiexec_path(), "-n", str(n)] if n > 1 else []) + [_mpidl(), "train"] + args
+    return run_command(cmd, timeout=120, cwd=cwd)
+
+
+def _records(output):
+    return [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_model_of_your_own_trains_saves_and_reloads(tmp_path, model_file, n):
+    common = ["--dataset", "synthetic", "--epochs", "2", "--batch-size", "32",
+              "--limit-train", "256", "--limit-test", "64", "--no-progress", "--lr", "0.1"]
+    out = tmp_path / "run"
+    launch = _train(["--model", f"{model_file}:tanh_net", "--out-dir", str(out)] + common,
+                    n=n).check()
+    records = _records(launch.output)
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert records[-1]["train_loss"] < records[0]["train_loss"], records
+    import numpy as np
+
+    with np.load(out / "model.npz") as f:
+        assert f["2.weight"].shape == (48,)           # the LayerNorm of the user's model
+        meta = json.loads(bytes(f["__meta__"]).decode())
+    assert meta["model"] == f"{model_file}:tanh_net"
+    again = _train(["--init", str(out / "model.npz"), "--epochs", "1", "--out-dir",
+                    str(tmp_path / "again")] + common[2:], n=1).check()
+    assert _records(again.output)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("{file}:nope", r"defines no 'nope' \(it defines not_a_model, tanh_net\)"),
+    ("{file}:not_a_model", "returned list, not an mpidl Layer"),
+    ("{file}:HIDDEN", "'HIDDEN' is not a function"),
+    ("{dir}/missing.py:f", "no such file"),
+    ("{file}:9bad", "expected FILE.py:FUNC"),
+    ("{dir}/broken.py:f", "importing .*broken.py failed: SyntaxError"),
+])
+def test_mistakes_in_the_model_spec_are_one_line(tmp_path, model_file, spec, message):
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    spec = spec.format(file=model_file, dir=tmp_path)
+    launch = _train(["--model", spec, "--dataset", "synthetic", "--epochs", "1"])
+    assert launch.returncode == 2, launch.output
+    lines = [ln for ln in launch.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mpidl: error:"), launch.output
+    assert re.search(message, lines[0]), lines[0]
