@@ -10,9 +10,13 @@ a quarter-epoch warm-up; see ASYNC below; or Adam for all, ``--optimizer adam``,
 async/SSP's rate from ``--async-lr``), for a fixed number of epochs of each
 worker's shard; configurations allreduce (W ranks), ps-sync, async, ssp (s = 1, 4) and
 backup (first W-1 of W) (W + 1 ranks: one server), each without and with one worker
-slowed 2x (it sleeps as long as it computed, every step; for all-reduce the same is done
-by wrapping the model's forward/backward). During training nothing is evaluated: the
-server (all-reduce: rank 0) keeps a copy of the parameters every ``--every`` seconds;
+slowed 2x (the runtime's ``straggler`` option: it sleeps as long as it computed, every
+step). Every rank runs mpidl's ``Trainer``; the ``--epochs`` epochs are handed to it as
+one long epoch (``mpidl.benchmarks.callbacks.batches_as_one_epoch``: the same batches in
+the same order), so that no worker waits for the others between epochs, as the trainer's
+end-of-epoch barrier would make it. During training nothing is evaluated: the
+server (all-reduce: rank 0) keeps a copy of the parameters every ``--every`` seconds
+(``Snapshots``, a trainer callback);
 afterwards each copy is evaluated on the test set, giving accuracy against wall time and
 the time to reach ``--target``. Models with BatchNorm (``--model cnn``) have their
 running statistics recomputed for each copy on the first ``--calibrate`` training images
@@ -39,6 +43,8 @@ from types import SimpleNamespace
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+from mpidl.training.callbacks import Callback  # noqa: E402
 
 # name, strategy options (ps) or None (allreduce)
 SPEED_CONFIGS = [
@@ -99,64 +105,48 @@ def machine():
 
 # ----------------------------------------------------------------------------- one run
 
-class Snapshots:
-    """Copies of the parameters every ``every`` seconds (plus one at the end)."""
+class RunClock(Callback):
+    """Lines the ranks up after set-up, then measures this rank's run: wall and CPU time,
+    its own loop's end (a fast worker is not charged for the straggler's tail), the
+    images it computed, and its compute and straggler-sleep time (the schedule's)."""
 
-    def __init__(self, named, every, t0):
-        self.named, self.every, self.t0 = named, every, t0
-        self.items = []
-        self.next = 0.0
+    def __init__(self, world):
+        self.world = world
+        self.images = 0
+        self.compute_s = self.straggle_s = 0.0
+        self.loop_wall = None
 
-    def maybe(self, *_):
-        t = time.perf_counter() - self.t0
-        if t >= self.next:
-            self.take(t)
-            self.next = t + self.every
+    def on_fit_start(self, trainer):
+        self.world.Barrier()  # every rank, servers included
+        self.t0 = time.perf_counter()
+        self.cpu0 = time.process_time()
 
-    def take(self, t=None):
-        t = time.perf_counter() - self.t0 if t is None else t
-        self.items.append((t, {n: p.data.copy() for n, p in self.named}))
+    def on_step_end(self, trainer, loss):
+        sched = trainer.runtime.schedule
+        self.images += trainer.loader.batch_size
+        self.compute_s += sched.forward_s + sched.backward_s
+        self.straggle_s += sched.straggle_s
+        self.loop_wall = time.perf_counter() - self.t0
 
-
-class Straggle:
-    """For all-reduce: sleep (factor - 1) x the previous step's forward+backward time
-    before each forward (PS workers do the same themselves with --straggler)."""
-
-    def __init__(self, model, factor):
-        self.model, self.factor, self.last = model, factor, 0.0
-        self.fwd, self.bwd = model.forward, model.backward
-        model.forward, model.backward = self.forward, self.backward
-        self.slept = 0.0
-
-    def forward(self, x):
-        if self.last:
-            time.sleep((self.factor - 1) * self.last)
-            self.slept += (self.factor - 1) * self.last
-        t = time.perf_counter()
-        out = self.fwd(x)
-        self.last = time.perf_counter() - t
-        return out
-
-    def backward(self, dy):
-        t = time.perf_counter()
-        out = self.bwd(dy)
-        self.last += time.perf_counter() - t
-        return out
+    def on_fit_end(self, trainer):
+        self.wall = time.perf_counter() - self.t0
+        self.cpu = time.process_time() - self.cpu0
 
 
 def run_rank(a):
     """One configuration, on every rank of this launch; rank 0 writes ``a.out``."""
-    import numpy as np
     from mpi4py import MPI
 
     from mpidl import backend
+    from mpidl.benchmarks.callbacks import Snapshots, batches_as_one_epoch
     from mpidl.comm import Communicator
     from mpidl.data import BatchLoader, eval_batches, load_dataset
-    from mpidl.engine.losses import SoftmaxCrossEntropy
     from mpidl.engine.models import build_model
     from mpidl.engine.normalization import recalibrate_batchnorm
     from mpidl.engine.optim import SGD, Adam
-    from mpidl.strategies import make_strategy
+    from mpidl.runtime import build
+    from mpidl.runtime.sync.pushpull import summarize
+    from mpidl.training.trainer import Trainer
 
     backend.use("cpu")
     world = MPI.COMM_WORLD
@@ -167,57 +157,51 @@ def run_rank(a):
         opt = Adam(model.named_parameters(), lr=a.lr)
     else:
         opt = SGD(model.named_parameters(), lr=a.lr, momentum=a.momentum)
-    loss = SoftmaxCrossEntropy()
-    options = json.loads(a.ps) if a.ps else None
-    straggler = world.size - 1 if a.straggler > 1 else None
-    if options is not None:
-        if straggler is not None:
-            options["straggler"] = f"{straggler}:{a.straggler}"
-        strategy = make_strategy("ps", Communicator(world), **options)
-    else:
-        strategy = make_strategy("allreduce", Communicator(world))
-    strategy.setup(model, opt, loss)
-    named = model.named_parameters()
-    world.Barrier()
-    t0 = time.perf_counter()
-    cpu0 = time.process_time()
-    record = world.rank == 0
-    snaps = Snapshots(named, a.every, t0) if record else None
-    images = 0
-    if not strategy.trains_on_data:
-        if snaps is not None:
-            strategy.server.on_update = snaps.maybe
-        strategy.serve()
-    else:
-        if options is None and straggler == world.rank:
-            Straggle(model, a.straggler)
-        index, count = strategy.shard()
-        x_train, y_train = ds.train_x, ds.train_y
-        if a.limit_train:
-            x_train, y_train = x_train[:a.limit_train], y_train[:a.limit_train]
-        loader = BatchLoader(x_train, y_train, a.batch, shard=(index, count), seed=a.seed)
-        step = 0
-        for epoch in range(a.epochs):
-            for _, x, y in loader.epoch(epoch):
-                opt.lr = a.lr * min(1.0, (step + 1) / a.warmup_steps) if a.warmup_steps \
-                    else a.lr
-                step += 1
-                strategy.train_step(x, y)
-                images += len(y)
-                if snaps is not None:
-                    snaps.maybe()
-        loop_wall = time.perf_counter() - t0
-        strategy.finish()
-    wall = time.perf_counter() - t0
-    cpu = time.process_time() - cpu0
-    if snaps is not None:
-        snaps.take(wall)
-    mine = {"rank": world.rank, "images": images, "wall": wall, "cpu": cpu,
-            "trains": strategy.trains_on_data}
-    if strategy.trains_on_data:
-        mine["loop_wall"] = loop_wall  # this worker's own steps, before the others end
-        if getattr(strategy, "worker", None) is not None:
-            mine["worker"] = {k: round(v, 3) for k, v in strategy.worker.stats.items()}
+    options = json.loads(a.ps) if a.ps else {}
+    if a.straggler > 1:  # the last rank: a worker in either preset
+        options["straggler"] = f"{world.size - 1}:{a.straggler}"
+    runtime = build("ps" if a.ps else "allreduce", Communicator(world), **options)
+    index, count = runtime.shard()
+
+    # the data: --epochs shuffled epochs of the (limited) training set, one after the
+    # other; the trainer walks them as a single epoch, so no worker stops at an epoch's
+    # end to wait for the others (the trainer's end-of-epoch barrier would make the fast
+    # workers of async/SSP wait for the straggler there)
+    x_train, y_train = ds.train_x, ds.train_y
+    if a.limit_train:
+        x_train, y_train = x_train[:a.limit_train], y_train[:a.limit_train]
+    order = BatchLoader(x_train, y_train, a.batch, shard=(0, count), seed=a.seed)
+    batches = [order.global_indices(e, s) for e in range(a.epochs) for s in range(len(order))]
+    train_x, train_y = batches_as_one_epoch(x_train, y_train, batches, a.seed)
+    # nothing is evaluated during training (the snapshots are, afterwards)
+    data = SimpleNamespace(train_x=train_x, train_y=train_y, test_x=ds.test_x[:0],
+                           test_y=ds.test_y[:0])
+
+    def warmup(base_lr, total_steps, warmup_steps):  # linear over --warmup-steps steps
+        def lr(step):
+            return a.lr * min(1.0, (step + 1) / a.warmup_steps) if a.warmup_steps else a.lr
+        return lr
+
+    record = world.rank == 0  # the server, or (all-reduce) the first worker
+    clock = RunClock(world)
+    snaps = Snapshots(a.every, active=record)
+    trainer = Trainer(model, opt, data, runtime=runtime, callbacks=[clock, snaps],
+                      lr_schedule=warmup, epochs=1, batch_size=a.batch, lr=a.lr,
+                      seed=a.seed, progress=False)
+    trainer.fit()
+    mine = {"rank": world.rank, "images": clock.images, "wall": clock.wall,
+            "cpu": clock.cpu, "trains": runtime.trains_on_data}
+    if runtime.trains_on_data:
+        mine["loop_wall"] = clock.loop_wall  # this worker's own steps, before the others end
+        mine["compute_s"] = round(clock.compute_s, 3)
+        mine["straggle_s"] = round(clock.straggle_s, 3)
+        sync = runtime.syncs[0][1]
+        if getattr(sync, "worker", None) is not None:
+            # the worker's counts; compute and straggler sleep are the schedule's (the
+            # worker's own compute clock runs through the schedule's sleep)
+            stats = dict(sync.worker.stats, compute_s=clock.compute_s,
+                         straggle_s=clock.straggle_s)
+            mine["worker"] = {k: round(v, 3) for k, v in stats.items()}
     per_rank = world.gather(mine)
     if not record:
         return
@@ -225,6 +209,7 @@ def run_rank(a):
     x_test, y_test = ds.test_x, ds.test_y
     if a.test_limit:
         x_test, y_test = x_test[:a.test_limit], y_test[:a.test_limit]
+    named = model.named_parameters()
     model.eval()
     curve = []
     for t, params in snaps.items:
@@ -241,12 +226,10 @@ def run_rank(a):
     # is not charged for the straggler's tail
     out = {"images": sum(r["images"] for r in workers), "wall_s": train_wall,
            "images_per_sec": sum(r["images"] / r["loop_wall"] for r in workers),
-           "curve": curve, "final_acc": curve[-1][1], "ranks": per_rank}
-    if options is not None:
-        st = strategy.final_stats
-        from mpidl.strategies.parameter_server import summarize
-
-        out.update(summarize(st))
+           "curve": curve, "final_acc": curve[-1][1], "ranks": per_rank,
+           "layout": runtime.describe()}
+    if a.ps:
+        out.update(summarize(runtime.server.final_stats))
         out["server_cpu_fraction"] = per_rank[0]["cpu"] / per_rank[0]["wall"]
         out["useful_images_per_sec"] = out["images_per_sec"] * (
             out["ps_applied"] / max(1, out["ps_pushed"]))

@@ -13,6 +13,10 @@ images, then constant). It reports test accuracy against images seen and the ima
 needed to reach ``--target``, as a ratio to tau = 0. Speeds do not enter, so the
 figures do not move with the machine's load.
 
+It runs mpidl's ``Trainer`` on a one-process runtime whose gradient sync is
+``DelayedGradients`` (it swaps the old parameters in for forward and backward and the
+newest back in for the update); a callback evaluates the curve.
+
 Reading it: a PS mode that computes ``s`` times as many images per second as sync
 (with a straggler) is faster to the target only if its staleness costs less than
 ``s`` times the images.
@@ -22,22 +26,86 @@ import argparse
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before NumPy is imported
+
+from mpidl.runtime.sync.base import GradSync  # noqa: E402
+from mpidl.training.callbacks import Callback  # noqa: E402
+
+
+class DelayedGradients(GradSync):
+    """A gradient sync that makes every gradient ``tau`` steps stale (one process).
+
+    Before the step's forward the model takes the parameters of ``tau`` updates ago; after
+    backward it takes the newest ones back, and the optimizer applies the stale gradient
+    to them; then the new parameters join the ``tau + 1`` versions kept (oldest first)."""
+
+    name = "delayed"
+
+    def __init__(self, tau):
+        super().__init__()
+        self.tau = int(tau)
+        self.versions = []
+        self._newest = None
+
+    def setup(self, ctx, named_params):
+        super().setup(ctx, named_params)
+        self.versions = [self._snapshot()]
+
+    def _snapshot(self):
+        return {n: p.data.copy() for n, p in self.params.items()}
+
+    def _load(self, params):
+        for n, p in self.params.items():
+            p.data[...] = params[n]
+
+    def begin_step(self):
+        self._newest = self.versions[-1]
+        self._load(self.versions[0])  # the gradient at the version tau updates old
+
+    def finish(self):
+        self._load(self._newest)  # applied to the newest parameters
+        yield self.names  # (the optimizer steps them here)
+        self.versions = (self.versions + [self._snapshot()])[-(self.tau + 1):]
+
+    def describe(self):
+        return [f"gradients {self.tau} step(s) stale"]
+
+
+class Curve(Callback):
+    """Test accuracy at the start and every ``eval_every`` images; stops nothing."""
+
+    def __init__(self, accuracy, batch, eval_every):
+        self.accuracy, self.batch, self.eval_every = accuracy, batch, eval_every
+        self.points = []
+        self.next_eval = eval_every
+
+    def on_fit_start(self, trainer):
+        self.points.append((0, self.accuracy()))
+
+    def on_step_end(self, trainer, loss):
+        seen = trainer.step * self.batch
+        if seen >= self.next_eval:
+            self.points.append((seen, self.accuracy()))
+            self.next_eval += self.eval_every
 
 
 def train(a, tau):
     """One run with gradients tau steps stale; returns [(images seen, test accuracy)]."""
-    import numpy as np
-
     from mpidl import backend
+    from mpidl.benchmarks.callbacks import batches_as_one_epoch
     from mpidl.data import BatchLoader, eval_batches, load_dataset
-    from mpidl.engine.losses import SoftmaxCrossEntropy
     from mpidl.engine.models import build_model
     from mpidl.engine.normalization import recalibrate_batchnorm
     from mpidl.engine.optim import SGD, Adam
+    from mpidl.runtime import Runtime
+    from mpidl.runtime.placement import Replicated
+    from mpidl.runtime.schedule import MicroBatches
+    from mpidl.training.trainer import Trainer
 
     backend.use("cpu")
     ds = load_dataset("fashion-mnist", a.data_dir)
@@ -49,15 +117,7 @@ def train(a, tau):
         opt = Adam(named, lr=a.lr, betas=(a.momentum, 0.999))
     else:
         opt = SGD(named, lr=a.lr, momentum=a.momentum)
-    loss = SoftmaxCrossEntropy()
     x_test, y_test = ds.test_x[:a.test_limit or None], ds.test_y[:a.test_limit or None]
-
-    def snapshot():
-        return {n: p.data.copy() for n, p in named}
-
-    def load(params):
-        for n, p in named:
-            p.data[...] = params[n]
 
     def accuracy():
         recalibrate_batchnorm(model, ds.train_x[:a.calibrate])  # leaves eval mode
@@ -66,29 +126,30 @@ def train(a, tau):
         model.train()
         return correct / len(y_test)
 
-    versions = [snapshot()]  # the last tau + 1 parameter versions, oldest first
-    curve, seen, next_eval = [(0, accuracy())], 0, a.eval_every
-    loader = BatchLoader(ds.train_x, ds.train_y, a.batch, seed=a.seed)
-    epoch = 0
-    while seen < a.images:
-        for _, x, y in loader.epoch(epoch):
-            newest = versions[-1]
-            load(versions[0])  # the gradient at the version tau updates old
-            model.zero_grad()
-            loss.forward(model.forward(x), y)
-            model.backward(loss.backward())
-            load(newest)  # applied to the newest parameters
-            opt.lr = a.lr * min(1.0, (seen + len(y)) / a.warmup) if a.warmup else a.lr
-            opt.step()
-            versions = (versions + [snapshot()])[-(tau + 1):]
-            seen += len(y)
-            if seen >= next_eval:
-                curve.append((seen, accuracy()))
-                next_eval += a.eval_every
-            if seen >= a.images:
-                break
-        epoch += 1
-    return curve
+    # the batches: the shuffled epochs of the training set, one after the other, until
+    # --images are seen; the trainer walks them as one epoch (it evaluates nothing of
+    # its own: the curve is the callback's, BatchNorm recalibrated at each point)
+    steps = -(-a.images // a.batch)
+    order = BatchLoader(ds.train_x, ds.train_y, a.batch, seed=a.seed)
+    per_epoch = len(order)
+    batches = [order.global_indices(i // per_epoch, i % per_epoch) for i in range(steps)]
+    train_x, train_y = batches_as_one_epoch(ds.train_x, ds.train_y, batches, a.seed)
+    data = SimpleNamespace(train_x=train_x, train_y=train_y, test_x=ds.test_x[:0],
+                           test_y=ds.test_y[:0])
+
+    def warmup(base_lr, total_steps, warmup_steps):  # linear over --warmup images
+        def lr(step):
+            return a.lr * min(1.0, (step + 1) * a.batch / a.warmup) if a.warmup else a.lr
+        return lr
+
+    runtime = Runtime(None, f"delayed gradients, tau {tau}", MicroBatches(1),
+                      [(lambda name: True, DelayedGradients(tau))], Replicated)
+    curve = Curve(accuracy, a.batch, a.eval_every)
+    trainer = Trainer(model, opt, data, runtime=runtime, callbacks=[curve],
+                      lr_schedule=warmup, epochs=1, batch_size=a.batch, lr=a.lr,
+                      seed=a.seed, progress=False)
+    trainer.fit()
+    return curve.points
 
 
 def images_to(curve, target):
@@ -147,7 +208,6 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "staleness.json"))
     ap.add_argument("--plot", default=os.path.join(HERE, "results", "staleness.png"))
     a = ap.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = {"settings": vars(a), "runs": {}}
     base = None
     for tau in (int(t) for t in a.taus.split(",")):
