@@ -226,8 +226,7 @@ def run_rank(a):
     # is not charged for the straggler's tail
     out = {"images": sum(r["images"] for r in workers), "wall_s": train_wall,
            "images_per_sec": sum(r["images"] / r["loop_wall"] for r in workers),
-           "curve": curve, "final_acc": curve[-1][1], "ranks": per_rank,
-           "layout": runtime.describe()}
+           "curve": curve, "final_acc": curve[-1][1], "ranks": per_rank}
     if a.ps:
         out.update(summarize(runtime.server.final_stats))
         out["server_cpu_fraction"] = per_rank[0]["cpu"] / per_rank[0]["wall"]

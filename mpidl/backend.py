@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 
+from mpidl import env
+
 _DEVICES = ("cpu", "gpu")
 _state = {"device": None, "gpu_id": None}
 
@@ -47,7 +49,7 @@ def use(device=None, local_rank=None):
     (the rank's index among the ranks of its node) picks the device
     ``local_rank % gpu_count()``.
     """
-    device = (device or os.environ.get("MPIDL_DEVICE") or "cpu").lower()
+    device = (device or env.get("MPIDL_DEVICE") or "cpu").lower()
     if device not in _DEVICES:
         raise BackendError(f"unknown device {device!r}: expected one of {', '.join(_DEVICES)}")
     if device == "gpu":
@@ -120,9 +122,8 @@ def cuda_aware_mpi():
     MPICH and Open MPI say so differently; ``MPIDL_CUDA_AWARE=0/1`` overrides the
     detection (useful on sites whose MPI is CUDA-aware but does not advertise it).
     """
-    forced = os.environ.get("MPIDL_CUDA_AWARE")
-    if forced is not None:
-        return forced.strip().lower() in ("1", "true", "yes")
+    if env.get("MPIDL_CUDA_AWARE") is not None:
+        return env.flag("MPIDL_CUDA_AWARE")
     try:
         from mpi4py import MPI  # noqa: PLC0415
     except Exception:

@@ -6,9 +6,12 @@ One launch = one configuration::
     mpiexec -n N python -m mpidl.benchmarks.scaling torch --batch 128 --steps 60 --out r.json
 
 ``mpidl``: the MLP 784-1024-1024-10 (ReLU, softmax cross-entropy, SGD momentum 0.9,
-float32) trained by the all-reduce strategy (``--strategy local`` for one plain process)
-on random in-memory data, so only the step is timed. Each rank records every step's wall
-time and the strategy's split of it (forward, backward, wait, update); with
+float32) trained by mpidl's ``Trainer`` with the all-reduce runtime (``--strategy local``
+for one plain process) on random in-memory data, so only the step is timed; the test
+split is a few samples, so the trainer's evaluation after the last step costs nothing.
+A ``StepTimer`` callback records on each rank every step's wall time after ``--warmup``
+untimed steps (the trainer's loop iteration: the step and fetching its batch) and the
+runtime's split of the timed steps (forward, backward, wait, update); with
 ``--timeline`` the communicator's Chrome trace gives the time the all-reduces really ran
 (on the progress thread) and how much of it lay under backward. Rank 0 writes one JSON.
 
@@ -24,6 +27,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
              "NUMBA_NUM_THREADS"):
@@ -67,25 +71,41 @@ def summarize(step_times, global_batch):
 
 # -- mpidl ---------------------------------------------------------------------------------------
 
+def random_dataset(batch, count, steps, batches=4, seed=1, test=8):
+    """Random images and labels for ``steps`` steps of ``count`` ranks x ``batch``: the
+    data of ``batches`` global batches, seen again and again (an ``IndexedView``, nothing
+    copied), so only the step is timed; and a ``test``-sample test split, so the
+    trainer's evaluation at the end costs nothing."""
+    from mpidl.benchmarks.callbacks import IndexedView  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    n = batches * batch * count
+    x = rng.random((n + test, 1, 28, 28), dtype=np.float32)
+    y = rng.integers(0, 10, n + test)
+    index = np.arange(steps * batch * count) % n
+    return SimpleNamespace(train_x=IndexedView(x[:n], index), train_y=IndexedView(y[:n], index),
+                           test_x=x[n:], test_y=y[n:])
+
+
 def run_mpidl(args):
     from mpi4py import MPI  # noqa: PLC0415
 
+    from mpidl.benchmarks.callbacks import StepTimer  # noqa: PLC0415
     from mpidl.comm import Communicator  # noqa: PLC0415
     from mpidl.engine import SGD, Flatten, Linear, ReLU, Sequential  # noqa: PLC0415
-    from mpidl.engine import SoftmaxCrossEntropy  # noqa: PLC0415
-    from mpidl.strategies import make_strategy  # noqa: PLC0415
+    from mpidl.runtime import build  # noqa: PLC0415
+    from mpidl.runtime.sync.fused import overlap_pays  # noqa: PLC0415
+    from mpidl.training.trainer import Trainer  # noqa: PLC0415
 
     if args.progress_wait:
         os.environ["MPIDL_PROGRESS_WAIT"] = args.progress_wait
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    # one process: the all-reduce strategy without a communicator is the plain local
-    # step (no packing, no communication) that still reports its time split
+    # one process: the local runtime (no packing, no communication), which still
+    # reports its time split
     local = args.strategy == "local" or size == 1
     timeline = None if local else args.timeline
     comm = None if local else Communicator(world, timeline=timeline)
-    if local:
-        args.strategy = "allreduce"
     rng = np.random.default_rng(0)
     layers = [Flatten()]
     for a, b in zip(SIZES[:-2], SIZES[1:-1]):
@@ -93,36 +113,28 @@ def run_mpidl(args):
     layers.append(Linear(SIZES[-2], SIZES[-1], init="glorot_uniform", rng=rng))
     model = Sequential(*layers)
     opt = SGD(model.named_parameters(), lr=LR, momentum=MOMENTUM)
-    options = {}
-    if not local:
-        options = {"algorithm": args.algorithm, "overlap": not args.no_overlap}
+    if local:
+        runtime = build("local")
+    else:
+        options = {"algorithm": args.algorithm,
+                   "overlap": "off" if args.no_overlap else "on"}
         if args.bucket_mb:
             options["bucket_mb"] = args.bucket_mb
-    strategy = make_strategy(args.strategy, comm, **options)
-    strategy.setup(model, opt, SoftmaxCrossEntropy())
+        runtime = build(args.strategy, comm, **options)
     # what the default (overlap="auto") would choose here; collective
-    from mpidl.strategies.data_parallel import overlap_pays  # noqa: PLC0415
-
     auto_choice = overlap_pays(comm, model.named_parameters())
-    drng = np.random.default_rng(1 + rank)
-    batches = [(drng.random((args.batch, 1, 28, 28), dtype=np.float32),
-                drng.integers(0, 10, args.batch)) for _ in range(4)]
-    for i in range(args.warmup):
-        strategy.train_step(*batches[i % 4])
-    if hasattr(strategy, "reset_stats"):
-        strategy.reset_stats()
-    world.Barrier()
-    t_first = time.perf_counter()
-    times = []
-    for i in range(args.steps):
-        t = time.perf_counter()
-        strategy.train_step(*batches[i % 4])
-        times.append(time.perf_counter() - t)
-    t_last = time.perf_counter()
-    stats = dict(getattr(strategy, "stats", {}))
-    mine = {"rank": rank, "times": times, "stats": stats, "t_first": t_first,
-            "t_last": t_last}
-    describe = strategy.describe() if hasattr(strategy, "describe") else ["local"]
+    _, count = runtime.shard()
+    data = random_dataset(args.batch, count, args.warmup + args.steps)
+    timer = StepTimer(args.warmup, args.steps)
+    trainer = Trainer(model, opt, data, runtime=runtime, callbacks=[timer], epochs=1,
+                      batch_size=args.batch, lr=LR, seed=0, progress=False,
+                      eval_batch_size=len(data.test_y))
+    trainer.fit()
+    mine = {"rank": rank, "times": timer.times, "stats": timer.stats,
+            "t_first": timer.t_first, "t_last": timer.t_last}
+    describe = runtime.describe()
+    bucket_mb = next((s.bucket_mb for _, s in runtime.syncs if hasattr(s, "bucket_mb")),
+                     None)
     if comm is not None:
         comm.close()  # writes the timeline
     gathered = world.gather(mine, root=0)
@@ -132,12 +144,12 @@ def run_mpidl(args):
     # the step of the slowest rank sets the pace: take per step the max over ranks
     per_step = np.max(np.array([g["times"] for g in gathered]), axis=0)
     result = {"framework": "mpidl", "ranks": size, "batch_per_rank": args.batch,
-              "global_batch": args.batch * size, "strategy": "local" if local else args.strategy,
+              "global_batch": args.batch * size,
+              "strategy": "local" if local else runtime.name,
               "algorithm": args.algorithm, "overlap": not args.no_overlap,
               "progress_wait": os.environ.get("MPIDL_PROGRESS_WAIT", "block"),
               "overlap_auto": {"on": auto_choice[0], "why": auto_choice[1]},
-              "bucket_mb": getattr(strategy, "bucket_mb", None), "steps": n,
-              "layout": describe}
+              "bucket_mb": bucket_mb, "steps": n, "layout": describe}
     result.update(summarize(per_step, args.batch * size))
     phases = {}
     for key in ("forward", "backward", "wait", "update"):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpidl import env
 from mpidl.data.cifar import CLASSES as CIFAR_CLASSES
 from mpidl.data.cifar import read_cifar10
 from mpidl.data.idx import read_idx
@@ -95,9 +96,9 @@ def _find_idx_file(data_dir, base):
 
 def _default_dirs(name):
     dirs = []
-    env = os.environ.get("MPIDL_DATA_DIR")
-    if env:
-        dirs.append(os.path.join(env, name))
+    root = env.get("MPIDL_DATA_DIR")
+    if root:
+        dirs.append(os.path.join(root, name))
     dirs.append(os.path.join(SYSTEM_DATA_ROOT, name))
     return dirs
 
