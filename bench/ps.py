@@ -46,7 +46,7 @@ sys.path.insert(0, ROOT)
 
 from mpidl.training.callbacks import Callback  # noqa: E402
 
-# name, strategy options (ps) or None (allreduce)
+# name, runtime options (ps preset) or None (allreduce)
 SPEED_CONFIGS = [
     ("allreduce", None),
     ("ps-sync", {"mode": "sync"}),
@@ -161,6 +161,11 @@ def run_rank(a):
     if a.straggler > 1:  # the last rank: a worker in either preset
         options["straggler"] = f"{world.size - 1}:{a.straggler}"
     runtime = build("ps" if a.ps else "allreduce", Communicator(world), **options)
+    if options.get("poll_max_ms") == 0:
+        # the anchor: blocking MPI receives (Poller longest=0); the preset reads 0 as
+        # "not given" (1 ms), so the parts are told before set-up creates their pollers
+        part = runtime.server if runtime.server is not None else runtime.syncs[0][1]
+        part.poll_max_s = 0.0
     index, count = runtime.shard()
 
     # the data: --epochs shuffled epochs of the (limited) training set, one after the

@@ -76,8 +76,20 @@ class DelayedGradients(GradSync):
         return [f"gradients {self.tau} step(s) stale"]
 
 
+def delayed_runtime(tau):
+    """A one-process runtime (one pass per step, optimizer here) whose gradients are
+    ``tau`` steps stale."""
+    from mpidl.runtime import Runtime
+    from mpidl.runtime.placement import Replicated
+    from mpidl.runtime.schedule import MicroBatches
+
+    return Runtime(None, f"delayed gradients, tau {tau}", MicroBatches(1),
+                   [(lambda name: True, DelayedGradients(tau))], Replicated)
+
+
 class Curve(Callback):
-    """Test accuracy at the start and every ``eval_every`` images; stops nothing."""
+    """``accuracy()`` before the first step and after each step that completes another
+    ``eval_every`` images: ``points`` = [(images seen, accuracy)]."""
 
     def __init__(self, accuracy, batch, eval_every):
         self.accuracy, self.batch, self.eval_every = accuracy, batch, eval_every
@@ -102,9 +114,6 @@ def train(a, tau):
     from mpidl.engine.models import build_model
     from mpidl.engine.normalization import recalibrate_batchnorm
     from mpidl.engine.optim import SGD, Adam
-    from mpidl.runtime import Runtime
-    from mpidl.runtime.placement import Replicated
-    from mpidl.runtime.schedule import MicroBatches
     from mpidl.training.trainer import Trainer
 
     backend.use("cpu")
@@ -142,8 +151,7 @@ def train(a, tau):
             return a.lr * min(1.0, (step + 1) * a.batch / a.warmup) if a.warmup else a.lr
         return lr
 
-    runtime = Runtime(None, f"delayed gradients, tau {tau}", MicroBatches(1),
-                      [(lambda name: True, DelayedGradients(tau))], Replicated)
+    runtime = delayed_runtime(tau)
     curve = Curve(accuracy, a.batch, a.eval_every)
     trainer = Trainer(model, opt, data, runtime=runtime, callbacks=[curve],
                       lr_schedule=warmup, epochs=1, batch_size=a.batch, lr=a.lr,

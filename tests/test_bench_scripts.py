@@ -37,21 +37,109 @@ def load_bench_module(name):
 def test_ps_speed_bench_writes_curves_counts_and_plot(tmp_path):
     out = tmp_path / "ps.json"
     bench("ps.py", "speed", "--workers", "2", "--epochs", "1", "--limit-train", "3072",
-          "--only", "ps-sync,async", "--repeats", "1", "--no-anchor", "--every", "0.2",
-          "--test-limit", "500", "--target", "0.5", "--work", tmp_path / "work",
+          "--only", "ps-sync,async,allreduce", "--repeats", "1", "--no-anchor", "--every",
+          "0.2", "--test-limit", "500", "--target", "0.5", "--work", tmp_path / "work",
           "--out", out, "--plot", tmp_path / "ps.png")
     report = json.loads(out.read_text())
-    assert sorted(report["runs"]) == ["async", "async+straggler", "ps-sync",
-                                      "ps-sync+straggler"]
+    assert sorted(report["runs"]) == ["allreduce", "allreduce+straggler", "async",
+                                      "async+straggler", "ps-sync", "ps-sync+straggler"]
     for name, run in report["runs"].items():
         assert run["curve"] and all(0 <= acc <= 1 for _, acc in run["curve"]), name
+        assert run["images"] == 3072, name  # one epoch of the limited set, over 2 workers
+        if name.startswith("allreduce"):
+            continue
         assert run["ps_pushed"] == run["ps_applied"] + run["ps_dropped"], name
         assert run["ps_pushed"] == 2 * (3072 // (128 * 2)), name  # workers x steps
     straggler = report["runs"]["ps-sync+straggler"]["ranks"][-1]["worker"]
     assert straggler["straggle_s"] > 0.5 * straggler["compute_s"]  # it did sleep
+    slow, fast = report["runs"]["allreduce+straggler"]["ranks"]
+    assert slow["straggle_s"] == 0 and fast["straggle_s"] > 0.5 * fast["compute_s"]
     assert "sync/async+straggler" in report["speedup_vs_sync"]
     assert report["goal"]["goal"] == 1.4
     assert (tmp_path / "ps.png").stat().st_size > 0
+
+
+def test_batches_as_one_epoch_hands_the_trainers_loader_the_chosen_batches():
+    """bench/ps.py and bench/staleness.py run several epochs (or part of one) as one
+    trainer epoch: every shard must get exactly the batches its own loader would give."""
+    from mpidl.benchmarks.callbacks import batches_as_one_epoch
+    from mpidl.data import BatchLoader
+
+    x = np.arange(50, dtype=np.float32).reshape(25, 2)
+    y = np.arange(25)
+    count, batch, seed = 2, 3, 7
+    old = [BatchLoader(x, y, batch, shard=(i, count), seed=seed, device=False)
+           for i in range(count)]
+    steps = len(old[0])  # 5 steps, the last one wraps around
+    want = [old[0].global_indices(e, s) for e in range(2) for s in range(steps)][:-1]
+    vx, vy = batches_as_one_epoch(x, y, want, seed)
+    assert len(vx) == len(vy) == len(want) * batch * count
+    for i in range(count):
+        new = BatchLoader(vx, vy, batch, shard=(i, count), seed=seed, device=False)
+        got = [(bx, by) for _, bx, by in new.epoch(0)]
+        ref = [(bx, by) for e in range(2) for _, bx, by in old[i].epoch(e)][:-1]
+        assert len(got) == len(ref) == 9
+        for (gx, gy), (rx, ry) in zip(got, ref):
+            np.testing.assert_array_equal(gx, rx)
+            np.testing.assert_array_equal(gy, ry)
+
+
+def test_delayed_gradients_train_as_the_hand_written_loop_did():
+    """bench/staleness.py's runtime (Trainer + DelayedGradients) takes the very steps of
+    the loop it replaced: the gradient at the parameters tau updates old, applied to the
+    newest, with momentum."""
+    from types import SimpleNamespace
+
+    from mpidl.benchmarks.callbacks import batches_as_one_epoch
+    from mpidl.data import BatchLoader
+    from mpidl.engine import SGD, Flatten, Linear, ReLU, Sequential, SoftmaxCrossEntropy
+    from mpidl.training.trainer import Trainer
+
+    staleness = load_bench_module("staleness")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 6)).astype(np.float32)
+    y = rng.integers(0, 3, 40)
+    batch, seed, steps, lr = 8, 3, 9, 0.1
+
+    def model():
+        r = np.random.default_rng(1)
+        return Sequential(Flatten(), Linear(6, 5, rng=r), ReLU(), Linear(5, 3, rng=r))
+
+    for tau in (0, 2):
+        # the loop bench/staleness.py had
+        ref = model()
+        named = ref.named_parameters()
+        opt = SGD(named, lr=lr, momentum=0.9)
+        loss = SoftmaxCrossEntropy()
+        versions = [{n: p.data.copy() for n, p in named}]
+        loader = BatchLoader(x, y, batch, seed=seed)
+        done = 0
+        for epoch in range(3):
+            for _, bx, by in loader.epoch(epoch):
+                if done == steps:
+                    break
+                newest = versions[-1]
+                for n, p in named:
+                    p.data[...] = versions[0][n]
+                ref.zero_grad()
+                loss.forward(ref.forward(bx), by)
+                ref.backward(loss.backward())
+                for n, p in named:
+                    p.data[...] = newest[n]
+                opt.step()
+                versions = (versions + [{n: p.data.copy() for n, p in named}])[-(tau + 1):]
+                done += 1
+        # the trainer with the delayed-gradient runtime, on the same batches
+        new = model()
+        per_epoch = len(loader)
+        batches = [loader.global_indices(i // per_epoch, i % per_epoch) for i in range(steps)]
+        vx, vy = batches_as_one_epoch(x, y, batches, seed)
+        data = SimpleNamespace(train_x=vx, train_y=vy, test_x=x[:0], test_y=y[:0])
+        Trainer(new, SGD(new.named_parameters(), lr=lr, momentum=0.9), data,
+                runtime=staleness.delayed_runtime(tau), epochs=1, batch_size=batch, lr=lr,
+                seed=seed, progress=False).fit()
+        for (n, p), (_, q) in zip(named, new.named_parameters()):
+            np.testing.assert_array_equal(p.data, q.data, err_msg=f"tau {tau}: {n}")
 
 
 def test_recalibrated_batchnorm_statistics_are_those_of_the_calibration_images():

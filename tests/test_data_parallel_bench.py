@@ -5,8 +5,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 from mpirun import mpi_env
-from mpidl.benchmarks.scaling import timeline_summary
+from mpidl.benchmarks.scaling import random_dataset, timeline_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,3 +53,30 @@ def test_scaling_bench_runs_and_writes_json_png_and_timeline(tmp_path):
     trace = json.loads((tmp_path / "timeline_overlap_rank0.json").read_text())
     names = {e["name"] for e in trace["traceEvents"]}
     assert "compute backward" in names and any(n.startswith("allreduce bucket") for n in names)
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_step_timer_times_the_steps_after_warmup_and_keeps_their_split(warmup):
+    """mpidl.benchmarks.scaling's measurement: the trainer runs warm-up + timed steps on
+    random data in one epoch; the timer keeps one time per timed step and the runtime's
+    split of those steps only (the trainer's end of epoch resets the runtime's)."""
+    from mpidl.benchmarks.callbacks import StepTimer
+    from mpidl.engine import SGD, Flatten, Linear, Sequential
+    from mpidl.runtime import build
+    from mpidl.training.trainer import Trainer
+
+    rng = np.random.default_rng(0)
+    model = Sequential(Flatten(), Linear(784, 10, rng=rng))
+    steps = 3
+    data = random_dataset(16, 1, warmup + steps)
+    assert len(data.train_y) == (warmup + steps) * 16 and len(data.test_y) == 8
+    timer = StepTimer(warmup, steps)
+    runtime = build("local")
+    trainer = Trainer(model, SGD(model.named_parameters(), lr=0.01), data, runtime=runtime,
+                      callbacks=[timer], epochs=1, batch_size=16, progress=False)
+    trainer.fit()
+    assert trainer.step == warmup + steps  # one epoch is exactly the steps asked for
+    assert len(timer.times) == steps and all(t > 0 for t in timer.times)
+    assert timer.stats["steps"] == steps and timer.stats["forward"] > 0
+    assert runtime.stats["steps"] == 0  # reset by the trainer's end of epoch
+    assert timer.t_last - timer.t_first >= sum(timer.times) * 0.999
