@@ -13,7 +13,8 @@ import pytest
 from mpidl.engine import (
     GELU, SGD, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d, Dropout, Embedding, Flatten,
     GlobalAvgPool2d, Layer, LayerNorm, LeakyReLU, Linear, MaxPool2d, Parameter, Placement,
-    ReLU, Reshape, Residual, Sequential, Sigmoid, SparseGrad, Tanh, basic_block, build_model,
+    ReLU, Reshape, Residual, Sequential, Sigmoid, SoftmaxCrossEntropy, SparseGrad, Tanh,
+    basic_block, build_model,
 )
 
 F64 = "float64"
@@ -349,8 +350,6 @@ def test_zero_grad_drops_gradients_and_backward_accumulates_until_then():
 def test_whole_model_micro_batches_equal_the_full_batch():
     """Gradient accumulation: two halves with their losses scaled by 1/2 each give the
     gradient of the whole batch (to rounding: the sums are associated differently)."""
-    from mpidl.engine import SoftmaxCrossEntropy
-
     x, labels = randn(8, 1, 8, 8), np.arange(8) % 3
     full, parts = (build_model("cnn", input_shape=(1, 8, 8), num_classes=3, dtype=F64,
                                channels=(4,), hidden=8) for _ in range(2))
