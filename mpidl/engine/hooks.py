@@ -11,7 +11,8 @@ module under the layer it was added to; it knows, per parameter, how many module
 pass (no explicit "pass begins" call needed).
 
 Limits, by construction: the count is taken at registration, so a model whose structure
-changes afterwards needs a new hook; a container that calls ``child.backward`` instead of
+changes afterwards needs a new hook; every user of a parameter must run its backprop once
+per pass (a layer skipped in some passes would shift the count); a container that calls ``child.backward`` instead of
 ``child.backprop`` bypasses the hooks of that subtree (its gradients are still correct and
 accumulated; the listener just hears nothing of them, so data parallelism packs them after
 backward).
