@@ -249,7 +249,10 @@ def recalibrate_batchnorm(model, x, batch=250):
     plain average over the batches of ``x`` ("precise BN"); leaves the model in eval mode.
 
     For parameters that no training forward produced statistics for: a parameter
-    server's copy (the workers hold the statistics) or a benchmark's snapshot."""
+    server's copy (the workers hold the statistics) or a benchmark's snapshot. The
+    forwards run in training mode: a BatchNorm with a ``sync_group`` communicates, so
+    every rank of the group must recalibrate too (or unset it first with
+    ``convert_sync_batchnorm(model, None)``)."""
     layers = [m for _, m in model.modules() if isinstance(m, _BatchNorm)]
     if not layers:
         return
