@@ -6,6 +6,10 @@ h = 1e-6 for the input gradient and for every parameter's gradient. Small tensor
 checked at every coordinate, larger ones at 25 random coordinates each. Tolerance:
 ``|analytic - numeric| <= 1e-6 + 1e-5 * |numeric|`` (float64 central differences are good
 to ~1e-9 here; the slack covers kinks of ReLU/max-pool that random inputs never hit).
+
+Each check also runs the same forward/backward a second time without ``zero_grad``: since
+backward accumulates, every parameter gradient must then be exactly twice the first one
+(bitwise for dense gradients: ``g + g`` is exact), and ``activation_nbytes`` must be 0.
 """
 
 import numpy as np
@@ -48,6 +52,7 @@ def gradcheck(layer, x, seed=0, before_forward=None, check_input=True):
             before_forward(layer)
         return layer.forward(inp)
 
+    layer.zero_grad()
     y = run(x)
     r = rng.standard_normal(y.shape)
     dx = layer.backward(r.copy())
@@ -55,6 +60,15 @@ def gradcheck(layer, x, seed=0, before_forward=None, check_input=True):
     for name, p in layer.named_parameters():
         g = p.grad.to_dense() if isinstance(p.grad, SparseGrad) else p.grad
         grads[name] = np.array(g, copy=True)
+    assert layer.activation_nbytes() == 0, f"{layer!r} kept activations after backward"
+    run(x)
+    layer.backward(r.copy())  # accumulates into the gradients above
+    for name, p in layer.named_parameters():
+        if isinstance(p.grad, SparseGrad):
+            np.testing.assert_allclose(p.grad.to_dense(), 2 * grads[name], rtol=1e-14,
+                                       atol=1e-14, err_msg=f"{layer!r} accumulated {name}")
+        else:
+            assert np.array_equal(p.grad, 2 * grads[name]), f"{layer!r} accumulated {name}"
 
     def loss(inp):
         return float(np.sum(run(inp) * r))
@@ -177,6 +191,7 @@ def test_embedding():
     emb = Embedding(7, 3, rng=1, dtype=F64)
     ids = np.array([[1, 3, 3], [6, 0, 1]])
     gradcheck(emb, ids, check_input=False)
+    emb.zero_grad()
     emb.forward(ids)
     emb.backward(np.ones((2, 3, 3)))
     g = emb.weight.grad

@@ -12,11 +12,11 @@ class ReLU(Layer):
     def forward(self, x):
         xp = array_module(x)
         y = xp.maximum(x, 0)
-        self._y = y
+        self.save_for_backward(y)
         return y
 
     def backward(self, dy):
-        y, self._y = self._y, None
+        (y,) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
         xp = array_module(dy)
@@ -38,11 +38,12 @@ class LeakyReLU(Layer):
 
     def forward(self, x):
         xp = array_module(x)
-        self._pos = x > 0
-        return xp.where(self._pos, x, x * self.negative_slope)
+        pos = x > 0
+        self.save_for_backward(pos)
+        return xp.where(pos, x, x * self.negative_slope)
 
     def backward(self, dy):
-        pos, self._pos = self._pos, None
+        (pos,) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
         dy[~pos] *= self.negative_slope
@@ -54,11 +55,12 @@ class LeakyReLU(Layer):
 
 class Tanh(Layer):
     def forward(self, x):
-        self._y = array_module(x).tanh(x)
-        return self._y
+        y = array_module(x).tanh(x)
+        self.save_for_backward(y)
+        return y
 
     def backward(self, dy):
-        y, self._y = self._y, None
+        (y,) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
         dy *= 1.0 - y * y
@@ -76,11 +78,11 @@ class Sigmoid(Layer):
         y = xp.tanh(x * 0.5)
         y += 1.0
         y *= 0.5
-        self._y = y
+        self.save_for_backward(y)
         return y
 
     def backward(self, dy):
-        y, self._y = self._y, None
+        (y,) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
         dy *= y * (1.0 - y)
@@ -107,15 +109,14 @@ class GELU(Layer):
         inner *= x
         inner *= _SQRT_2_OVER_PI
         t = xp.tanh(inner)
-        self._x, self._t = x, t
+        self.save_for_backward(x, t)
         y = t + 1.0
         y *= x
         y *= 0.5
         return y
 
     def backward(self, dy):
-        x, t = self._x, self._t
-        self._x = self._t = None
+        x, t = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
         # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3c x^2)

@@ -39,7 +39,6 @@ class Conv2d(Layer):
         if bias:
             self.bias = self.add_param("bias", initialize(
                 "zeros", (out_channels,), fan_in, fan_out, rng, self.dtype))
-        self._cols = None
 
     def _out_shape(self, x):
         if x.ndim != 4 or x.shape[1] != self.in_channels:
@@ -73,23 +72,25 @@ class Conv2d(Layer):
         y = cols @ wmat
         if self.bias is not None:
             y += self.bias.data
-        self._cols, self._xshape, self._yshape = cols, x.shape, (n, ho, wo)
+        self.save_for_backward(cols, x.shape, (n, ho, wo))
         return y.reshape(n, ho, wo, f).transpose(0, 3, 1, 2)
 
     def backward(self, dy):
-        cols, (n, ho, wo) = self._cols, self._yshape
-        self._cols = None
+        cols, xshape, (n, ho, wo) = self.saved_for_backward()
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         f, c = self.out_channels, self.in_channels
         dy2 = dy.transpose(0, 2, 3, 1).reshape(n * ho * wo, f)  # free for NHWC memory
         gw = cols.T @ dy2  # (kh*kw*C, F)
-        self.weight.grad = gw.reshape(kh, kw, c, f).transpose(3, 2, 0, 1).copy()
+        gw = gw.reshape(kh, kw, c, f).transpose(3, 2, 0, 1)
+        # a first gradient must be contiguous (optimizers and fusion take it flat); a
+        # later one is added in place straight from the transposed view
+        self.weight.accumulate(gw.copy() if self.weight.grad is None else gw)
         if self.bias is not None:
-            self.bias.grad = colsum(dy2)
+            self.bias.accumulate(colsum(dy2))
         if not self.needs_input_grad:
             return None
         xp = array_module(dy)
-        _, _, h, w = self._xshape
+        _, _, h, w = xshape
         dbuf = xp.zeros((n, h + 2 * ph, w + 2 * pw, c), dtype=dy.dtype)
         wk = xp.ascontiguousarray(self.weight.data.transpose(2, 3, 0, 1))  # (kh, kw, F, C)
         for i in range(kh):

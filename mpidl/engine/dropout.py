@@ -26,11 +26,10 @@ class Dropout(Layer):
         self.seed = int(seed)
         self.stream = 0
         self.add_buffer("calls", np.zeros((), dtype=np.int64))
-        self._mask = None
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
-            self._mask = None
+            self.save_for_backward(None)
             return x
         xp = array_module(x)
         calls = int(to_numpy(self._buffers["calls"]))
@@ -39,14 +38,16 @@ class Dropout(Layer):
         keep = rng.random(x.shape, dtype=np.float32) >= self.p
         mask = keep.astype(x.dtype)
         mask *= 1.0 / (1.0 - self.p)
-        self._mask = xp.asarray(mask)
-        return x * self._mask
+        mask = xp.asarray(mask)
+        self.save_for_backward(mask)
+        return x * mask
 
     def backward(self, dy):
+        (mask,) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
-        if self._mask is not None:
-            dy *= self._mask
+        if mask is not None:
+            dy *= mask
         return dy
 
     def __repr__(self):

@@ -38,13 +38,13 @@ class Embedding(Layer):
                 bad = lo if lo < 0 else hi
                 raise ShapeError(f"Embedding has {self.num_embeddings} rows, got id {bad} "
                                  f"(input shape {shape_str(ids)})")
-        self._ids = ids
+        self.save_for_backward(ids)
         return self.weight.data[ids]
 
     def backward(self, dy):
-        ids, self._ids = self._ids, None
-        self.weight.grad = SparseGrad(ids.reshape(-1), dy.reshape(-1, self.embedding_dim),
-                                      self.weight.data.shape)
+        (ids,) = self.saved_for_backward()
+        self.weight.accumulate(SparseGrad(ids.reshape(-1), dy.reshape(-1, self.embedding_dim),
+                                          self.weight.data.shape))
         return None
 
     def __repr__(self):

@@ -26,7 +26,6 @@ class Linear(Layer):
         if bias:
             self.bias = self.add_param("bias", initialize(
                 "zeros", (out_features,), in_features, out_features, rng, self.dtype))
-        self._x = None
 
     def forward(self, x):
         x, xp = as_input(x, self.dtype, self.weight.data)
@@ -35,7 +34,7 @@ class Linear(Layer):
             hint = "; add a Flatten before it" if x.ndim > 2 else ""
             raise ShapeError(f"Linear expects {self.in_features} input features, got {got} "
                              f"(input shape {shape_str(x)}){hint}")
-        self._x = x
+        self.save_for_backward(x)
         x2 = x.reshape(-1, self.in_features)
         y = x2 @ self.weight.data
         if self.bias is not None:
@@ -43,16 +42,15 @@ class Linear(Layer):
         return y.reshape(x.shape[:-1] + (self.out_features,))
 
     def backward(self, dy):
-        x2 = self._x.reshape(-1, self.in_features)
+        (x,) = self.saved_for_backward()
+        x2 = x.reshape(-1, self.in_features)
         dy2 = dy.reshape(-1, self.out_features)
-        self.weight.grad = x2.T @ dy2
+        self.weight.accumulate(x2.T @ dy2)
         if self.bias is not None:
-            self.bias.grad = dy2.sum(axis=0)
-        shape = self._x.shape
-        self._x = None
+            self.bias.accumulate(dy2.sum(axis=0))
         if not self.needs_input_grad:
             return None
-        return (dy2 @ self.weight.data.T).reshape(shape)
+        return (dy2 @ self.weight.data.T).reshape(x.shape)
 
     def __repr__(self):
         return (f"Linear(in_features={self.in_features}, out_features={self.out_features}"

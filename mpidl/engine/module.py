@@ -1,16 +1,23 @@
 """Parameters, the Layer base class and Sequential.
 
-A layer owns its parameters (``Parameter``: data + grad) and non-trainable buffers
-(BatchNorm's running statistics). ``named_parameters()`` gives every parameter a stable
-dotted name (``"3.weight"``) in a stable order, identical on every rank: collectives,
-fusion buffers and checkpoints rely on it.
+A layer owns its parameters (``Parameter``: data, grad, placement) and non-trainable
+buffers (BatchNorm's running statistics). ``named_parameters()`` gives every parameter a
+stable dotted name (``"3.weight"``) in a stable order, identical on every rank:
+collectives, fusion buffers and checkpoints rely on it.
 
-Backward hooks: ``Sequential.backward`` calls each hook registered with
-``add_grad_ready_hook`` with the names of the parameters whose gradients just became
-final. Data parallelism uses it to start a bucket's all-reduce while backward goes on.
+Micro-batches: what a forward keeps for its backward is stored per micro-batch key
+(``save_for_backward``), so several micro-batches can be in flight at once (pipeline
+schedules, gradient accumulation) and backward adds into ``grad`` instead of overwriting
+it. Backward hooks: ``add_grad_ready_hook`` on any layer reports the names of parameters
+whose gradients a backward pass has finished (``mpidl.engine.hooks``); data parallelism
+uses it to start a bucket's all-reduce while backward goes on.
 """
 
 from collections import OrderedDict
+from contextlib import contextmanager
+
+from mpidl.engine.hooks import GradReadyHook
+from mpidl.engine.placement import REPLICATED_DP, Placement
 
 
 class SparseGrad:
@@ -69,13 +76,31 @@ def scatter_add(target, indices, values):
 
 
 class Parameter:
-    """A trainable array and its gradient (None until backward has run)."""
+    """A trainable array, its gradient (None until a backward has run) and where it lives.
 
-    __slots__ = ("data", "grad")
+    ``placement`` (a ``Placement``, default replicated over the "dp" axis) tells parallel
+    runtimes how the tensor is spread over processes; ``master_dtype`` (None: the data's
+    dtype) is the precision an optimizer keeps its master copy in. Neither touches the
+    arrays, and checkpoints (``state_dict``) hold the data only.
+    """
 
-    def __init__(self, data):
+    __slots__ = ("data", "grad", "placement", "master_dtype")
+
+    def __init__(self, data, placement=None, master_dtype=None):
         self.data = data
         self.grad = None
+        if placement is None:
+            placement = REPLICATED_DP
+        elif not isinstance(placement, Placement):
+            raise TypeError(f"placement must be a Placement (e.g. Placement.replicated('dp')), "
+                            f"got {placement!r}")
+        placement.check_shape(data.shape)
+        self.placement = placement
+        if master_dtype is not None:
+            import numpy as np  # noqa: PLC0415
+
+            master_dtype = np.dtype(master_dtype)
+        self.master_dtype = master_dtype
 
     @property
     def shape(self):
@@ -89,20 +114,64 @@ class Parameter:
     def size(self):
         return self.data.size
 
+    def accumulate(self, g):
+        """Add gradient ``g`` into ``grad`` (the backward of every layer goes through here).
+
+        No gradient yet: ``grad`` becomes ``g`` itself, not a copy, so one micro-batch
+        gives bitwise the gradient a lone backward gives, at no extra cost. Dense into
+        dense adds in place (``g`` is the caller's to give away; ``grad``'s memory is
+        reused). Two ``SparseGrad`` concatenate their rows (duplicates are summed later by
+        ``coalesce``/``to_dense``); a sparse and a dense one sum into a dense array.
+        """
+        grad = self.grad
+        if grad is None:
+            self.grad = g
+        elif isinstance(grad, SparseGrad):
+            if isinstance(g, SparseGrad):
+                from mpidl.backend import array_module  # noqa: PLC0415
+
+                xp = array_module(g.values)
+                self.grad = SparseGrad(xp.concatenate((grad.indices, g.indices)),
+                                       xp.concatenate((grad.values, g.values)), grad.shape)
+            else:
+                dense = grad.to_dense()
+                dense += g
+                self.grad = dense
+        elif isinstance(g, SparseGrad):
+            scatter_add(grad, g.indices, g.values)
+        else:
+            grad += g
+
+    def __repr__(self):
+        extra = "" if self.placement == REPLICATED_DP else f", {self.placement!r}"
+        if self.master_dtype is not None:
+            extra += f", master_dtype={self.master_dtype}"
+        return f"Parameter(shape={tuple(self.data.shape)}, dtype={self.data.dtype}{extra})"
+
 
 class Layer:
     """Base class: ``forward(x) -> y`` and ``backward(dy) -> dx``.
 
     Subclasses create parameters with ``self.add_param(name, array)`` and buffers with
-    ``self.add_buffer(name, array)``; forward caches what backward needs. Setting
-    ``needs_input_grad = False`` (Sequential does it for the layers before its first
-    parameter when its own input needs no gradient) lets a layer skip computing ``dx``
-    nobody uses; its backward then returns None.
+    ``self.add_buffer(name, array)``. ``forward`` stores what backward needs with
+    ``self.save_for_backward(...)`` and ``backward`` takes it back with
+    ``self.saved_for_backward()``: contexts are kept per micro-batch key (see
+    ``micro_batch``), so several forwards may be in flight and their backwards run in any
+    order. Setting ``needs_input_grad = False`` (Sequential does it for the layers before
+    its first parameter when its own input needs no gradient) lets a layer skip computing
+    ``dx`` nobody uses; its backward then returns None.
 
-    Conventions every layer keeps, so Sequential can chain them without copies:
-    ``backward`` *overwrites* each parameter's ``grad`` (no accumulation), may reuse
-    ``dy``'s memory (callers hand it over and must not read it afterwards), and returns a
-    writable array the caller may in turn modify. ``forward`` never modifies ``x``.
+    Conventions every layer keeps, so containers can chain them without copies:
+    ``backward`` *accumulates* into each parameter's ``grad`` (``Parameter.accumulate``;
+    ``zero_grad`` starts over), may reuse ``dy``'s memory (callers hand it over and must
+    not read it afterwards), and returns a writable array the caller may in turn modify.
+    ``forward`` never modifies ``x``. Every forward saves exactly one context (possibly
+    empty) and every backward takes exactly one, even when it returns None.
+
+    Calling: ``layer(x)`` runs forward and ``layer.backprop(dy)`` runs backward then fires
+    the grad-ready hooks of this layer's own parameters; containers call their children
+    that way. A container that calls ``child.forward``/``child.backward`` directly still
+    computes correct gradients; only the hooks of that subtree stay silent.
     """
 
     def __init__(self):
@@ -110,6 +179,9 @@ class Layer:
         self._buffers = OrderedDict()
         self.training = True
         self.needs_input_grad = True
+        self._mb_key = 0       # the micro-batch the next forward/backward belongs to
+        self._saved = {}       # micro-batch key -> tuple saved by forward for backward
+        self._grad_hooks = []  # GradReadyHook objects that count this layer's parameters
 
     # -- parameters and buffers
     def add_param(self, name, data):
@@ -133,10 +205,21 @@ class Layer:
         return out
 
     def named_parameters(self, prefix=""):
-        """All parameters of this layer and its children as (dotted name, Parameter)."""
+        """All parameters of this layer and its children as (dotted name, Parameter).
+
+        A parameter held by several layers (weight tying) appears once, under its first
+        name: optimizers, gradient exchange and checkpoints must see it once."""
+        out, seen = [], set()
+        for name, p in self._all_named_parameters(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+        return out
+
+    def _all_named_parameters(self, prefix):
         out = [(prefix + n, p) for n, p in self._params.items()]
         for cname, child in self.children():
-            out += child.named_parameters(f"{prefix}{cname}.")
+            out += child._all_named_parameters(f"{prefix}{cname}.")
         return out
 
     def parameters(self):
@@ -207,6 +290,87 @@ class Layer:
         for name in buffers:
             self.set_buffer(name, to_device(state[name]).copy())
 
+    # -- per-micro-batch contexts
+    @contextmanager
+    def micro_batch(self, key):
+        """Within the block, forwards and backwards of this layer and every module under
+        it belong to micro-batch ``key`` (any hashable; 0 when nobody sets one). The
+        previous keys come back on exit."""
+        previous = [(m, m._mb_key) for m in self._walk()]
+        for m, _ in previous:
+            m._mb_key = key
+        try:
+            yield self
+        finally:
+            for m, old in previous:
+                m._mb_key = old
+
+    def save_for_backward(self, *values):
+        """Keep ``values`` for this micro-batch's backward (a later forward under the same
+        key replaces them: eval forwards and recalibrations never run backward)."""
+        self._saved[self._mb_key] = values
+
+    def saved_for_backward(self):
+        """The tuple ``save_for_backward`` stored for the current micro-batch, removed."""
+        try:
+            return self._saved.pop(self._mb_key)
+        except KeyError:
+            have = sorted(map(repr, self._saved)) or "none"
+            raise RuntimeError(
+                f"{self!r}: backward of micro-batch {self._mb_key!r} without its forward "
+                f"(forwards waiting for backward: {have}); run forward under the same "
+                f"micro_batch key first, and backward only once per forward") from None
+
+    def discard_saved(self, all_keys=False):
+        """Drop the current micro-batch's contexts (every key's with ``all_keys``) in this
+        layer and every module under it: for a backward that stops early, or to free the
+        activations an evaluation forward left behind."""
+        for m in self._walk():
+            if all_keys:
+                m._saved.clear()
+            else:
+                m._saved.pop(m._mb_key, None)
+
+    def activation_nbytes(self):
+        """Bytes of the arrays saved for backward in this layer and every module under it,
+        over all micro-batch keys. An array shared by several contexts (a layer's output
+        kept by the next layer too) or viewed through several reshapes counts once, at the
+        size of the memory it keeps alive."""
+        seen, total = set(), 0
+        for m in self._walk():
+            for values in m._saved.values():
+                for v in values:
+                    if not hasattr(v, "nbytes") or not hasattr(v, "shape"):
+                        continue
+                    while getattr(v, "base", None) is not None and hasattr(v.base, "nbytes"):
+                        v = v.base
+                    if id(v) not in seen:
+                        seen.add(id(v))
+                        total += int(v.nbytes)
+        return total
+
+    def _walk(self):
+        """This layer and every module under it, each once."""
+        out, seen, stack = [], set(), [self]
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            out.append(m)
+            stack.extend(child for _, child in reversed(m.children()))
+        return out
+
+    # -- hooks
+    def add_grad_ready_hook(self, fn):
+        """Call ``fn(names)`` whenever a backward pass finishes the gradients of ``names``
+        (dotted names relative to this layer, as ``named_parameters`` gives them).
+
+        A gradient is final when every module holding the parameter has finished its
+        ``backprop`` in the pass (tied weights: after the last user). Structure is read
+        now; see ``mpidl.engine.hooks`` for the limits. Returns the hook object."""
+        return GradReadyHook(self, fn)
+
     # -- computation
     def forward(self, x):
         raise NotImplementedError
@@ -215,7 +379,17 @@ class Layer:
         raise NotImplementedError
 
     def __call__(self, x):
+        """Run forward. The single entry point containers use: pre-forward hooks, when
+        they come, go here."""
         return self.forward(x)
+
+    def backprop(self, dy):
+        """Run backward, then tell the grad-ready hooks this layer's own parameters are
+        done (children report their own from their ``backprop``)."""
+        dx = self.backward(dy)
+        for hook in self._grad_hooks:
+            hook.layer_done(self)
+        return dx
 
     def __repr__(self):
         return f"{type(self).__name__}()"
@@ -227,14 +401,9 @@ class Sequential(Layer):
     def __init__(self, *layers):
         super().__init__()
         self.layers = list(layers)
-        self._grad_ready_hooks = []
 
     def children(self):
         return [(str(i), layer) for i, layer in enumerate(self.layers)]
-
-    def add_grad_ready_hook(self, fn):
-        """Call ``fn(names)`` whenever backward finishes the gradients of ``names``."""
-        self._grad_ready_hooks.append(fn)
 
     def forward(self, x):
         # A layer needs dx only if this container's input needs it or a parameter sits
@@ -244,22 +413,19 @@ class Sequential(Layer):
             layer.needs_input_grad = needs
             needs = needs or layer.has_params()
             try:
-                x = layer.forward(x)
+                x = layer(x)
             except ShapeError as e:
                 raise ShapeError(f"layer {i} ({layer!r}): {e}") from None
         return x
 
     def backward(self, dy):
-        for i in range(len(self.layers) - 1, -1, -1):
-            if dy is None:  # the layers below have no parameters and nobody wants dx
+        layers = self.layers
+        for i in range(len(layers) - 1, -1, -1):
+            if dy is None:  # the layers below have no parameters and nobody wants dx:
+                for layer in layers[:i + 1]:  # their contexts are of no more use
+                    layer.discard_saved()
                 break
-            layer = self.layers[i]
-            dy = layer.backward(dy)
-            if self._grad_ready_hooks:
-                names = [n for n, _ in layer.named_parameters(f"{i}.")]
-                if names:
-                    for hook in self._grad_ready_hooks:
-                        hook(names)
+            dy = layers[i].backprop(dy)
         return dy
 
     def __repr__(self):

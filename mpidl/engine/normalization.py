@@ -1,4 +1,4 @@
-"""Batch and layer normalization."""
+"""Batch and layer normalization, and synchronized batch normalization."""
 
 from mpidl.backend import array_module
 from mpidl.engine._util import as_input, colsum, float_dtype, shape_str
@@ -14,12 +14,24 @@ class _BatchNorm(Layer):
     variance (PyTorch's convention). Eval: the running statistics normalize.
     ``weight`` (gamma) starts at 1, ``bias`` (beta) at 0; the buffers are
     ``running_mean`` and ``running_var``.
+
+    ``sync_group`` (an mpidl ``Communicator``; None: off): in training, the statistics
+    are those of the batch of every rank of the group together, as if one process held
+    the concatenation (SyncBatchNorm). Forward all-reduces the per-channel sums with the
+    value count, then the per-channel sums of squared deviations (two passes, as without
+    the group: no cancellation); backward all-reduces the per-channel sums of ``dy`` and
+    ``dy * xhat``. Three blocking all-reduces of ``2C + 1`` values at most, every rank of
+    the group must take part; eval mode communicates nothing. Weight and bias gradients
+    stay local (the rank's own samples), to be averaged by data parallelism like every
+    other gradient. Counts travel in the data's dtype: exact up to 2**24 values per
+    channel over the group in float32 (2**53 in float64).
     """
 
     kind = "BatchNorm"
     ndims = ()
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, dtype="float32"):
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, dtype="float32",
+                 sync_group=None):
         super().__init__()
         if num_features < 1:
             raise ValueError(f"{self.kind} needs num_features >= 1, got {num_features}")
@@ -29,6 +41,7 @@ class _BatchNorm(Layer):
             raise ValueError(f"{self.kind} eps must be > 0, got {eps}")
         self.num_features, self.eps, self.momentum = int(num_features), float(eps), float(momentum)
         self.dtype = float_dtype(dtype)
+        self.sync_group = sync_group
         c = self.num_features
         self.weight = self.bias = None
         if affine:
@@ -52,65 +65,105 @@ class _BatchNorm(Layer):
             at = xp.ascontiguousarray(at)
         return at.reshape(-1, self.num_features), at.shape
 
+    def _allreduce(self, buf):
+        """Sum ``buf`` over the sync group in place (every rank of it must call too)."""
+        self.sync_group.allreduce(buf, out=buf, op="sum")
+        return buf
+
+    def _batch_stats(self, x, x2, xp, group):
+        """Mean, x - mean, biased variance and value count of the batch (over ``group``
+        when there is one)."""
+        c = self.num_features
+        if group is None:
+            count = sums = x2.shape[0]
+            if count >= 2:
+                sums = colsum(x2)
+        else:
+            buf = xp.empty(c + 1, dtype=x2.dtype)
+            buf[:c] = colsum(x2)
+            buf[c] = x2.shape[0]
+            self._allreduce(buf)
+            sums, count = buf[:c], int(buf[c])
+        if count < 2:  # with a group, every rank sees the same count: all raise
+            where = "" if group is None else f" over the sync group ({count} in all)"
+            raise ShapeError(f"{self.kind} in training mode needs more than one value "
+                             f"per channel{where}, got input shape {shape_str(x)}")
+        mean = sums * (1.0 / count)
+        xhat = x2 - mean
+        sq = xp.einsum("ij,ij->j", xhat, xhat)  # two passes: no cancellation
+        if group is not None:
+            sq = self._allreduce(xp.ascontiguousarray(sq))
+        var = sq * (1.0 / count)
+        return mean, xhat, var, count
+
     def forward(self, x):
         x, xp = as_input(x, self.dtype, self._buffers["running_mean"])
         self._check(x)
         x2, tshape = self._rows(x)
-        count = x2.shape[0]
-        if self.training:
-            if count < 2:
-                raise ShapeError(f"{self.kind} in training mode needs more than one value "
-                                 f"per channel, got input shape {shape_str(x)}")
-            mean = colsum(x2) * (1.0 / count)
-            xhat = x2 - mean
-            var = xp.einsum("ij,ij->j", xhat, xhat) * (1.0 / count)  # two passes: no cancellation
+        batch_stats = self.training
+        group = self.sync_group if batch_stats else None
+        if batch_stats:
+            mean, xhat, var, count = self._batch_stats(x, x2, xp, group)
             inv_std = 1.0 / xp.sqrt(var + self.eps)
             m = self.momentum
             self._buffers["running_mean"] = (1.0 - m) * self._buffers["running_mean"] + m * mean
             self._buffers["running_var"] = ((1.0 - m) * self._buffers["running_var"]
                                             + (m * count / (count - 1)) * var)
         else:
+            count = x2.shape[0]
             inv_std = 1.0 / xp.sqrt(self._buffers["running_var"] + self.eps)
             xhat = x2 - self._buffers["running_mean"]
         # xhat holds x - mean; the 1/std factor is folded into the per-channel scales
         # (one pass fewer over the activations).
-        self._xhat, self._inv_std, self._tshape = xhat, inv_std, tshape
+        self.save_for_backward(xhat, inv_std, tshape, batch_stats, group, count)
         scale = inv_std if self.weight is None else self.weight.data * inv_std
         y = xhat * scale
         if self.bias is not None:
             y += self.bias.data
-        return self._unrows(y)
+        return self._unrows(y, tshape)
 
-    def _unrows(self, a2):
+    @staticmethod
+    def _unrows(a2, tshape):
         xp = array_module(a2)
-        a = a2.reshape(self._tshape)
+        a = a2.reshape(tshape)
         return xp.moveaxis(a, -1, 1) if a.ndim > 2 else a
 
     def backward(self, dy):
-        xhat, inv_std = self._xhat, self._inv_std
-        self._xhat = None
+        xhat, inv_std, tshape, batch_stats, group, count = self.saved_for_backward()
         xp = array_module(dy)
         dy2, _ = self._rows(dy)
         dbeta = colsum(dy2)
-        dgamma = xp.einsum("ij,ij->j", dy2, xhat) * inv_std
+        dxhat_sum = xp.einsum("ij,ij->j", dy2, xhat)
+        dgamma = dxhat_sum * inv_std
         if self.weight is not None:
-            self.weight.grad, self.bias.grad = dgamma, dbeta
+            self.weight.accumulate(dgamma)
+            self.bias.accumulate(dbeta)
         if not self.needs_input_grad:
             return None
         gamma = self.weight.data if self.weight is not None else 1.0
-        if not self.training:  # the statistics are constants
+        if not batch_stats:  # the statistics are constants
             dy2 *= gamma * inv_std
-            return self._unrows(dy2)
+            return self._unrows(dy2, tshape)
+        if group is not None:
+            # the mean and variance depend on every rank's batch: so does dx (the group
+            # the forward used, even if sync_group changed since)
+            c = self.num_features
+            buf = xp.empty(2 * c, dtype=dy2.dtype)
+            buf[:c] = dbeta
+            buf[c:] = dxhat_sum
+            group.allreduce(buf, out=buf, op="sum")
+            dbeta, dgamma = buf[:c], buf[c:] * inv_std
         # dx = gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat))
-        scale = 1.0 / dy2.shape[0]
+        scale = 1.0 / count
         xhat *= dgamma * (inv_std * scale)  # (x - mean) * inv_std * mean(dy * xhat)
         dy2 -= dbeta * scale
         dy2 -= xhat
         dy2 *= gamma * inv_std
-        return self._unrows(dy2)
+        return self._unrows(dy2, tshape)
 
     def __repr__(self):
-        return f"{self.kind}({self.num_features})"
+        sync = "" if self.sync_group is None else f", sync over {self.sync_group.size} rank(s)"
+        return f"{self.kind}({self.num_features}{sync})"
 
 
 class BatchNorm1d(_BatchNorm):
@@ -162,7 +215,7 @@ class LayerNorm(Layer):
         var = (xhat * xhat).mean(axis=axes, keepdims=True)
         inv_std = 1.0 / xp.sqrt(var + self.eps)
         xhat *= inv_std
-        self._xhat, self._inv_std, self._axes = xhat, inv_std, axes
+        self.save_for_backward(xhat, inv_std, axes)
         if self.weight is None:
             return xhat.copy()
         y = xhat * self.weight.data
@@ -170,12 +223,11 @@ class LayerNorm(Layer):
         return y
 
     def backward(self, dy):
-        xhat, inv_std, axes = self._xhat, self._inv_std, self._axes
-        self._xhat = None
+        xhat, inv_std, axes = self.saved_for_backward()
         if self.weight is not None:
             batch_axes = tuple(range(dy.ndim - len(axes)))
-            self.weight.grad = (dy * xhat).sum(axis=batch_axes)
-            self.bias.grad = dy.sum(axis=batch_axes)
+            self.weight.accumulate((dy * xhat).sum(axis=batch_axes))
+            self.bias.accumulate(dy.sum(axis=batch_axes))
             dy *= self.weight.data  # dy now is d(loss)/d(xhat)
         if not self.needs_input_grad:
             return None
@@ -197,7 +249,10 @@ def recalibrate_batchnorm(model, x, batch=250):
     plain average over the batches of ``x`` ("precise BN"); leaves the model in eval mode.
 
     For parameters that no training forward produced statistics for: a parameter
-    server's copy (the workers hold the statistics) or a benchmark's snapshot."""
+    server's copy (the workers hold the statistics) or a benchmark's snapshot. The
+    forwards run in training mode: a BatchNorm with a ``sync_group`` communicates, so
+    every rank of the group must recalibrate too (or unset it first with
+    ``convert_sync_batchnorm(model, None)``)."""
     layers = [m for _, m in model.modules() if isinstance(m, _BatchNorm)]
     if not layers:
         return
@@ -213,3 +268,16 @@ def recalibrate_batchnorm(model, x, batch=250):
     for bn, m in zip(layers, saved):
         bn.momentum = m
     model.eval()
+
+
+def convert_sync_batchnorm(model, group):
+    """Make every BatchNorm1d/2d under ``model`` a synchronized one over ``group`` (an
+    mpidl ``Communicator``; None turns synchronization off again). Returns how many
+    layers it set, so a caller can tell a model without BatchNorm."""
+    if group is not None and not (hasattr(group, "allreduce") and hasattr(group, "size")):
+        raise TypeError(f"convert_sync_batchnorm needs an mpidl Communicator (with allreduce "
+                        f"and size) or None, got {group!r}")
+    layers = [m for _, m in model.modules() if isinstance(m, _BatchNorm)]
+    for bn in layers:
+        bn.sync_group = group
+    return len(layers)

@@ -72,17 +72,15 @@ class MaxPool2d(_Pool2d):
                 won = better.astype(idx.dtype)
                 won *= o
                 xp.maximum(idx, won, out=idx)
-        self._idx, self._bufshape, self._xshape = idx, buf.shape, x.shape
+        self.save_for_backward(idx, buf.shape, x.shape)
         return best.transpose(0, 3, 1, 2)
 
     def backward(self, dy):
-        idx, self._idx = self._idx, None
+        idx, (n, hp, wp, c), (_, _, h, w) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
         xp = array_module(dy)
         (sh, sw), (ph, pw) = self.stride, self.padding
-        n, hp, wp, c = self._bufshape
-        _, _, h, w = self._xshape
         ho, wo = idx.shape[1], idx.shape[2]
         dyt = dy.transpose(0, 2, 3, 1)
         dbuf = xp.zeros((n, hp, wp, c), dtype=dy.dtype)
@@ -114,16 +112,15 @@ class AvgPool2d(_Pool2d):
             else:
                 acc += s
         acc *= 1.0 / (kh * kw)
-        self._bufshape, self._xshape = buf.shape, x.shape
+        self.save_for_backward(buf.shape, x.shape)
         return acc.transpose(0, 3, 1, 2)
 
     def backward(self, dy):
+        (n, hp, wp, c), (_, _, h, w) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
         xp = array_module(dy)
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
-        n, hp, wp, c = self._bufshape
-        _, _, h, w = self._xshape
         ho, wo = dy.shape[2], dy.shape[3]
         share = dy.transpose(0, 2, 3, 1) * (1.0 / (kh * kw))
         dbuf = xp.zeros((n, hp, wp, c), dtype=dy.dtype)
@@ -139,14 +136,14 @@ class GlobalAvgPool2d(Layer):
         if x.ndim != 4:
             raise ShapeError(f"GlobalAvgPool2d expects input (N, C, H, W), got shape "
                              f"{shape_str(x)}")
-        self._xshape = x.shape
+        self.save_for_backward(x.shape)
         return x.mean(axis=(2, 3))
 
     def backward(self, dy):
+        ((n, c, h, w),) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
         xp = array_module(dy)
-        n, c, h, w = self._xshape
         dx = xp.empty((n, h, w, c), dtype=dy.dtype)  # NHWC memory, like the conv layers
         dx[...] = (dy * (1.0 / (h * w)))[:, None, None, :]
         return dx.transpose(0, 3, 1, 2)

@@ -10,13 +10,14 @@ class Flatten(Layer):
     def forward(self, x):
         if x.ndim < 1:
             raise ShapeError(f"Flatten needs a batch axis, got a scalar (shape {shape_str(x)})")
-        self._shape = x.shape
+        self.save_for_backward(x.shape)
         return x.reshape(x.shape[0], -1)
 
     def backward(self, dy):
+        (shape,) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
-        return dy.reshape(self._shape)
+        return dy.reshape(shape)
 
     def __repr__(self):
         return "Flatten()"
@@ -31,17 +32,19 @@ class Reshape(Layer):
                                             isinstance(shape[0], (tuple, list)) else shape))
 
     def forward(self, x):
-        self._shape = x.shape
         try:
-            return x.reshape((x.shape[0],) + self.shape)
+            y = x.reshape((x.shape[0],) + self.shape)
         except ValueError:
             raise ShapeError(f"Reshape cannot turn samples of shape {shape_str(x)[1:]} into "
                              f"{self.shape} (input shape {shape_str(x)})") from None
+        self.save_for_backward(x.shape)
+        return y
 
     def backward(self, dy):
+        (shape,) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
-        return dy.reshape(self._shape)
+        return dy.reshape(shape)
 
     def __repr__(self):
         return f"Reshape{self.shape}"

@@ -32,8 +32,8 @@ class Residual(Layer):
         xp = array_module(x)
         for _, child in self.children():
             child.needs_input_grad = self.needs_input_grad
-        main = self.body.forward(x)
-        side = x if self.shortcut is None else self.shortcut.forward(x)
+        main = self.body(x)
+        side = x if self.shortcut is None else self.shortcut(x)
         if main.shape != side.shape:
             raise ShapeError(f"Residual body gives shape {tuple(main.shape)} but the shortcut "
                              f"gives {tuple(side.shape)}; give the block a shortcut that "
@@ -41,21 +41,26 @@ class Residual(Layer):
         y = main + side
         if self.activation:
             xp.maximum(y, 0, out=y)
-            self._y = y
+            self.save_for_backward(y)
+        else:
+            self.save_for_backward()
         return y
 
     def backward(self, dy):
+        saved = self.saved_for_backward()
         if self.activation:
             xp = array_module(dy)
-            xp.multiply(dy, self._y > 0, out=dy)
-            self._y = None
+            xp.multiply(dy, saved[0] > 0, out=dy)
         # Both branches get dy; each may overwrite what it is given, so one gets a copy.
-        dx_body = self.body.backward(dy.copy() if self.needs_input_grad or
-                                     self.shortcut is not None else dy)
+        # The shortcut goes first: its parameters come after the body's in
+        # named_parameters(), so its gradients are due first in backward order (data
+        # parallelism's buckets fill in that order).
+        dy_body = dy.copy() if self.needs_input_grad or self.shortcut is not None else dy
         if self.shortcut is None:
             dx_side = dy
         else:
-            dx_side = self.shortcut.backward(dy)
+            dx_side = self.shortcut.backprop(dy)
+        dx_body = self.body.backprop(dy_body)
         if not self.needs_input_grad:
             return None
         dx_body += dx_side
