@@ -242,6 +242,7 @@ def test_sgd_sparse_touches_rows_only():
     opt = SGD(emb.named_parameters(), lr=0.5, momentum=0.9)
     ids = np.array([1, 4, 1])
     for _ in range(2):
+        opt.zero_grad()  # backward accumulates (micro-batches): each step starts clean
         emb.forward(ids)
         emb.backward(np.ones((3, 2)))
         opt.step()

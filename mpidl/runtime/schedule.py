@@ -91,7 +91,7 @@ class MicroBatches:
             if arm is not None and i == k - 1:
                 arm(True)
             try:
-                (getattr(model, "backprop", None) or model.backward)(dy)  # TEMP until the engine merge
+                model.backprop(dy)
             finally:
                 if arm is not None and i == k - 1:
                     arm(False)
