@@ -160,12 +160,8 @@ def run_rank(a):
     options = json.loads(a.ps) if a.ps else {}
     if a.straggler > 1:  # the last rank: a worker in either preset
         options["straggler"] = f"{world.size - 1}:{a.straggler}"
+    # poll_max_ms 0 is the anchor: blocking MPI receives (Poller longest=0)
     runtime = build("ps" if a.ps else "allreduce", Communicator(world), **options)
-    if options.get("poll_max_ms") == 0:
-        # the anchor: blocking MPI receives (Poller longest=0); the preset reads 0 as
-        # "not given" (1 ms), so the parts are told before set-up creates their pollers
-        part = runtime.server if runtime.server is not None else runtime.syncs[0][1]
-        part.poll_max_s = 0.0
     index, count = runtime.shard()
 
     # the data: --epochs shuffled epochs of the (limited) training set, one after the

@@ -150,7 +150,7 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
     pushpull.check_compressor(compressor)
     rank = comm.rank
     sched = _schedule(accumulate, straggler, rank, worker_ranks, "worker")
-    poll = (poll_max_ms or 1.0) * 1e-3
+    poll = (1.0 if poll_max_ms is None else poll_max_ms) * 1e-3  # 0: block inside MPI
     roles = {"server": server_ranks, "trainer": worker_ranks}
     if rank in server_ranks:
         from mpidl.runtime.server import ServerRole  # noqa: PLC0415
