@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mpirun import mpiexec_path, run_command, run_ranks
+from mpirun import fashion_available, mpiexec_path, run_command, run_ranks
 
 MODEL_FILE = '''
 from mpidl.engine import Flatten, LayerNorm, Linear, Sequential, Tanh
@@ -92,3 +92,27 @@ def test_mistakes_in_the_model_spec_are_one_line(tmp_path, model_file, spec, mes
     lines = [ln for ln in launch.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("mpidl: error:"), launch.output
     assert re.search(message, lines[0]), lines[0]
+
+
+def readme_example():
+    """The fenced Python block after the README's python-api-example marker."""
+    readme = os.path.join(os.path.dirname(HERE_TESTS), "README.md")
+    text = open(readme, encoding="utf-8").read()
+    after = text.split("<!-- python-api-example", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+HERE_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.skipif(not fashion_available(), reason="needs Fashion-MNIST "
+                    "(apt-get install dataset-fashion-mnist)")
+def test_the_readme_python_api_example_runs_on_two_ranks(tmp_path):
+    code = readme_example()
+    assert "class Gate(Layer)" in code and "Trainer(" in code  # the block we mean
+    script = tmp_path / "train_mine.py"
+    script.write_text(code)
+    launch = run_ranks(2, [script], timeout=180, cwd=tmp_path).check()
+    records = _records(launch.output)
+    assert [r["epoch"] for r in records] == [1, 2], launch.output
+    assert records[-1]["ranks"] == 2 and records[-1]["test_acc"] > 0.7
