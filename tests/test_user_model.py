@@ -116,3 +116,51 @@ def test_the_readme_python_api_example_runs_on_two_ranks(tmp_path):
     records = _records(launch.output)
     assert [r["epoch"] for r in records] == [1, 2], launch.output
     assert records[-1]["ranks"] == 2 and records[-1]["test_acc"] > 0.7
+
+
+OWN_LOOP = '''
+import sys
+import numpy as np
+from mpi4py import MPI
+from mpidl.comm import Communicator
+from mpidl.engine import SGD, Linear, ReLU, Sequential, SoftmaxCrossEntropy
+from mpidl.runtime.distributed import DistributedOptimizer
+
+B, STEPS = 8, 5
+def make(seed):
+    rng = np.random.default_rng(seed)
+    return Sequential(Linear(6, 16, rng=rng, dtype="float64"), ReLU(),
+                      Linear(16, 3, rng=rng, dtype="float64"))
+data = np.random.default_rng(9)
+x = data.standard_normal((STEPS, 2 * B, 6)); y = data.integers(0, 3, (STEPS, 2 * B))
+loss = SoftmaxCrossEntropy()
+r = MPI.COMM_WORLD.rank
+model = make(1 if r == 0 else 50)          # rank 1's own weights are replaced by rank 0's
+opt = DistributedOptimizer(SGD(model.named_parameters(), lr=0.1, momentum=0.9), model,
+                           Communicator(), algorithm="ring")
+for s in range(STEPS):
+    opt.zero_grad()
+    loss.forward(model(x[s][r * B:(r + 1) * B]), y[s][r * B:(r + 1) * B])
+    model.backprop(loss.backward())
+    opt.step()
+ref = make(1)
+ropt = SGD(ref.named_parameters(), lr=0.1, momentum=0.9)
+for s in range(STEPS):
+    ropt.zero_grad()
+    loss.forward(ref(x[s]), y[s])
+    ref.backprop(loss.backward())
+    ropt.step()
+worst = max(float(np.max(np.abs(p.data - q.data)) / np.max(np.abs(q.data)))
+            for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()))
+assert worst <= 1e-13, worst
+print(f"rank {r} OWN LOOP OK {worst:.1e}", flush=True)
+'''
+
+
+def test_distributed_optimizer_in_your_own_loop_equals_one_process(tmp_path):
+    """Horovod's pattern: 2 ranks with batch b and the wrapped optimizer end where one
+    process with batch 2b ends (float64, relative 1e-13)."""
+    script = tmp_path / "own_loop.py"
+    script.write_text(OWN_LOOP)
+    launch = run_ranks(2, [script], timeout=120).check()
+    assert launch.output.count("OWN LOOP OK") == 2, launch.output
