@@ -15,6 +15,9 @@ class Callback:
         """After the runtime's set-up (and a resume), before the first epoch; also on
         ranks that serve (``trainer.runtime.trains_on_data`` False), before serving."""
 
+    def on_step_start(self, trainer):
+        """Before every training step (its batch is loaded; the lr is set)."""
+
     def on_step_end(self, trainer, loss):
         """After every training step (``trainer.step`` already counts it)."""
 
@@ -43,6 +46,9 @@ class CallbackList(Callback):
 
     def on_fit_start(self, trainer):
         self._each("on_fit_start", trainer)
+
+    def on_step_start(self, trainer):
+        self._each("on_step_start", trainer)
 
     def on_step_end(self, trainer, loss):
         self._each("on_step_end", trainer, loss)

@@ -97,11 +97,15 @@ class Trainer:
     ``eval_batch_size``, ``checkpoint_every``, ``keep_checkpoints``, ``resume``,
     ``progress``). ``paths``: {"metrics", "save", "checkpoint_dir"} (None to skip each).
     ``lr_schedule``: a factory (base_lr, total_steps, warmup_steps) -> schedule(step);
-    default from ``schedule``. ``callbacks``: ``mpidl.training.callbacks.Callback``s.
+    default from ``schedule``. ``callbacks``: ``mpidl.training.callbacks.Callback``s;
+    one may end training early with ``trainer.stop()`` (every rank at the same step: the
+    epoch then ends as usual, evaluation and metrics included). ``quiet``: no metrics
+    lines on stdout (the metrics file, if any, is still written).
     """
 
     def __init__(self, model, optimizer, dataset, runtime=None, task=None, config=None,
-                 callbacks=(), paths=None, lr_schedule=None, model_meta=None, **settings):
+                 callbacks=(), paths=None, lr_schedule=None, model_meta=None, quiet=False,
+                 **settings):
         self.cfg = _settings(config, settings)
         cfg = self.cfg
         if runtime is None:
@@ -115,6 +119,8 @@ class Trainer:
         self.paths = dict(paths or {})
         self.model_meta = dict(model_meta or {})
         self.callbacks = CallbackList(callbacks)
+        self.quiet = bool(quiet)
+        self._stop = False
         self.log = get_logger()
         if runtime.checkpoint_at_epoch_end and cfg.checkpoint_every:
             raise ConfigError(
@@ -166,6 +172,10 @@ class Trainer:
     def lr_at(self, step):
         return float(self.schedule(step))
 
+    def stop(self):
+        """End training after the current step (a callback calls it on every rank)."""
+        self._stop = True
+
     # -- the loop
     def fit(self):
         cfg, rt = self.cfg, self.runtime
@@ -180,13 +190,14 @@ class Trainer:
             rt.finish()
             self.callbacks.on_fit_end(self)
             return self.last
-        self.metrics = MetricsWriter(self.paths.get("metrics")) if self.is_root else None
+        self.metrics = (MetricsWriter(self.paths.get("metrics"), stdout=not self.quiet)
+                        if self.is_root else None)
         self.progress = Progress(cfg.progress and self.is_root)
         self.model.train()
         images_per_step = self.loader.global_batch_size
         diverged = False
         try:
-            while self.epoch < cfg.epochs and not diverged:
+            while self.epoch < cfg.epochs and not diverged and not self._stop:
                 epoch = self.epoch
                 if self.batch < self.steps_per_epoch:
                     self.progress.start_epoch(epoch + 1, cfg.epochs, self.steps_per_epoch,
@@ -198,6 +209,7 @@ class Trainer:
                                               f"{rt.rank} at step {self.step}")
                     lr = self.lr_at(self.step)
                     self.optimizer.lr = lr
+                    self.callbacks.on_step_start(self)
                     loss = rt.train_step(x, y)
                     self.step += 1
                     self.batch = b + 1
@@ -209,10 +221,11 @@ class Trainer:
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_checkpoint()
                     t = time.perf_counter()  # checkpoint time does not count as training
-                    if rt.epoch_cut():
+                    if rt.epoch_cut() or self._stop:
                         break
                 # a rank that ended its epoch early keeps the schedule in step with the rest
-                self.step = max(self.step, (epoch + 1) * self.steps_per_epoch)
+                if not self._stop:
+                    self.step = max(self.step, (epoch + 1) * self.steps_per_epoch)
                 self.progress.close()
                 self.end_epoch()
                 diverged = not math.isfinite(self.last["train_loss"])
