@@ -64,7 +64,10 @@ class Groups:
         self.raw = {a: (g.mpi.Dup() if g is not None else None) for a, g in self.comm.items()}
 
     def on(self, axis):
-        """Bind comm_equivalence's helpers to ``axis``; returns its Communicator."""
+        """Bind comm_equivalence's helpers to ``axis``; returns its Communicator (None on
+        ranks without that axis, which bind nothing)."""
+        if self.raw[axis] is None:
+            return None
         ce.bind(self.raw[axis])
         return self.comm[axis]
 
