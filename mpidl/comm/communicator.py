@@ -468,8 +468,10 @@ class Communicator(PointToPoint):
             else:
                 t = ch.host
                 t.count = stats
-                fn = getattr(_REGISTRY.get(alg), "allreduce", None) or algorithms.get(
-                    alg, "allreduce")
+                try:
+                    fn = _REGISTRY[alg].allreduce
+                except (KeyError, AttributeError):
+                    fn = algorithms.get(alg, "allreduce")  # raises the clear error
                 fn(t, src, dst, _NP_SUM, self._ctx)
             return out
         return self._blocking(self._prep_allreduce(x, out, op, algorithm), name)
