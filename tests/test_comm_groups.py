@@ -150,3 +150,30 @@ def test_counters_one_rank_and_p2p_to_self():
     with pytest.raises(ValueError, match="dest 5 is not a rank"):
         c.send(np.zeros(1), 5)
     c.close()
+
+
+def test_p2p_and_group_spans_in_the_timeline(tmp_path):
+    import json
+
+    from mpidl.comm import Communicator
+
+    path = tmp_path / "trace.json"
+    c = Communicator(timeline=str(path))
+    g = c.split(0, label="dp")
+    r = g.irecv(np.empty(4), 0, tag=1)
+    g.send(np.ones(4), 0, tag=1)
+    r.wait()
+    g.sendrecv(np.ones(2), 0, np.empty(2), 0, sendtag=2)
+    req = g.isend_obj({"a": 1}, 0, tag=3)
+    assert g.iprobe(0, 3)[:2] == (0, 3)
+    assert g.recv_obj(0, 3)[0] == {"a": 1}
+    req.wait()
+    g.allreduce(np.ones(3), algorithm="ring")
+    g.close()
+    c.close()
+    events = json.loads(path.read_text())["traceEvents"]
+    kinds = [e["cat"] for e in events if e.get("ph") == "X"]
+    for kind in ("irecv", "send", "wait", "sendrecv", "isend_obj", "recv_obj", "allreduce"):
+        assert kind in kinds, kinds
+    spans = [e for e in events if e.get("ph") == "X" and e["cat"] in ("send", "allreduce")]
+    assert all(e["args"].get("group") == "dp" for e in spans), spans
