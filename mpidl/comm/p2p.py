@@ -169,7 +169,7 @@ class PointToPoint:
         t.send(buf, dest, tag)
         self._p2p_record("send", start, x.nbytes, peer=int(dest), tag=int(tag))
 
-    def recv(self, out, source=ANY_SOURCE, tag=ANY_TAG, status=None):
+    def recv(self, out, source, tag=0, status=None):
         """Receive into array ``out`` (returned) from ``source`` (or ANY_SOURCE) with
         ``tag`` (or ANY_TAG). Pass an ``MPI.Status`` as ``status`` to learn the
         sender, tag and size of what arrived."""
@@ -200,7 +200,7 @@ class PointToPoint:
         self._p2p_record("isend", start, x.nbytes, peer=int(dest), tag=int(tag))
         return Request("isend", t, req, keep=buf, timeline=self._timeline)
 
-    def irecv(self, out, source=ANY_SOURCE, tag=ANY_TAG):
+    def irecv(self, out, source, tag=0):
         """Start receiving into ``out`` (MPI_Irecv); ``wait()`` returns ``out``."""
         self._p2p_peer(source, "irecv: source", any_ok=True)
         _check_tag(tag, recv=True)
@@ -285,7 +285,7 @@ class PointToPoint:
 
     def iprobe(self, source=ANY_SOURCE, tag=ANY_TAG):
         """``(source, tag, nbytes)`` of a message (array or object) waiting to be
-        received, or None. Not counted (it moves nothing)."""
+        received, or None. Neither counted nor in the timeline (it moves nothing)."""
         status = MPI.Status()
         if not self._p2p.comm.Iprobe(source, tag, status):
             return None
