@@ -233,9 +233,13 @@ def p2p_checks(comm, label, seed):
     expect(np.array_equal(got.ravel(), rng_of(left, n)), f"{label}: sendrecv ring")
     # isend/irecv with two tags, received in the other order
     reqs = [comm.irecv(np.empty(n), left, tag=12), comm.irecv(np.empty(5, np.int32), left,
-                                                              tag=11)]
+                                                              tag=11),
+            comm.irecv(np.empty(3, np.int16), left, tag=ANY_TAG)]  # matches tag 13 only
     sends = [comm.isend(np.arange(5, dtype=np.int32) + r, right, tag=11),
-             comm.isend(rng_of(r, n) * 2, right, tag=12)]
+             comm.isend(rng_of(r, n) * 2, right, tag=12),
+             comm.isend(np.full(3, r, np.int16), right, tag=13)]
+    anytag = reqs[2].wait()
+    expect(np.all(anytag == left) and reqs[2].tag == 13, f"{label}: ANY_TAG irecv")
     big, small = reqs[0].wait(), reqs[1].wait()
     for s in sends:
         s.wait()
