@@ -27,7 +27,9 @@ machines: run the tuning.
 import json
 import os
 
-ALGORITHMS = ("ring", "tree", "recursive_doubling", "mpi")
+from . import algorithms
+
+ALGORITHMS = algorithms.names()  # the registry's algorithms (algorithms.py)
 COLLECTIVES = ("allreduce", "reduce_scatter", "reduce", "bcast", "allgather")
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -94,7 +96,7 @@ def _validate(entries, kind):
     out = []
     for item in entries:
         limit, alg = item
-        if alg not in ALGORITHMS or (limit is not None and not isinstance(limit, int)):
+        if alg not in algorithms.REGISTRY or (limit is not None and not isinstance(limit, int)):
             raise ValueError(f"bad tuning entry {item!r} for {kind}")
         out.append((float("inf") if limit is None else limit, alg))
     if not out or out[-1][0] != float("inf"):

@@ -18,9 +18,28 @@ Buffer rules:
 - float16 sums round to float16 at each addition (see ``ops.py``); integer sums wrap like
   MPI's; ``op="mean"`` needs floats.
 
+Algorithms come from one registry (``algorithms.py``): every collective runs the same
+generic path (consistency check, counters, timeline span, dispatch to the algorithm
+module, ``op="mean"`` division, copy-back of non-contiguous results); only the buffer
+rules (``_prep_*``) and a few lines per kind (``_body_*``) differ.
+
 Threads: blocking collectives run on the caller's thread over one duplicate of the MPI
 communicator, non-blocking ones on a progress thread over another (``progress.py``), so
-the two never mix. Each has its own persistent scratch buffers (``buffers.py``).
+the two never mix. Each has its own persistent scratch buffers (``buffers.py``). The
+progress thread starts at the first non-blocking call, so a rank that belongs to many
+groups (``Mesh``) runs threads only for the groups that use non-blocking collectives.
+
+Point-to-point (``p2p.py``): ``send``/``recv``/``isend``/``irecv``/``sendrecv`` of arrays
+with tags, through the same transports, and ``send_obj``/``recv_obj``/``iprobe`` of
+pickled objects, on a third duplicate communicator, so user tags never meet the
+collectives' messages.
+
+Counters (``counters.py``): ``counters()`` gives calls, messages and payload bytes this
+rank sent, per collective kind and for point-to-point; MPI's own collectives count calls
+only (``native_calls``); consistency checks and count exchanges are not payload.
+
+Groups: ``split(color)`` or a ``Mesh`` (``mesh.py``) make sub-communicators, each a full
+``Communicator`` sharing the parent's timeline and ``auto`` tables.
 
 ``close()`` is collective (it may write the gathered timeline); a communicator not closed
 by the program is closed when the interpreter exits, before MPI finalizes.
@@ -37,23 +56,26 @@ before a rank waiting in a consistency check says so), ``MPIDL_EXIT_TIMEOUT``.
 import atexit
 import os
 import sys
+import threading
 import weakref
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import backend
-from . import auto, native, recursive_doubling, ring, tree
+from . import algorithms, auto, counters
 from .consistency import DESC_BYTES, describe, encode, raise_mismatch
 from .consistency import check as _consistency_check
 from .layout import even_split
-from .ops import check_op, mpi_datatype, mpi_op, ufunc
+from .ops import check_op, mpi_datatype, reduction
+from .p2p import PointToPoint
 from .progress import EagerProgress, Handle, ProgressThread
 from .timeline import TID_CALLER, TID_PROGRESS, Timeline
 from .transport import DeviceTransport, HostTransport, PoliteHostTransport, StagedTransport
 
-ALGORITHMS = ("auto",) + auto.ALGORITHMS
-_DIRECT = frozenset(auto.ALGORITHMS)
+ALGORITHMS = ("auto",) + algorithms.names()
+_REGISTRY = algorithms.REGISTRY  # live: algorithms registered later are found too
+_NP_SUM = reduction(np, "sum")
 IN_PLACE, SUM = MPI.IN_PLACE, MPI.SUM
 CHECK_MODES = ("first", "always", "off")
 _OFF, _FIRST, _ALWAYS = 0, 1, 2
@@ -85,6 +107,8 @@ class _Channel:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.seen = set()
+        self.stats = counters.new_table()
+        self.allreduce_stats = self.stats["allreduce"]
         self._staging = staging
         if staging == "host":
             self.host = StagedTransport(comm, np, pinned=False)
@@ -104,6 +128,9 @@ class _Channel:
             else:
                 self._device = StagedTransport(self.comm, cp, pinned=True)
         return self._device
+
+    def transports(self):
+        return [self.host] + ([self._device] if self._device is not None else [])
 
     def free_buffers(self):
         self.host.free()
@@ -133,17 +160,20 @@ def _flat(a, xp):
     return xp.ascontiguousarray(a).reshape(-1), True
 
 
-class Communicator:
-    """Collectives over an mpi4py communicator (``MPI.COMM_WORLD`` when ``mpi_comm`` is None).
+class Communicator(PointToPoint):
+    """Collectives and point-to-point messages over an mpi4py communicator
+    (``MPI.COMM_WORLD`` when ``mpi_comm`` is None).
 
     ``check``: when to run the consistency check (``"first"`` call of each tensor name,
     ``"always"``, or ``"off"``; ``MPIDL_DEBUG=1`` forces ``"always"``). ``timeline``: path
     of a Chrome-trace JSON written by ``close()``/``flush_timeline()`` (rank 0's path, or
-    the first rank's that gave one, is used by all). The constructor is collective.
+    the first rank's that gave one, is used by all). ``label``: a name for this group
+    (``Mesh`` passes the axis or role), shown in timeline spans. The constructor is
+    collective.
     """
 
-    def __init__(self, mpi_comm=None, check="first", timeline=None, *, _staging=None,
-                 _owns=False, _tables=None):
+    def __init__(self, mpi_comm=None, check="first", timeline=None, *, label=None,
+                 _staging=None, _owns=False, _tables=None):
         comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if check not in CHECK_MODES:
             raise ValueError(f"check={check!r}: expected one of {', '.join(CHECK_MODES)}")
@@ -168,7 +198,11 @@ class Communicator:
         self._main = _Channel(comm.Dup(), TID_CALLER, _staging, self.cuda_aware)
         polite = os.environ.get("MPIDL_PROGRESS_WAIT", "block").lower() == "poll"
         self._bg = _Channel(comm.Dup(), TID_PROGRESS, _staging, self.cuda_aware, polite)
+        # Point-to-point gets its own duplicate: user tags can never match a collective's.
+        self._p2p = _Channel(comm.Dup(), TID_CALLER, _staging, self.cuda_aware)
+        self._channels = (self._main, self._bg, self._p2p)
         self._staging = _staging
+        self.label = label
 
         # One exchange at start-up: everyone must resolve "auto" alike, so rank 0 reads
         # the tuning file for all; and a timeline path given on some ranks only still
@@ -186,7 +220,7 @@ class Communicator:
         self._tables = _tables
         self.selector = auto.Selector(self.size, _tables)
         seg = int(os.environ.get("MPIDL_RING_SEGMENT", DEFAULT_SEGMENT_BYTES))
-        self.segment_bytes = max(seg, 64)
+        self._ctx = algorithms.Context(max(seg, 64))
 
         # Timeline: a path (this communicator owns and writes it) or a parent's recorder.
         if isinstance(timeline, Timeline):
@@ -199,14 +233,13 @@ class Communicator:
         # allreduce's fast path skips what only a timeline or forced staging needs
         self._fast = self._timeline is None and not _staging
 
+        # The progress thread starts at the first non-blocking call (see _submit).
         mode = os.environ.get("MPIDL_PROGRESS", "thread").lower()
         if mode != "eager" and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-            self._progress = ProgressThread()
+            self._progress = None
+            self._progress_lock = threading.Lock()
         else:
             self._progress = EagerProgress()
-        self._allreduce_algs = {"ring": self._ar_ring, "tree": tree.allreduce,
-                                "recursive_doubling": recursive_doubling.allreduce,
-                                "mpi": self._ar_mpi}
         _live.add(self)
 
     # ------------------------------------------------------------------ basics
@@ -219,11 +252,41 @@ class Communicator:
 
     @property
     def progress_mode(self):
-        """"thread" (a progress thread runs non-blocking collectives) or "eager"."""
-        return self._progress.mode
+        """"thread" (a progress thread runs non-blocking collectives; it starts at the
+        first one) or "eager"."""
+        return "thread" if self._progress is None else self._progress.mode
+
+    @property
+    def progress_started(self):
+        """Whether this communicator runs a progress thread now (started lazily)."""
+        return self._progress is not None and self._progress.mode == "thread"
+
+    @property
+    def segment_bytes(self):
+        """Bytes per ring pipeline segment (``MPIDL_RING_SEGMENT``, default 1 MiB)."""
+        return self._ctx.segment_bytes
+
+    @segment_bytes.setter
+    def segment_bytes(self, value):
+        self._ctx.segment_bytes = int(value)
+
+    def counters(self):
+        """Traffic this rank sent on this communicator: ``{kind: {"calls", "messages",
+        "bytes", "native_calls"}}`` for every collective kind and ``"p2p"``, plus
+        ``"total"``. ``messages``/``bytes`` are payload sends through mpidl's transports
+        (a sendrecv is one message); MPI's own collectives (``algorithm="mpi"``) count in
+        ``calls`` and ``native_calls`` only, because what MPI sends inside them cannot be
+        observed; consistency checks and count exchanges are control traffic, not
+        counted. See ``counters.py``."""
+        return counters.summarize([ch.stats for ch in self._channels])
+
+    def reset_counters(self):
+        """Set every counter of this communicator back to 0 (local, not collective)."""
+        counters.reset([ch.stats for ch in self._channels])
 
     def __repr__(self):
-        return (f"<mpidl Communicator rank {self.rank}/{self.size} "
+        label = f" {self.label}" if self.label is not None else ""
+        return (f"<mpidl Communicator{label} rank {self.rank}/{self.size} "
                 f"local {self.local_rank}/{self.local_size} progress={self.progress_mode}>")
 
     def __enter__(self):
@@ -232,23 +295,26 @@ class Communicator:
     def __exit__(self, *exc):
         self.close()
 
-    def split(self, color, key=0):
+    def split(self, color, key=0, label=None):
         """A new Communicator over the ranks that pass the same ``color`` (ordered by
         ``key``, then rank). Collective. ``color=None`` (MPI.UNDEFINED) joins no group and
-        returns None."""
+        returns None. The group shares this communicator's timeline, ``auto`` tables,
+        check mode and ring segment size."""
         sub = self.mpi.Split(MPI.UNDEFINED if color is None else color, key)
         if sub == MPI.COMM_NULL:
             return None
-        return Communicator(sub, check=self.check, timeline=self._timeline,
-                            _staging=self._staging, _owns=True, _tables=self._tables)
+        group = Communicator(sub, check=self.check, timeline=self._timeline, label=label,
+                             _staging=self._staging, _owns=True, _tables=self._tables)
+        group.segment_bytes = self.segment_bytes
+        return group
 
     def barrier(self):
         self._main.comm.Barrier()
 
     def free_buffers(self):
         """Give the persistent scratch and staging memory back (they regrow on demand)."""
-        self._main.free_buffers()
-        self._bg.free_buffers()
+        for ch in self._channels:
+            ch.free_buffers()
 
     def flush_timeline(self):
         """Write the timeline file now (collective); returns the path written here or None."""
@@ -263,7 +329,7 @@ class Communicator:
             return
         self._closed = True
         _live.discard(self)
-        if not self._progress.close(_exit_timeout):
+        if self._progress is not None and not self._progress.close(_exit_timeout):
             print(f"mpidl: rank {self.rank}: non-blocking collectives still running at exit "
                   f"after {_exit_timeout:.0f} s (other ranks never joined them); not waiting",
                   file=sys.stderr, flush=True)
@@ -272,19 +338,27 @@ class Communicator:
             return
         if self._owns_timeline:
             self._timeline.flush(self._main.comm)
-        self._main.close()
-        self._bg.close()
+        for ch in self._channels:
+            ch.close()
         if self._owns:
             self.mpi.Free()
 
     # ------------------------------------------------------------------ helpers
     def _resolve(self, kind, algorithm, nbytes):
-        if algorithm == "auto":
-            return self.selector.choose(kind, nbytes)
-        if algorithm in _DIRECT:
-            return algorithm
-        raise ValueError(f"unknown algorithm {algorithm!r} for {kind}: expected one of "
-                         f"{', '.join(ALGORITHMS)}")
+        """The algorithm to run (``auto`` chosen by size); a clear error if it is unknown
+        or does not implement ``kind``."""
+        alg = self.selector.choose(kind, nbytes) if algorithm == "auto" else algorithm
+        algorithms.get(alg, kind)
+        return alg
+
+    def _check_root(self, kind, root):
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"{kind}: root {root} is not a rank of this communicator "
+                             f"(size {self.size})")
+
+    @staticmethod
+    def _module(x):
+        return _module(x)
 
     def _verify(self, ch, kind, name, shape, dtype, op=None, alg=None, root=None):
         """Run the consistency check if this call needs one (see consistency.py): named
@@ -299,6 +373,13 @@ class Communicator:
         """Queue ``fn(*args)`` on the progress thread; returns its Handle."""
         if self._closed:
             raise RuntimeError("communicator is closed")
+        progress = self._progress
+        if progress is None:
+            with self._progress_lock:
+                if self._progress is None:
+                    self._progress = ProgressThread(
+                        "mpidl-progress" + (f"-{self.label}" if self.label else ""))
+            progress = self._progress
         handle = Handle(kind, name, self._timeline)
         if gpu:
             # The progress thread has its own CUDA device and stream state: make it use
@@ -306,52 +387,101 @@ class Communicator:
             cp = backend.cupy_module()
             event = cp.cuda.Event(block=True, disable_timing=True)
             event.record()
-            return self._progress.submit(handle, _on_device, cp.cuda.Device().id, event,
-                                         fn, args)
-        return self._progress.submit(handle, fn, *args)
+            return progress.submit(handle, _on_device, cp.cuda.Device().id, event, fn,
+                                   args)
+        return progress.submit(handle, fn, *args)
+
+    # ------------------------------------------------------------------ the generic path
+    def _run(self, ch, c):
+        """Run prepared call ``c`` on channel ``ch``: the one skeleton every collective
+        shares (consistency check, counters, timeline span, dispatch through the
+        registry, ``op="mean"`` division, copy-back of a non-contiguous result)."""
+        t = ch.transport(True) if c.gpu else ch.host
+        kind = c.kind
+        if c.verify and self._check:
+            self._verify(ch, kind, c.name, c.x.shape, c.x.dtype, c.op, c.alg, c.root)
+        tl = self._timeline
+        start = tl.clock() if tl is not None else 0.0
+        stats = ch.stats[kind]
+        stats[0] += 1
+        t.count = stats
+        result = c.body(self, t, c, stats)
+        if c.op == "mean" and c.dst is not None:
+            c.xp.divide(c.dst, self.size, out=c.dst)
+        if c.back is not None:
+            c.back[...] = c.dst.reshape(c.back.shape)
+        if tl is not None:
+            extra = self._label_extra()
+            if c.op is not None:
+                extra["op"] = c.op
+            if kind == "bcast":
+                extra["root"] = c.root
+            tl.record(kind, c.name, c.alg, c.nbytes, start, tl.clock(), ch.tid, **extra)
+        return result
+
+    def _label_extra(self):
+        return {"group": self.label} if self.label is not None else {}
+
+    def _fn(self, alg, kind, stats):
+        """The registry's function for ``alg``; counts a call of MPI's own collective."""
+        if alg == "mpi":
+            stats[3] += 1
+        return algorithms.get(alg, kind)
+
+    def _blocking(self, c, name):
+        c.name = name
+        return self._run(self._main, c)
+
+    def _nonblocking(self, c, name):
+        c.name = name
+        return self._submit(c.kind, name, c.gpu, self._run, self._bg, c)
 
     # ------------------------------------------------------------------ allreduce
     def allreduce(self, x, out=None, op="sum", algorithm="auto", name=None):
         """Reduce ``x`` over all ranks with ``op``; every rank gets the result (bitwise
         identical on all ranks). ``out=None``: new array; ``out=x``: in place."""
         # Fast path for the common small-message case (a contiguous NumPy sum into a
-        # given buffer, no timeline): the same steps as below with fewer calls, because
-        # at a few microseconds per collective Python's call overhead is the cost.
+        # given buffer, no timeline): the same steps as the generic path with fewer
+        # calls, because at a few microseconds per collective Python's call overhead is
+        # the cost.
         if (type(x) is np.ndarray and op == "sum" and self._fast
                 and (out is x or (type(out) is np.ndarray and out.shape == x.shape
                                   and out.dtype == x.dtype and out.flags.c_contiguous))
                 and x.flags.c_contiguous and x.dtype.kind in "iuf"):
             ch = self._main
-            alg = algorithm if algorithm in _DIRECT else self.selector.choose("allreduce",
-                                                                               x.nbytes)
+            alg = algorithm if algorithm in _REGISTRY else self.selector.choose(
+                "allreduce", x.nbytes)
             if self._check and (name is None or self._check == _ALWAYS
                                 or ("allreduce", name) not in ch.seen):
                 self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
             src = x if x.ndim == 1 else x.reshape(-1)
             dst = src if out is x else (out if out.ndim == 1 else out.reshape(-1))
+            stats = ch.allreduce_stats
+            stats[0] += 1
             if self.size == 1 or not src.size:
                 if dst is not src:
                     dst[...] = src
             elif alg == "mpi":
+                stats[3] += 1
                 dt = mpi_datatype(x.dtype)
                 ch.comm.Allreduce(IN_PLACE if src is dst else [src, dt], [dst, dt], SUM)
-            elif alg == "recursive_doubling":
-                recursive_doubling.allreduce(ch.host, src, dst, np.add)
             else:
-                self._allreduce_algs[alg](ch.host, src, dst, np.add)
+                t = ch.host
+                t.count = stats
+                try:
+                    fn = _REGISTRY[alg].allreduce
+                except (KeyError, AttributeError):
+                    fn = algorithms.get(alg, "allreduce")  # raises the clear error
+                fn(t, src, dst, _NP_SUM, self._ctx)
             return out
-        return self._allreduce(self._main, *self._prep_allreduce(x, out, op, algorithm), name)
+        return self._blocking(self._prep_allreduce(x, out, op, algorithm), name)
 
     def iallreduce(self, x, out=None, op="sum", algorithm="auto", name=None):
         """Non-blocking ``allreduce``: returns a Handle; ``wait()`` gives the result.
         ``x`` (and ``out``) must not change until then."""
-        args = self._prep_allreduce(x, out, op, algorithm)
-        return self._submit("allreduce", name, args[-1], self._allreduce, self._bg, *args,
-                            name)
+        return self._nonblocking(self._prep_allreduce(x, out, op, algorithm), name)
 
     def _prep_allreduce(self, x, out, op, algorithm):
-        # The small-message path is all overhead: keep this lean (no helper calls for
-        # the common case of contiguous NumPy arrays and a sum).
         if type(x) is np.ndarray:
             xp, gpu = np, False
         else:
@@ -359,8 +489,7 @@ class Communicator:
         dtype = x.dtype
         if op != "sum" or dtype.kind not in "iuf":
             check_op(op, dtype)
-        alg = algorithm if algorithm in _DIRECT else self._resolve("allreduce", algorithm,
-                                                                   x.nbytes)
+        alg = self._resolve("allreduce", algorithm, x.nbytes)
         back = None
         if x.flags.c_contiguous:
             src = x if x.ndim == 1 else x.reshape(-1)
@@ -381,47 +510,18 @@ class Communicator:
             else:
                 dst = xp.empty(out.size, dtype=dtype)
                 back = out
-        return x, out, src, dst, back, op, alg, xp, gpu
-
-    def _allreduce(self, ch, x, out, src, dst, back, op, alg, xp, gpu, name):
-        t = ch.transport(True) if gpu else ch.host
-        if self._check and (name is None or self._check == _ALWAYS
-                            or ("allreduce", name) not in ch.seen):
-            self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
-        tl = self._timeline
-        if tl is not None:
-            start = tl.clock()
-        if self.size > 1 and src.size:
-            self._allreduce_algs[alg](t, src, dst, ufunc(xp, op) if alg != "mpi" else op)
-        elif dst is not src:
-            t.copy(dst, src)
-        if op == "mean":
-            xp.divide(dst, self.size, out=dst)
-        if back is not None:
-            back[...] = dst.reshape(back.shape)
-        if tl is not None:
-            tl.record("allreduce", name, alg, src.nbytes, start, tl.clock(), ch.tid, op=op)
-        return x if out is None else out
-
-    def _ar_ring(self, t, src, dst, fn):
-        counts, displs = even_split(src.size, self.size)
-        ring.allreduce(t, src, dst, fn, counts, displs, max(1, self.segment_bytes // src.itemsize))
-
-    @staticmethod
-    def _ar_mpi(t, src, dst, op):
-        native.allreduce(t, src, dst, mpi_op(op))
+        return _Call("allreduce", _body_allreduce, x, alg, op, xp, gpu, src=src, dst=dst,
+                     back=back, result=out, nbytes=src.nbytes)
 
     # ------------------------------------------------------------------ reduce_scatter
     def reduce_scatter(self, x, out=None, op="sum", algorithm="auto", name=None):
         """Reduce ``x`` (flattened, n elements) over all ranks; return this rank's chunk:
         ``counts[rank]`` elements at ``displs[rank]`` of ``layout.even_split(n, p)`` (the
         first ``n % p`` ranks get one element more)."""
-        return self._reduce_scatter(self._main, *self._prep_rs(x, out, op, algorithm), name)
+        return self._blocking(self._prep_rs(x, out, op, algorithm), name)
 
     def ireduce_scatter(self, x, out=None, op="sum", algorithm="auto", name=None):
-        args = self._prep_rs(x, out, op, algorithm)
-        return self._submit("reduce_scatter", name, args[-1], self._reduce_scatter, self._bg,
-                            *args, name)
+        return self._nonblocking(self._prep_rs(x, out, op, algorithm), name)
 
     def _prep_rs(self, x, out, op, algorithm):
         xp, gpu = _module(x)
@@ -437,58 +537,26 @@ class Communicator:
                              f"{out.size} {out.dtype}")
         src = _flat(x, xp)[0]
         dst, copied = _flat(out, xp)
-        return x, out, src, dst, out if copied else None, op, alg, counts, displs, xp, gpu
-
-    def _reduce_scatter(self, ch, x, out, src, dst, back, op, alg, counts, displs, xp, gpu,
-                        name):
-        t = ch.transport(True) if gpu else ch.host
-        if self._check:
-            self._verify(ch, "reduce_scatter", name, x.shape, x.dtype, op, alg)
-        tl = self._timeline
-        start = tl.clock() if tl is not None else 0.0
-        n = src.size
-        if self.size == 1 or n == 0:
-            if dst.size:
-                t.copy(dst, src)
-        elif alg == "mpi":
-            native.reduce_scatter(t, src, dst, mpi_op(op), counts)
-        else:
-            fn = ufunc(xp, op)
-            work = t.scratch.get("work", n, src.dtype)
-            if alg == "ring":
-                seg = max(1, self.segment_bytes // src.itemsize)
-                ring.reduce_scatter(t, src, work, dst, fn, counts, displs, seg)
-            elif alg == "tree":
-                tree.reduce_scatter(t, src, work, dst, fn, counts, displs)
-            else:
-                recursive_doubling.reduce_scatter(t, src, work, dst, fn, counts, displs)
-        if op == "mean":
-            xp.divide(dst, self.size, out=dst)
-        if back is not None:
-            back[...] = dst.reshape(back.shape)
-        if tl is not None:
-            tl.record("reduce_scatter", name, alg, src.nbytes, start, tl.clock(), ch.tid, op=op)
-        return out
+        return _Call("reduce_scatter", _body_reduce_scatter, x, alg, op, xp, gpu, src=src,
+                     dst=dst, back=out if copied else None, result=out, counts=counts,
+                     displs=displs, nbytes=src.nbytes)
 
     # ------------------------------------------------------------------ reduce
     def reduce(self, x, root=0, out=None, op="sum", algorithm="auto", name=None):
         """Reduce ``x`` over all ranks to ``root``: returns the result there (``out=x``: in
         place), None on other ranks (whose ``x`` and ``out`` are left untouched)."""
-        return self._reduce(self._main, *self._prep_reduce(x, root, out, op, algorithm), name)
+        return self._blocking(self._prep_reduce(x, root, out, op, algorithm), name)
 
     def ireduce(self, x, root=0, out=None, op="sum", algorithm="auto", name=None):
-        args = self._prep_reduce(x, root, out, op, algorithm)
-        return self._submit("reduce", name, args[-1], self._reduce, self._bg, *args, name)
+        return self._nonblocking(self._prep_reduce(x, root, out, op, algorithm), name)
 
     def _prep_reduce(self, x, root, out, op, algorithm):
         xp, gpu = _module(x)
         check_op(op, x.dtype)
-        if not 0 <= root < self.size:
-            raise ValueError(f"reduce: root {root} is not a rank of this communicator "
-                             f"(size {self.size})")
+        self._check_root("reduce", root)
         alg = self._resolve("reduce", algorithm, x.nbytes)
         src, _ = _flat(x, xp)
-        back = dst = None
+        back = dst = result = None
         if self.rank == root:
             if out is x:
                 dst = src
@@ -501,94 +569,33 @@ class Communicator:
                                      f"{x.size} {x.dtype}")
                 dst, copied = _flat(out, xp)
                 back = out if copied else None
-        return x, root, out, src, dst, back, op, alg, xp, gpu
-
-    def _reduce(self, ch, x, root, out, src, dst, back, op, alg, xp, gpu, name):
-        t = ch.transport(True) if gpu else ch.host
-        if self._check:
-            self._verify(ch, "reduce", name, x.shape, x.dtype, op, alg, root)
-        tl = self._timeline
-        start = tl.clock() if tl is not None else 0.0
-        is_root = self.rank == root
-        n = src.size
-        if self.size == 1 or n == 0:
-            if is_root and dst is not src:
-                t.copy(dst, src)
-        elif alg == "mpi":
-            native.reduce(t, src, dst, root, mpi_op(op))
-        else:
-            work = dst if is_root else t.scratch.get("work", n, src.dtype)
-            fn = ufunc(xp, op)
-            if alg == "ring":
-                counts, displs = even_split(n, self.size)
-                seg = max(1, self.segment_bytes // src.itemsize)
-                ring.reduce(t, src, work, root, fn, counts, displs, seg)
-            elif alg == "tree":
-                tree.reduce(t, src, work, root, fn)
-            else:
-                recursive_doubling.reduce(t, src, work, root, fn)
-        if tl is not None:
-            tl.record("reduce", name, alg, src.nbytes, start, tl.clock(), ch.tid, op=op)
-        if not is_root:
-            return None
-        if op == "mean":
-            xp.divide(dst, self.size, out=dst)
-        if back is not None:
-            back[...] = dst.reshape(back.shape)
-        return out if out is not None else x
+            result = out if out is not None else x
+        return _Call("reduce", _body_reduce, x, alg, op, xp, gpu, root=root, src=src,
+                     dst=dst, back=back, result=result, nbytes=src.nbytes)
 
     # ------------------------------------------------------------------ bcast
     def bcast(self, x, root=0, algorithm="auto", name=None):
         """Broadcast ``x`` from ``root`` into ``x`` on every rank (in place); returns ``x``."""
-        return self._bcast(self._main, *self._prep_bcast(x, root, algorithm), name)
+        return self._blocking(self._prep_bcast(x, root, algorithm), name)
 
     def ibcast(self, x, root=0, algorithm="auto", name=None):
-        args = self._prep_bcast(x, root, algorithm)
-        return self._submit("bcast", name, args[-1], self._bcast, self._bg, *args, name)
+        return self._nonblocking(self._prep_bcast(x, root, algorithm), name)
 
     def _prep_bcast(self, x, root, algorithm):
         xp, gpu = _module(x)
-        if not 0 <= root < self.size:
-            raise ValueError(f"bcast: root {root} is not a rank of this communicator "
-                             f"(size {self.size})")
+        self._check_root("bcast", root)
         alg = self._resolve("bcast", algorithm, x.nbytes)
         buf, copied = _flat(x, xp)
-        return x, root, buf, x if copied else None, alg, xp, gpu
-
-    def _bcast(self, ch, x, root, buf, back, alg, xp, gpu, name):
-        t = ch.transport(True) if gpu else ch.host
-        if self._check:
-            self._verify(ch, "bcast", name, x.shape, x.dtype, None, alg, root)
-        tl = self._timeline
-        start = tl.clock() if tl is not None else 0.0
-        n = buf.size
-        if self.size > 1 and n:
-            if alg == "mpi":
-                native.bcast(t, buf, root)
-            elif alg == "tree":
-                tree.bcast(t, buf, root)
-            else:
-                counts, displs = even_split(n, self.size)
-                if alg == "ring":
-                    seg = max(1, self.segment_bytes // buf.itemsize)
-                    ring.bcast(t, buf, root, counts, displs, seg, tree)
-                else:
-                    recursive_doubling.bcast(t, buf, root, counts, displs, tree)
-        if back is not None:
-            back[...] = buf.reshape(back.shape)
-        if tl is not None:
-            tl.record("bcast", name, alg, buf.nbytes, start, tl.clock(), ch.tid, root=root)
-        return x
+        return _Call("bcast", _body_bcast, x, alg, None, xp, gpu, root=root, dst=buf,
+                     back=x if copied else None, result=x, nbytes=buf.nbytes)
 
     # ------------------------------------------------------------------ allgather(v)
     def allgather(self, x, out=None, algorithm="auto", name=None):
         """Concatenate every rank's ``x`` (same size everywhere) in rank order: ``(p*n,)``."""
-        return self._allgather(self._main, *self._prep_allgather(x, out, algorithm), name)
+        return self._blocking(self._prep_allgather(x, out, algorithm), name)
 
     def iallgather(self, x, out=None, algorithm="auto", name=None):
-        args = self._prep_allgather(x, out, algorithm)
-        return self._submit("allgather", name, args[-1], self._allgather, self._bg, *args,
-                            name)
+        return self._nonblocking(self._prep_allgather(x, out, algorithm), name)
 
     def _prep_allgather(self, x, out, algorithm):
         xp, gpu = _module(x)
@@ -600,77 +607,117 @@ class Communicator:
               or not out.flags.c_contiguous):
             raise ValueError(f"allgather: out must be a contiguous {type(x).__name__} of "
                              f"{p * n} {x.dtype} elements, got {out.size} {out.dtype}")
-        return x, out, alg, xp, gpu
-
-    def _allgather(self, ch, x, out, alg, xp, gpu, name):
-        t = ch.transport(True) if gpu else ch.host
-        if self._check:
-            self._verify(ch, "allgather", name, x.shape, x.dtype, None, alg)
-        tl = self._timeline
-        start = tl.clock() if tl is not None else 0.0
-        n, p = x.size, self.size
-        flat = out.reshape(-1)
-        mine = flat[self.rank * n:(self.rank + 1) * n]
-        mine[...] = x.reshape(-1)
-        if p > 1 and n:
-            self._gather_blocks(t, flat, (n,) * p, tuple(range(0, p * n, n)), alg)
-        if tl is not None:
-            tl.record("allgather", name, alg, x.nbytes, start, tl.clock(), ch.tid)
-        return out
-
-    def _gather_blocks(self, t, buf, counts, displs, alg):
-        if alg == "mpi":
-            native.allgatherv(t, buf, counts, displs)
-        elif alg == "ring":
-            seg = max(1, self.segment_bytes // buf.itemsize)
-            ring.allgatherv(t, buf, counts, displs, seg)
-        elif alg == "tree":
-            tree.allgatherv(t, buf, counts, displs)
-        else:
-            recursive_doubling.allgatherv(t, buf, counts, displs)
+        return _Call("allgather", _body_allgather, x, alg, None, xp, gpu, result=out,
+                     nbytes=x.nbytes)
 
     def allgatherv(self, x, algorithm="auto", name=None):
         """Concatenate every rank's ``x`` (flattened; sizes may differ, zero included) in
         rank order. Returns ``(concatenation, counts)``; the counts are exchanged first
         (together with the consistency check's description, so checking costs nothing)."""
-        return self._allgatherv(self._main, *self._prep_allgatherv(x, algorithm), name)
+        return self._blocking(self._prep_allgatherv(x, algorithm), name)
 
     def iallgatherv(self, x, algorithm="auto", name=None):
         """Non-blocking ``allgatherv``: ``wait()`` returns ``(concatenation, counts)``."""
-        args = self._prep_allgatherv(x, algorithm)
-        return self._submit("allgatherv", name, args[-1], self._allgatherv, self._bg, *args,
-                            name)
+        return self._nonblocking(self._prep_allgatherv(x, algorithm), name)
 
     def _prep_allgatherv(self, x, algorithm):
         xp, gpu = _module(x)
         if algorithm != "auto":
             self._resolve("allgatherv", algorithm, 0)
-        return x, algorithm, xp, gpu
+        # "auto" is resolved once the total size is known (after the counts exchange);
+        # the consistency check rides on that exchange (verify=False here).
+        return _Call("allgatherv", _body_allgatherv, x, algorithm, None, xp, gpu,
+                     verify=False, nbytes=0)
 
-    def _allgatherv(self, ch, x, algorithm, xp, gpu, name):
-        t = ch.transport(True) if gpu else ch.host
-        tl = self._timeline
-        start = tl.clock() if tl is not None else 0.0
-        p = self.size
-        # One exchange carries the counts and (when checking) the call's description.
-        desc = None
-        if self._check:
-            desc = describe("allgatherv", name, None, x.dtype, None,
-                            algorithm if algorithm != "auto" else "auto")
-        counts = _exchange_counts(ch.comm, x.size, desc, "allgatherv", name)
-        displs = [0] * p
-        for i in range(1, p):
-            displs[i] = displs[i - 1] + counts[i - 1]
-        total = displs[-1] + counts[-1]
-        alg = self._resolve("allgatherv", algorithm, total * x.itemsize // max(p, 1))
-        out = xp.empty(total, dtype=x.dtype)
-        lo = displs[self.rank]
-        out[lo:lo + x.size] = x.reshape(-1)
-        if p > 1 and total:
-            self._gather_blocks(t, out, tuple(counts), tuple(displs), alg)
-        if tl is not None:
-            tl.record("allgatherv", name, alg, total * x.itemsize, start, tl.clock(), ch.tid)
-        return out, counts
+
+class _Call:
+    """One prepared collective: what the caller's thread validated and resolved, handed to
+    ``Communicator._run`` on the caller's thread or the progress thread."""
+
+    __slots__ = ("kind", "body", "x", "alg", "op", "xp", "gpu", "root", "src", "dst", "back",
+                 "result", "counts", "displs", "nbytes", "verify", "name")
+
+    def __init__(self, kind, body, x, alg, op, xp, gpu, root=None, src=None, dst=None,
+                 back=None, result=None, counts=None, displs=None, nbytes=0, verify=True):
+        self.kind, self.body, self.x, self.alg, self.op = kind, body, x, alg, op
+        self.xp, self.gpu, self.root = xp, gpu, root
+        self.src, self.dst, self.back, self.result = src, dst, back, result
+        self.counts, self.displs, self.nbytes, self.verify = counts, displs, nbytes, verify
+        self.name = None
+
+
+# The per-kind bodies: the only code that differs between collectives. Each runs the
+# registry's function for the resolved algorithm (or the trivial p = 1 / empty case) and
+# returns the collective's result; the generic path does everything around it.
+def _body_allreduce(comm, t, c, stats):
+    src, dst = c.src, c.dst
+    if comm.size > 1 and src.size:
+        comm._fn(c.alg, "allreduce", stats)(t, src, dst, reduction(c.xp, c.op), comm._ctx)
+    elif dst is not src:
+        t.copy(dst, src)
+    return c.result
+
+
+def _body_reduce_scatter(comm, t, c, stats):
+    src, dst = c.src, c.dst
+    if comm.size == 1 or src.size == 0:
+        if dst.size:
+            t.copy(dst, src)
+    else:
+        comm._fn(c.alg, "reduce_scatter", stats)(t, src, dst, reduction(c.xp, c.op),
+                                                 c.counts, c.displs, comm._ctx)
+    return c.result
+
+
+def _body_reduce(comm, t, c, stats):
+    src, dst = c.src, c.dst
+    if comm.size == 1 or src.size == 0:
+        if dst is not None and dst is not src:
+            t.copy(dst, src)
+    else:
+        comm._fn(c.alg, "reduce", stats)(t, src, dst, c.root, reduction(c.xp, c.op),
+                                         comm._ctx)
+    return c.result
+
+
+def _body_bcast(comm, t, c, stats):
+    buf = c.dst
+    if comm.size > 1 and buf.size:
+        comm._fn(c.alg, "bcast", stats)(t, buf, c.root, comm._ctx)
+    return c.result
+
+
+def _body_allgather(comm, t, c, stats):
+    x, out = c.x, c.result
+    n, p = x.size, comm.size
+    flat = out.reshape(-1)
+    flat[comm.rank * n:(comm.rank + 1) * n] = x.reshape(-1)
+    if p > 1 and n:
+        comm._fn(c.alg, "allgather", stats)(t, flat, (n,) * p, tuple(range(0, p * n, n)),
+                                            comm._ctx)
+    return out
+
+
+def _body_allgatherv(comm, t, c, stats):
+    x, p = c.x, comm.size
+    # One exchange carries the counts and (when checking) the call's description.
+    desc = None
+    if comm._check:
+        desc = describe("allgatherv", c.name, None, x.dtype, None, c.alg)
+    counts = _exchange_counts(t.comm, x.size, desc, "allgatherv", c.name)
+    displs = [0] * p
+    for i in range(1, p):
+        displs[i] = displs[i - 1] + counts[i - 1]
+    total = displs[-1] + counts[-1]
+    c.alg = comm._resolve("allgatherv", c.alg, total * x.itemsize // max(p, 1))
+    c.nbytes = total * x.itemsize
+    out = c.xp.empty(total, dtype=x.dtype)
+    lo = displs[comm.rank]
+    out[lo:lo + x.size] = x.reshape(-1)
+    if p > 1 and total:
+        comm._fn(c.alg, "allgatherv", stats)(t, out, tuple(counts), tuple(displs),
+                                             comm._ctx)
+    return out, counts
 
 
 def _exchange_counts(comm, n, desc, kind, name):

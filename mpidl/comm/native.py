@@ -4,6 +4,9 @@ Reductions pass the real MPI datatype (float16 is MPIX_C_FLOAT16); pure data mov
 passes bytes. With GPU arrays and an MPI that is not CUDA-aware the whole buffer is staged
 through pinned host memory and MPI reduces it on the host: that is the one case where a
 reduction does not run on the device, because MPI itself performs it.
+
+What MPI sends inside these calls cannot be observed from outside MPI, so the
+communicator's counters count their calls (``native_calls``) but no messages or bytes.
 """
 
 from mpi4py import MPI
@@ -32,7 +35,8 @@ def _stage(t):
     return _Staged(t) if t.staged else None
 
 
-def allreduce(t, src, dst, mop):
+def allreduce(t, src, dst, op, ctx=None):
+    mop = op.mpi
     dt = mpi_datatype(dst.dtype)
     st = _stage(t)
     t.ready()
@@ -52,8 +56,9 @@ def allreduce(t, src, dst, mop):
         t.comm.Allreduce([src, dt], [dst, dt], mop)
 
 
-def reduce(t, src, dst, root, mop):
-    """Result in ``dst`` at root; ``dst`` untouched elsewhere."""
+def reduce(t, src, dst, root, op, ctx=None):
+    """Result in ``dst`` at root; ``dst`` is None elsewhere."""
+    mop = op.mpi
     dt = mpi_datatype(src.dtype)
     st = _stage(t)
     t.ready()
@@ -72,7 +77,8 @@ def reduce(t, src, dst, root, mop):
     _finish(t, st)
 
 
-def reduce_scatter(t, src, out, mop, counts):
+def reduce_scatter(t, src, out, op, counts, displs=None, ctx=None):
+    mop = op.mpi
     dt = mpi_datatype(src.dtype)
     st = _stage(t)
     t.ready()
@@ -85,7 +91,7 @@ def reduce_scatter(t, src, out, mop, counts):
     _finish(t, st)
 
 
-def bcast(t, buf, root):
+def bcast(t, buf, root, ctx=None):
     st = _stage(t)
     t.ready()
     if st is not None:
@@ -94,7 +100,7 @@ def bcast(t, buf, root):
     _finish(t, st)
 
 
-def allgatherv(t, buf, counts, displs):
+def allgatherv(t, buf, counts, displs, ctx=None):
     """In place: block ``rank`` of ``buf`` is this rank's contribution."""
     st = _stage(t)
     t.ready()

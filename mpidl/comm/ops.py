@@ -59,3 +59,32 @@ def mpi_datatype(dtype):
             raise TypeError(f"MPI has no datatype for {np.dtype(dtype)}") from exc
         _datatypes[dtype] = dt
     return dt
+
+
+class Op:
+    """A reduction as every algorithm receives it: the element-wise array function (NumPy
+    or CuPy, for the home-made algorithms) and the MPI operation (for MPI's own call).
+
+    Carrying both in one object gives every algorithm module the same signature, native.py
+    included. ``name`` is the user's op (``"mean"`` reduces with ``fn = add`` and MPI.SUM;
+    the communicator divides afterwards).
+    """
+
+    __slots__ = ("name", "fn", "mpi")
+
+    def __init__(self, name, fn, mpi):
+        self.name, self.fn, self.mpi = name, fn, mpi
+
+    def __repr__(self):
+        return f"<Op {self.name}>"
+
+
+_op_objects = {}
+
+
+def reduction(xp, op):
+    """The (cached) ``Op`` of reduction ``op`` on arrays of module ``xp``."""
+    obj = _op_objects.get((xp, op))
+    if obj is None:
+        obj = _op_objects[(xp, op)] = Op(op, ufunc(xp, op), _MPI_OPS[op])
+    return obj

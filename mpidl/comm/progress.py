@@ -1,7 +1,11 @@
 """Non-blocking collectives: handles, and the thread that makes progress on them.
 
 How progress is made: each communicator owns one progress thread and a duplicate of the
-MPI communicator for it. ``iallreduce`` & co. validate their arguments on the caller's
+MPI communicator for it. The thread starts at the communicator's first non-blocking call,
+not in its constructor: a rank in many groups (a ``Mesh`` with dp, pp and tp axes) then
+runs a thread only for the groups that actually use non-blocking collectives, typically
+the data-parallel one, instead of one per group. (The duplicate communicator is still
+made up front, because ``Dup`` is collective and the constructor already is.) ``iallreduce`` & co. validate their arguments on the caller's
 thread, put the call on a FIFO queue and return a ``Handle`` at once (a few
 microseconds). The progress thread runs the queued collectives one after the other, in
 issue order, which is the same order on every rank, so they match up. It spends its time

@@ -18,6 +18,9 @@ and ``b + a``, which IEEE arithmetic makes equal.
 
 from functools import lru_cache
 
+from . import tree
+from .layout import even_split
+
 
 @lru_cache(maxsize=64)
 def plan(me, p):
@@ -49,7 +52,7 @@ def _vfirst(v, rem):
     return 2 * v if v < rem else v + rem
 
 
-def allreduce(t, src, dst, fn):
+def allreduce(t, src, dst, op, ctx=None):
     """``dst`` = reduction of ``src`` over all ranks; ``src`` may be ``dst``."""
     rank = t.rank
     role, _, partners, _, _ = plan(rank, t.size)
@@ -59,6 +62,7 @@ def allreduce(t, src, dst, fn):
         t.send(src, rank + 1)
         t.recv(dst, rank + 1)
         return
+    fn = op.fn
     acc = src
     tmp = t.scratch.get("rd", src.size, src.dtype)
     if role == "odd":
@@ -76,7 +80,7 @@ def allreduce(t, src, dst, fn):
         t.copy(dst, acc)
 
 
-def allgatherv(t, buf, counts, displs, root=0):
+def allgatherv(t, buf, counts, displs, ctx=None, root=0):
     """Fill ``buf`` with every block; block ``me`` is in place. Blocks are numbered from
     ``root`` (block i belongs to rank ``(i + root) % p``), which a broadcast uses."""
     p = t.size
@@ -109,9 +113,11 @@ def allgatherv(t, buf, counts, displs, root=0):
         t.send(buf[:n], real(me - 1))
 
 
-def reduce_scatter(t, src, work, out, fn, counts, displs):
-    """Recursive halving: chunk ``rank`` of the reduction into ``out``; ``work`` clobbered."""
+def reduce_scatter(t, src, out, op, counts, displs, ctx=None):
+    """Recursive halving: chunk ``rank`` of the reduction into ``out``."""
     p, rank = t.size, t.rank
+    fn = op.fn
+    work = t.scratch.get("work", src.size, src.dtype)
     role, v, partners, q, rem = plan(rank, p)
     n = displs[-1] + counts[-1]
     t.ready()
@@ -153,12 +159,16 @@ def reduce_scatter(t, src, work, out, fn, counts, displs):
     t.copy(out, acc[lo:lo + counts[rank]])
 
 
-def reduce(t, src, dst, root, fn):
-    """Recursive-doubling all-reduce whose result every rank has; ``dst`` matters at root."""
-    allreduce(t, src, dst, fn)
+def reduce(t, src, dst, root, op, ctx=None):
+    """Recursive-doubling all-reduce whose result every rank has; ``dst`` matters at root
+    (elsewhere it is None and a scratch work buffer takes the result)."""
+    if dst is None:
+        dst = t.scratch.get("work", src.size, src.dtype)
+    allreduce(t, src, dst, op)
 
 
-def bcast(t, buf, root, counts, displs, tree):
+def bcast(t, buf, root, ctx=None):
     """Binomial scatter of the chunks from ``root`` + recursive-doubling all-gather."""
+    counts, displs = even_split(buf.size, t.size)
     tree.scatter(t, buf, counts, displs, root)
-    allgatherv(t, buf, counts, displs, root)
+    allgatherv(t, buf, counts, displs, root=root)

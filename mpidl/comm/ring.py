@@ -18,6 +18,9 @@ equal counts, so the same code serves ``allgatherv`` and rotated layouts (a broa
 numbers chunks from its root).
 """
 
+from . import tree
+from .layout import even_split
+
 
 def _pipeline(t, src, dst, counts, displs, fn, c0, nred, nsteps, seg, final=None):
     """Run ``nsteps`` ring steps; the first ``nred`` reduce with ``fn`` (see module doc).
@@ -90,42 +93,56 @@ def _pipeline(t, src, dst, counts, displs, fn, c0, nred, nsteps, seg, final=None
     t.waitall(sends)
 
 
-def allreduce(t, src, dst, fn, counts, displs, seg):
-    """``dst = fn-reduction of src over all ranks``; ``src`` may be ``dst`` (in place)."""
+def allreduce(t, src, dst, op, ctx):
+    """``dst = op-reduction of src over all ranks``; ``src`` may be ``dst`` (in place)."""
     p = t.size
     if p == 1:
         if dst is not src:
             t.copy(dst, src)
         return
-    _pipeline(t, src, dst, counts, displs, fn, t.rank - 1, p - 1, 2 * (p - 1), seg)
+    counts, displs = even_split(src.size, p)
+    _pipeline(t, src, dst, counts, displs, op.fn, t.rank - 1, p - 1, 2 * (p - 1),
+              ctx.segment(src.itemsize))
 
 
-def reduce_scatter(t, src, work, out, fn, counts, displs, seg):
-    """Chunk ``rank`` of the reduction into ``out``; ``work`` (n elements) is clobbered."""
+def reduce_scatter(t, src, out, op, counts, displs, ctx):
+    """Chunk ``rank`` of the reduction into ``out`` (work memory from ``t.scratch``)."""
     if t.size == 1:
         t.copy(out, src)
         return
     p = t.size
-    _pipeline(t, src, work, counts, displs, fn, t.rank - 1, p - 1, p - 1, seg, final=out)
+    work = t.scratch.get("work", src.size, src.dtype)
+    _pipeline(t, src, work, counts, displs, op.fn, t.rank - 1, p - 1, p - 1,
+              ctx.segment(src.itemsize), final=out)
 
 
-def allgatherv(t, buf, counts, displs, seg, me=None):
-    """Fill ``buf`` with every chunk; chunk ``me`` (default: rank) is already in place."""
+def allgatherv(t, buf, counts, displs, ctx):
+    """Fill ``buf`` with every chunk; chunk ``rank`` is already in place."""
+    _allgatherv(t, buf, counts, displs, ctx.segment(buf.itemsize))
+
+
+def _allgatherv(t, buf, counts, displs, seg, me=None):
+    """The ring all-gather; chunk ``me`` (default: rank) is already in place."""
     me = t.rank if me is None else me
     _pipeline(t, buf, buf, counts, displs, None, me, 0, t.size - 1, seg)
 
 
-def reduce(t, src, dst, root, fn, counts, displs, seg):
+def reduce(t, src, dst, root, op, ctx):
     """Ring reduce-scatter, then every rank sends its reduced chunk to ``root``.
 
-    The reduction lands in ``dst`` at root; elsewhere ``dst`` is a work buffer (clobbered).
+    The reduction lands in ``dst`` at root; elsewhere a scratch work buffer is used.
     """
     p, rank = t.size, t.rank
     if p == 1:
         if dst is not src:
             t.copy(dst, src)
         return
-    _pipeline(t, src, dst, counts, displs, fn, rank - 1, p - 1, p - 1, seg)
+    n = src.size
+    if rank != root:
+        dst = t.scratch.get("work", n, src.dtype)
+    counts, displs = even_split(n, p)
+    _pipeline(t, src, dst, counts, displs, op.fn, rank - 1, p - 1, p - 1,
+              ctx.segment(src.itemsize))
     if rank == root:
         reqs = [t.irecv(dst[displs[c]:displs[c] + counts[c]], c)
                 for c in range(p) if c != root and counts[c]]
@@ -134,9 +151,10 @@ def reduce(t, src, dst, root, fn, counts, displs, seg):
         t.send(dst[displs[rank]:displs[rank] + counts[rank]], root)
 
 
-def bcast(t, buf, root, counts, displs, seg, tree):
+def bcast(t, buf, root, ctx):
     """Binomial scatter of the chunks from ``root``, then a ring all-gather (chunks in
     root-relative order, so the ring is the ordinary one)."""
     p = t.size
+    counts, displs = even_split(buf.size, p)
     tree.scatter(t, buf, counts, displs, root)
-    allgatherv(t, buf, counts, displs, seg, me=(t.rank - root) % p)
+    _allgatherv(t, buf, counts, displs, ctx.segment(buf.itemsize), me=(t.rank - root) % p)

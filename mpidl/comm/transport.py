@@ -15,6 +15,15 @@ interface below; a transport decides what a send or a receive does with the memo
 
 A transport belongs to one channel (one duplicated communicator used by one thread), so
 its scratch and staging buffers are never shared between concurrent collectives.
+
+Counting: every send (``send``, ``isend``, the send half of ``sendrecv``) adds one message
+and its payload bytes to ``transport.count``, a list ``[calls, messages, bytes,
+native_calls]`` that the communicator points at the counters of the collective kind it is
+running (or of point-to-point). A transport is used by one thread at a time, so no lock is
+needed. Receives are not counted: every byte is counted once, by the rank that sends it.
+
+Tags: collectives use ``TAG`` on their own duplicate communicators; point-to-point calls
+pass the user's tag (on the point-to-point duplicate, so the two never meet).
 """
 
 import time
@@ -25,6 +34,12 @@ from .buffers import Scratch, Staging
 
 BYTE = MPI.BYTE
 TAG = 7  # one tag is enough: each channel runs one collective at a time, in order
+ANY_SOURCE, ANY_TAG = MPI.ANY_SOURCE, MPI.ANY_TAG
+
+
+def new_count():
+    """A fresh counter: [calls, messages, bytes, native_calls]."""
+    return [0, 0, 0, 0]
 
 
 class HostTransport:
@@ -41,26 +56,41 @@ class HostTransport:
         self.right = (self.rank + 1) % self.size
         self.left = (self.rank - 1) % self.size
         self.scratch = Scratch(xp)
+        self.count = new_count()
 
     # -- point to point -------------------------------------------------------------------
-    def sendrecv(self, sbuf, dest, rbuf, source):
-        self.comm.Sendrecv([sbuf, BYTE], dest, TAG, [rbuf, BYTE], source, TAG)
+    def sendrecv(self, sbuf, dest, rbuf, source, stag=TAG, rtag=TAG, status=None):
+        c = self.count
+        c[1] += 1
+        c[2] += sbuf.nbytes
+        self.comm.Sendrecv([sbuf, BYTE], dest, stag, [rbuf, BYTE], source, rtag, status)
 
-    def send(self, buf, dest):
-        self.comm.Send([buf, BYTE], dest, TAG)
+    def send(self, buf, dest, tag=TAG):
+        c = self.count
+        c[1] += 1
+        c[2] += buf.nbytes
+        self.comm.Send([buf, BYTE], dest, tag)
 
-    def recv(self, buf, source):
-        self.comm.Recv([buf, BYTE], source, TAG)
+    def recv(self, buf, source, tag=TAG, status=None):
+        self.comm.Recv([buf, BYTE], source, tag, status)
 
-    def isend(self, buf, dest):
-        return self.comm.Isend([buf, BYTE], dest, TAG)
+    def isend(self, buf, dest, tag=TAG):
+        c = self.count
+        c[1] += 1
+        c[2] += buf.nbytes
+        return self.comm.Isend([buf, BYTE], dest, tag)
 
-    def irecv(self, buf, source):
-        return self.comm.Irecv([buf, BYTE], source, TAG)
+    def irecv(self, buf, source, tag=TAG):
+        return self.comm.Irecv([buf, BYTE], source, tag)
 
     @staticmethod
-    def wait(req):
-        req.Wait()
+    def test(req, status=None):
+        """True once ``req`` (from isend/irecv) is complete."""
+        return req.Test(status)
+
+    @staticmethod
+    def wait(req, status=None):
+        req.Wait(status)
 
     @staticmethod
     def waitall(reqs):
@@ -102,21 +132,25 @@ class PoliteHostTransport(HostTransport):
             time.sleep(delay)
             delay = min(delay * 2, self.max_sleep)
 
-    def wait(self, req):
-        self._poll(req.Test)
+    def wait(self, req, status=None):
+        self._poll(req.Test if status is None else (lambda: req.Test(status)))
 
     def waitall(self, reqs):
         self._poll(lambda: MPI.Request.Testall(reqs))
 
-    def sendrecv(self, sbuf, dest, rbuf, source):
-        self.waitall([self.comm.Irecv([rbuf, BYTE], source, TAG),
-                      self.comm.Isend([sbuf, BYTE], dest, TAG)])
+    def sendrecv(self, sbuf, dest, rbuf, source, stag=TAG, rtag=TAG, status=None):
+        if status is not None:  # the progress thread never asks for one
+            return super().sendrecv(sbuf, dest, rbuf, source, stag, rtag, status)
+        self.waitall([self.comm.Irecv([rbuf, BYTE], source, rtag),
+                      self.isend(sbuf, dest, stag)])
 
-    def send(self, buf, dest):
-        self.wait(self.comm.Isend([buf, BYTE], dest, TAG))
+    def send(self, buf, dest, tag=TAG):
+        self.wait(self.isend(buf, dest, tag))
 
-    def recv(self, buf, source):
-        self.wait(self.comm.Irecv([buf, BYTE], source, TAG))
+    def recv(self, buf, source, tag=TAG, status=None):
+        if status is not None:
+            return super().recv(buf, source, tag, status)
+        self.wait(self.comm.Irecv([buf, BYTE], source, tag))
 
 
 class DeviceTransport(HostTransport):
@@ -183,38 +217,55 @@ class StagedTransport(HostTransport):
         else:
             dev[...] = host
 
-    def sendrecv(self, sbuf, dest, rbuf, source):
+    def sendrecv(self, sbuf, dest, rbuf, source, stag=TAG, rtag=TAG, status=None):
         hs = self.to_host(sbuf)
         hr = self.staging.take(rbuf.size, rbuf.dtype)
-        self.comm.Sendrecv([hs, BYTE], dest, TAG, [hr, BYTE], source, TAG)
+        c = self.count
+        c[1] += 1
+        c[2] += sbuf.nbytes
+        self.comm.Sendrecv([hs, BYTE], dest, stag, [hr, BYTE], source, rtag, status)
         self.to_device(hr, rbuf)
         self.staging.release()
         self.staging.release()
 
-    def send(self, buf, dest):
+    def send(self, buf, dest, tag=TAG):
         hs = self.to_host(buf)
-        self.comm.Send([hs, BYTE], dest, TAG)
+        c = self.count
+        c[1] += 1
+        c[2] += buf.nbytes
+        self.comm.Send([hs, BYTE], dest, tag)
         self.staging.release()
 
-    def recv(self, buf, source):
+    def recv(self, buf, source, tag=TAG, status=None):
         hr = self.staging.take(buf.size, buf.dtype)
-        self.comm.Recv([hr, BYTE], source, TAG)
+        self.comm.Recv([hr, BYTE], source, tag, status)
         self.to_device(hr, buf)
         self.staging.release()
 
-    def isend(self, buf, dest):
+    def isend(self, buf, dest, tag=TAG):
         hs = self.to_host(buf)
-        return _StagedRequest(self.comm.Isend([hs, BYTE], dest, TAG), hs, None)
+        c = self.count
+        c[1] += 1
+        c[2] += buf.nbytes
+        return _StagedRequest(self.comm.Isend([hs, BYTE], dest, tag), hs, None)
 
-    def irecv(self, buf, source):
+    def irecv(self, buf, source, tag=TAG):
         hr = self.staging.take(buf.size, buf.dtype)
-        return _StagedRequest(self.comm.Irecv([hr, BYTE], source, TAG), hr, buf)
+        return _StagedRequest(self.comm.Irecv([hr, BYTE], source, tag), hr, buf)
 
-    def wait(self, r):
+    def wait(self, r, status=None):
         if r.done:
             return
-        r.req.Wait()
+        r.req.Wait(status)
         self._complete(r)
+
+    def test(self, r, status=None):
+        if r.done:
+            return True
+        if not r.req.Test(status):
+            return False
+        self._complete(r)
+        return True
 
     def waitall(self, reqs):
         reqs = [r for r in reqs if not r.done]

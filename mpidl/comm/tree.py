@@ -19,9 +19,13 @@ def _real(v, root, p):
     return (v + root) % p
 
 
-def reduce(t, src, dst, root, fn):
-    """Reduction of ``src`` over all ranks into ``dst`` at ``root`` (``dst`` clobbered elsewhere)."""
+def reduce(t, src, dst, root, op, ctx=None):
+    """Reduction of ``src`` over all ranks into ``dst`` at ``root`` (``dst`` is None, or
+    clobbered, elsewhere)."""
     p, rank = t.size, t.rank
+    fn = op.fn
+    if dst is None:
+        dst = t.scratch.get("work", src.size, src.dtype)
     v = (rank - root) % p
     acc = src
     tmp = None
@@ -43,7 +47,7 @@ def reduce(t, src, dst, root, fn):
         t.copy(dst, acc)
 
 
-def bcast(t, buf, root):
+def bcast(t, buf, root, ctx=None):
     """Broadcast ``buf`` from ``root`` (in place)."""
     p, rank = t.size, t.rank
     v = (rank - root) % p
@@ -61,8 +65,8 @@ def bcast(t, buf, root):
         mask >>= 1
 
 
-def allreduce(t, src, dst, fn):
-    reduce(t, src, dst, 0, fn)
+def allreduce(t, src, dst, op, ctx=None):
+    reduce(t, src, dst, 0, op)
     bcast(t, dst, 0)
 
 
@@ -114,14 +118,15 @@ def scatter(t, buf, counts, displs, root=0):
         mask >>= 1
 
 
-def allgatherv(t, buf, counts, displs):
+def allgatherv(t, buf, counts, displs, ctx=None):
     gather(t, buf, counts, displs, 0)
     bcast(t, buf, 0)
 
 
-def reduce_scatter(t, src, work, out, fn, counts, displs):
+def reduce_scatter(t, src, out, op, counts, displs, ctx=None):
     """Reduce everything to rank 0, then scatter the chunks; chunk ``rank`` lands in ``out``."""
-    reduce(t, src, work, 0, fn)
+    work = t.scratch.get("work", src.size, src.dtype)
+    reduce(t, src, work, 0, op)
     scatter(t, work, counts, displs, 0)
     lo = displs[t.rank]
     t.copy(out, work[lo:lo + counts[t.rank]])

@@ -40,6 +40,17 @@ P, RANK = W.Get_size(), W.Get_rank()
 RAW = W.Dup()  # native reference calls
 failures = []
 ncases = {"n": 0}
+_EPOCH = [0]  # bumped by bind(): cached tolerances and references belong to one group
+
+
+def bind(raw):
+    """Point every helper at another communicator: ``raw`` is the native reference for
+    the group under test (tests/ranks/comm_groups.py runs these cases on mesh groups).
+    P and RANK become the group's; the caches start afresh."""
+    global P, RANK, RAW
+    RAW, P, RANK = raw, raw.Get_size(), raw.Get_rank()
+    _EPOCH[0] += 1
+    _native_cache.clear()
 
 
 @functools.lru_cache(maxsize=64)
@@ -50,16 +61,21 @@ def _data(seed, n, dtype, rank):
     return rng.integers(-1000, 1000, n).astype(dtype)
 
 
-def data(seed, n, dtype, rank=RANK):
-    """Rank ``rank``'s input of a case (cached: large cases reuse it; callers copy)."""
-    x = _data(seed, n, np.dtype(dtype), rank)
+def data(seed, n, dtype, rank=None):
+    """Rank ``rank``'s input of a case (default: this rank; cached: large cases reuse it;
+    callers copy)."""
+    x = _data(seed, n, np.dtype(dtype), RANK if rank is None else rank)
     x.flags.writeable = False
     return x
 
 
-@functools.lru_cache(maxsize=16)
 def tolerance(seed, n, dtype, op):
     """Per-element bound on |ours - native| (0: exact)."""
+    return _tolerance(seed, n, dtype, op, _EPOCH[0])
+
+
+@functools.lru_cache(maxsize=16)
+def _tolerance(seed, n, dtype, op, epoch):
     dtype = np.dtype(dtype)
     if dtype.kind != "f" or op in ("max", "min"):
         return 0.0
