@@ -55,7 +55,8 @@ def names():
 def canonical(name):
     name = ALIASES.get(name, name)
     if name not in PRESETS:
-        raise ConfigError(f"unknown strategy {name!r}; available: {', '.join(names())}")
+        raise ConfigError(f"strategy {name!r} is not available in this version of mpidl; "
+                          f"available: {', '.join(names())}")
     return name
 
 
