@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpidl.comm import Communicator
 from mpidl.engine.module import Parameter, SparseGrad
 from mpidl.errors import ConfigError
 from mpidl.ps.modes import ModeConfig
@@ -157,12 +158,12 @@ def lone_server():
         def step(self, names=None):
             pass
 
-    comm = MPI.COMM_SELF.Dup()
+    comm = Communicator(MPI.COMM_SELF)
     srv = ParameterServer(comm, 0, params, NoOpt(), ModeConfig("sync").check(1),
                           workers=[7], servers=[0], abort_grace=0.1)
     srv.workers = []  # nobody to tell: the abort raises without waiting
     yield srv
-    comm.Free()
+    comm.close()
 
 
 def _push(*tensors):

@@ -4,8 +4,9 @@ A message is a small pickled header followed by zero or more arrays sent as raw 
 (buffer sends: no pickling of tensors). Headers and their arrays travel with different
 tags; MPI keeps messages of one (source, tag) pair in order, so a receiver that reads a
 header then reads ``len(header["arrays"])`` arrays from the same source gets the right
-ones. All traffic runs on a private duplicate of the communicator, so its tags never
-meet anyone else's messages.
+ones. ``comm`` is an mpidl ``Communicator`` (the world's group): everything goes through
+its point-to-point calls, which run on their own duplicate communicator (so these tags
+never meet anyone else's messages) and count every message and byte.
 
 Worker -> server, tag ``TAG_CTRL`` (arrays on ``TAG_UP``):
     push   {clock, version, lr, tensors: [(name, encoding, meta, n_arrays)]} + payloads
@@ -32,7 +33,6 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 TAG_CTRL = 7301
 TAG_UP = 7302
@@ -64,9 +64,9 @@ def send(comm, dest, tag, data_tag, header, arrays=()):
         specs.append((a.shape, a.dtype.str))
         views.append(view)
     header = dict(header, arrays=specs)
-    reqs = [comm.isend(header, dest=dest, tag=tag)]
+    reqs = [comm.isend_obj(header, dest, tag)]
     for view in views:
-        reqs.append(comm.Isend([view, MPI.BYTE], dest=dest, tag=data_tag))
+        reqs.append(comm.isend(view, dest, data_tag))
     return reqs
 
 
@@ -76,14 +76,14 @@ def receive(comm, source, tag, data_tag, into=None):
     ``into(header, i, shape, dtype)`` may return a C-contiguous host array of that shape
     and dtype to receive array ``i`` in place (no allocation, no copy), or None.
     """
-    header = comm.recv(source=source, tag=tag)
+    header, _, _ = comm.recv_obj(source, tag)
     arrays = []
     for i, (shape, dtype) in enumerate(header.get("arrays", ())):
         dtype = np.dtype(dtype)
         buf = into(header, i, tuple(shape), dtype) if into is not None else None
         if buf is None:
             buf = np.empty(shape, dtype=dtype)
-        comm.Recv([buf.reshape(-1).view(np.uint8), MPI.BYTE], source=source, tag=data_tag)
+        comm.recv(buf.reshape(-1).view(np.uint8), source, data_tag)
         arrays.append(buf)
     return header, arrays
 
@@ -121,29 +121,27 @@ class Poller:
         self.delay = min(self.delay * 2, self.longest)
 
     def probe(self, source, tag):
-        """A status if a message from ``source`` with ``tag`` is waiting, else None."""
-        status = MPI.Status()
-        if self.comm.Iprobe(source=source, tag=tag, status=status):
+        """The source rank if a message from ``source`` with ``tag`` is waiting, else None."""
+        found = self.comm.iprobe(source, tag)
+        if found is not None:
             self.reset()
-            return status
+            return found[0]
         return None
 
     def wait(self, source, tag, what=None, timeout=None, idle=None):
-        """Sleep-probe until a message matches; returns its status (None on timeout).
+        """Sleep-probe until a message matches; returns its source rank (None on timeout).
 
         ``idle()`` is called between probes (e.g. to retire finished sends); after
         ``stall_warning`` seconds one line says what we are waiting for.
         """
         if self.blocking and timeout is None:
-            status = MPI.Status()
-            self.comm.Probe(source=source, tag=tag, status=status)
-            return status
+            return self.comm.probe(source, tag)[0]
         start = time.monotonic()
         warned = False
         while True:
-            status = self.probe(source, tag)
-            if status is not None:
-                return status
+            found = self.probe(source, tag)
+            if found is not None:
+                return found
             if idle is not None:
                 idle()
             waited = time.monotonic() - start
@@ -159,7 +157,7 @@ class Poller:
         """Complete ``reqs`` without spinning; returns False on timeout."""
         start = time.monotonic()
         while reqs:
-            if MPI.Request.Testall(reqs):
+            if all(r.test() for r in reqs):
                 return True
             if timeout is not None and time.monotonic() - start > timeout:
                 return False
@@ -169,7 +167,7 @@ class Poller:
 
 def retire(reqs):
     """Drop completed requests from ``reqs`` (in place); returns how many remain."""
-    reqs[:] = [r for r in reqs if not r.Test()]
+    reqs[:] = [r for r in reqs if not r.test()]
     return len(reqs)
 
 

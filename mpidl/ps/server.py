@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from mpi4py import MPI
+from mpidl.comm import ANY_SOURCE
 
 from mpidl.engine.module import SparseGrad
 from mpidl.ps.protocol import (TAG_CTRL, TAG_DOWN, TAG_REPLY, TAG_UP, Poller, PSError,
@@ -94,14 +94,14 @@ class ParameterServer:
 
     ``params``: {name: Parameter} of this shard, in the model's order; ``optimizer``: an
     engine optimizer built over exactly these parameters (only servers hold optimizer
-    state). ``comm``: an mpi4py communicator private to the parameter server.
+    state). ``comm``: the world's mpidl ``Communicator`` (its point-to-point calls).
     """
 
     def __init__(self, comm, index, params, optimizer, mode, workers, servers,
                  compressor=None, trace=False, poller=None, abort_grace=10.0):
         self.comm = comm
         self.index = index
-        self.rank = comm.Get_rank()
+        self.rank = comm.rank
         self.params = dict(params)
         self.names = list(self.params)
         self.optimizer = optimizer
@@ -142,11 +142,11 @@ class ParameterServer:
         wall0, cpu0, idle0 = time.perf_counter(), time.process_time(), self.poller.idle_s
         self._barrier_passed = False
         while self.active and not (until == "barrier" and self._barrier_passed):
-            status = self.poller.wait(MPI.ANY_SOURCE, TAG_CTRL, what="pushes from workers "
+            source = self.poller.wait(ANY_SOURCE, TAG_CTRL, what="pushes from workers "
                                       f"{sorted(self.active)}", idle=self._idle)
-            header, arrays = receive(self.comm, status.Get_source(), TAG_CTRL, TAG_UP,
-                                     into=self._into_buffer(status.Get_source()))
-            self._handle(status.Get_source(), header, arrays)
+            header, arrays = receive(self.comm, source, TAG_CTRL, TAG_UP,
+                                     into=self._into_buffer(source))
+            self._handle(source, header, arrays)
         st = self.stats
         st.wall_s += time.perf_counter() - wall0
         st.cpu_s += time.process_time() - cpu0
@@ -413,12 +413,12 @@ class ParameterServer:
                 sends += send(comm, r, tag, data, {"kind": "abort", "message": message})
             waiting, deadline = set(others), time.monotonic() + grace
             while waiting and time.monotonic() < deadline:
-                status = self.poller.wait(MPI.ANY_SOURCE, TAG_CTRL, timeout=deadline - time.monotonic())
-                if status is None:
+                source = self.poller.wait(ANY_SOURCE, TAG_CTRL, timeout=deadline - time.monotonic())
+                if source is None:
                     break
-                header, _ = receive(comm, status.Get_source(), TAG_CTRL, TAG_UP)
+                header, _ = receive(comm, source, TAG_CTRL, TAG_UP)
                 if header.get("kind") == "ack":  # pushes still in flight are drained
-                    waiting.discard(status.Get_source())
+                    waiting.discard(source)
             for r in others:
                 if r not in waiting:
                     tag = TAG_REPLY if r in self.workers else TAG_CTRL
@@ -430,11 +430,11 @@ class ParameterServer:
                                       timeout=grace)
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline:  # drain pushes until the origin says fin
-                status = self.poller.wait(MPI.ANY_SOURCE, TAG_CTRL, timeout=deadline - time.monotonic())
-                if status is None:
+                source = self.poller.wait(ANY_SOURCE, TAG_CTRL, timeout=deadline - time.monotonic())
+                if source is None:
                     break
-                header, _ = receive(comm, status.Get_source(), TAG_CTRL, TAG_UP)
-                if header.get("kind") == "fin" and status.Get_source() == origin:
+                header, _ = receive(comm, source, TAG_CTRL, TAG_UP)
+                if header.get("kind") == "fin" and source == origin:
                     break
         raise PSError(message)
 

@@ -13,7 +13,7 @@ times the compute time it measured for that step, so its steps take ``F`` times 
 import sys
 import time
 
-from mpi4py import MPI
+from mpidl.comm import ANY_SOURCE
 
 from mpidl.engine.module import SparseGrad
 from mpidl.ps.protocol import (TAG_CTRL, TAG_DOWN, TAG_REPLY, TAG_UP, Poller, PSError,
@@ -31,7 +31,7 @@ class PSWorker:
     def __init__(self, comm, params, layout, servers, compressor=None, memory=None,
                  straggler=1.0, poller=None, abort_grace=10.0):
         self.comm = comm
-        self.rank = comm.Get_rank()
+        self.rank = comm.rank
         self.params = dict(params)
         self.layout = layout
         self.servers = list(servers)
@@ -152,9 +152,8 @@ class PSWorker:
         t0 = time.perf_counter()
         pending, got = set(self.servers), {}
         while pending:
-            status = self.poller.wait(MPI.ANY_SOURCE, TAG_REPLY, idle=self._idle,
-                                      what=f"'{kind}' from server ranks {sorted(pending)}")
-            src = status.Get_source()
+            src = self.poller.wait(ANY_SOURCE, TAG_REPLY, idle=self._idle,
+                                   what=f"'{kind}' from server ranks {sorted(pending)}")
             header, arrays = receive(self.comm, src, TAG_REPLY, TAG_DOWN,
                                      into=self._into_params)
             if header.get("kind") == "abort":
@@ -185,8 +184,8 @@ class PSWorker:
                                   timeout=self.abort_grace)
         deadline = time.monotonic() + self.abort_grace
         while time.monotonic() < deadline:
-            status = self.poller.wait(origin, TAG_REPLY, timeout=deadline - time.monotonic())
-            if status is None:
+            source = self.poller.wait(origin, TAG_REPLY, timeout=deadline - time.monotonic())
+            if source is None:
                 break
             header, _ = receive(self.comm, origin, TAG_REPLY, TAG_DOWN)
             if header.get("kind") == "fin":

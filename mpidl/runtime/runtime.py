@@ -144,22 +144,20 @@ class Runtime:
         return not any(s.updates_remotely for _, s in self.syncs)
 
     def _build_groups(self):
-        """The groups this step talks on: the data-parallel group of trainers, and for a
-        parameter server the servers' group and the protocol's private communicator."""
-        comm = self.comm
-        if comm is None:
-            self.group = None
+        """The process groups this step talks on, from a ``Mesh`` over the world: the
+        data-parallel group of trainers (``self.group``), and for a parameter server the
+        servers' group (``role_group``); the servers' protocol runs on the world group's
+        point-to-point calls (``ps_comm``)."""
+        from mpidl.comm import Mesh  # noqa: PLC0415
+
+        self.mesh = self.group = self.role_group = None
+        if self.comm is None:
             return
-        trainers = self.trainer_ranks
-        if len(trainers) == comm.size:
-            self.group = comm
-            self.role_group = comm
-        else:
-            mine = comm.split(0 if self.role == "trainer" else 1, comm.rank)
-            self.group = mine if self.role == "trainer" else None
-            self.role_group = mine
-        if self.checkpoint_at_epoch_end:
-            self.ps_comm = comm.mpi.Dup()  # the protocol's traffic never meets anyone else's
+        servers = self.roles.get("server", [])
+        self.mesh = Mesh(self.comm, roles={"server": len(servers)} if servers else None)
+        self.group = self.mesh.group("dp")
+        self.role_group = self.mesh.group(self.role)
+        self.ps_comm = self.comm
 
     def _on_grads_ready(self, names):
         if self._armed:

@@ -27,7 +27,7 @@ class ServerRole:
         from mpidl.ps.server import ParameterServer  # noqa: PLC0415
         from mpidl.ps.sharding import shard_parameters  # noqa: PLC0415
 
-        rank = ctx.ps_comm.Get_rank()
+        rank = ctx.ps_comm.rank
         self.rank = rank
         self.index = self.server_ranks.index(rank)
         self.servers_group = ctx.role_group

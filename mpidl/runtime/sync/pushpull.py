@@ -114,7 +114,7 @@ class PushPull(GradSync):
         self.optimizer = ctx.optimizer
         self.group = ctx.group
         self.model = ctx.model
-        rank = ctx.ps_comm.Get_rank()
+        rank = ctx.ps_comm.rank
         self.is_root = rank == self.worker_ranks[0]
         layout = shard_parameters(named_params, len(self.server_ranks))
         memory = None
