@@ -35,6 +35,8 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
 
 import numpy as np  # noqa: E402
 
+from mpidl import env  # noqa: E402
+
 SIZES = (784, 1024, 1024, 10)
 LR, MOMENTUM = 0.01, 0.9
 
@@ -147,7 +149,7 @@ def run_mpidl(args):
               "global_batch": args.batch * size,
               "strategy": "local" if local else runtime.name,
               "algorithm": args.algorithm, "overlap": not args.no_overlap,
-              "progress_wait": os.environ.get("MPIDL_PROGRESS_WAIT", "block"),
+              "progress_wait": env.get("MPIDL_PROGRESS_WAIT"),
               "overlap_auto": {"on": auto_choice[0], "why": auto_choice[1]},
               "bucket_mb": bucket_mb, "steps": n, "layout": describe}
     result.update(summarize(per_step, args.batch * size))

@@ -28,6 +28,7 @@ import json
 import os
 
 from . import algorithms
+from .. import env
 
 ALGORITHMS = algorithms.names()  # the registry's algorithms (algorithms.py)
 COLLECTIVES = ("allreduce", "reduce_scatter", "reduce", "bcast", "allgather")
@@ -44,7 +45,7 @@ DEFAULTS = {  # measured at p = 2 on a quiet 2-core machine (bench/results), see
 
 def tuning_path():
     """Where tuning results are read and written."""
-    explicit = os.environ.get("MPIDL_TUNING")
+    explicit = env.get("MPIDL_TUNING")
     if explicit:
         return explicit
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -54,7 +54,6 @@ before a rank waiting in a consistency check says so), ``MPIDL_EXIT_TIMEOUT``.
 """
 
 import atexit
-import os
 import sys
 import threading
 import weakref
@@ -63,6 +62,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import backend
+from .. import env
 from . import algorithms, auto, counters
 from .consistency import DESC_BYTES, describe, encode, raise_mismatch
 from .consistency import check as _consistency_check
@@ -89,7 +89,7 @@ def _close_all():
     collective other ranks never joined is not waited for forever)."""
     for comm in list(_live):
         try:
-            comm.close(_exit_timeout=float(os.environ.get("MPIDL_EXIT_TIMEOUT", "30")))
+            comm.close(_exit_timeout=env.number("MPIDL_EXIT_TIMEOUT"))
         except Exception:  # exiting anyway; MPI may be unusable
             pass
 
@@ -177,7 +177,7 @@ class Communicator(PointToPoint):
         comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if check not in CHECK_MODES:
             raise ValueError(f"check={check!r}: expected one of {', '.join(CHECK_MODES)}")
-        if os.environ.get("MPIDL_DEBUG", "0").lower() in ("1", "true", "yes"):
+        if env.flag("MPIDL_DEBUG"):
             check = "always"
         self.mpi = comm
         self.rank = comm.Get_rank()
@@ -196,7 +196,7 @@ class Communicator(PointToPoint):
         # here), else staged through pinned host buffers.
         self.cuda_aware = backend.cuda_aware_mpi()
         self._main = _Channel(comm.Dup(), TID_CALLER, _staging, self.cuda_aware)
-        polite = os.environ.get("MPIDL_PROGRESS_WAIT", "block").lower() == "poll"
+        polite = env.get("MPIDL_PROGRESS_WAIT").lower() == "poll"
         self._bg = _Channel(comm.Dup(), TID_PROGRESS, _staging, self.cuda_aware, polite)
         # Point-to-point gets its own duplicate: user tags can never match a collective's.
         self._p2p = _Channel(comm.Dup(), TID_CALLER, _staging, self.cuda_aware)
@@ -219,7 +219,7 @@ class Communicator(PointToPoint):
                 timeline = paths[0]
         self._tables = _tables
         self.selector = auto.Selector(self.size, _tables)
-        seg = int(os.environ.get("MPIDL_RING_SEGMENT", DEFAULT_SEGMENT_BYTES))
+        seg = env.number("MPIDL_RING_SEGMENT", int)
         self._ctx = algorithms.Context(max(seg, 64))
 
         # Timeline: a path (this communicator owns and writes it) or a parent's recorder.
@@ -234,7 +234,7 @@ class Communicator(PointToPoint):
         self._fast = self._timeline is None and not _staging
 
         # The progress thread starts at the first non-blocking call (see _submit).
-        mode = os.environ.get("MPIDL_PROGRESS", "thread").lower()
+        mode = env.get("MPIDL_PROGRESS").lower()
         if mode != "eager" and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
             self._progress = None
             self._progress_lock = threading.Lock()

@@ -17,11 +17,12 @@ which tensor it waits for, so a stall is visible rather than silent.
 """
 
 import hashlib
-import os
 import sys
 import time
 
 import numpy as np
+
+from .. import env
 
 DESC_BYTES = 256
 _HASH = 16
@@ -101,7 +102,7 @@ def raise_mismatch(table, kind, name):
 def _wait(req, rank, kind, name, stall_warning):
     """Wait for the check's exchange without burning a core, warning once on a stall."""
     if stall_warning is None:
-        stall_warning = float(os.environ.get("MPIDL_STALL_WARNING", "60"))
+        stall_warning = env.number("MPIDL_STALL_WARNING")
     start = time.perf_counter()
     delay = 1e-6
     warned = False

@@ -246,7 +246,7 @@ class Trainer:
 
     def divergence(self):
         """The error for a NaN or infinite training loss: what happened and what to try."""
-        cfg, r = self.cfg, self.last
+        r = self.last
         hint = "lower --lr or add --warmup-epochs"
         mode = getattr(getattr(self.runtime, "mode_cfg", None), "mode", None)
         if mode in ("async", "ssp"):
