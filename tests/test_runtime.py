@@ -135,3 +135,24 @@ def test_a_new_sync_part_composes_without_touching_the_others():
         return model.named_parameters()[0][1].data
 
     np.testing.assert_array_equal(run(Doubling(), 0.05), run(GradSync(), 0.1))
+
+
+def test_every_mpidl_variable_is_read_in_one_place():
+    """Library code reads MPIDL_* variables through mpidl.env only, and every one it
+    names is in env.VARIABLES (the table `mpidl.env` documents)."""
+    import re
+
+    from mpidl import env
+
+    reads = re.compile(r"(environ\.get\(\s*[\"']MPIDL_|getenv\(\s*[\"']MPIDL_|"
+                       r"environ\[[\"']MPIDL_[A-Z_]+[\"']\](?!\s*=))")
+    named = set()
+    for top in ("mpidl", "kernels"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if not f.endswith(".py") or f == "env.py" and top == "mpidl":
+                    continue
+                text = open(os.path.join(folder, f), encoding="utf-8").read()
+                assert not reads.search(text), f"{folder}/{f} reads an MPIDL_ variable itself"
+                named.update(re.findall(r"\bMPIDL_[A-Z][A-Z_]+\b", text))
+    assert named <= set(env.VARIABLES), named - set(env.VARIABLES)
