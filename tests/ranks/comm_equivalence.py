@@ -437,15 +437,20 @@ def main():
             print(f"section {name}: {ncases['n'] - before} comparisons on rank 0, "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
     comm.close()
-    everyone = RAW.gather(failures, root=0)
-    if RANK == 0:
+    report(RAW, failures, f"EQUIVALENCE OK p={P}")
+
+
+def report(raw, failures, ok_line):
+    """Gather every rank's failures on rank 0: print them and exit 1, or print ``ok_line``."""
+    everyone = raw.gather(failures, root=0)
+    if raw.Get_rank() == 0:
         bad = [f for fs in everyone for f in fs]
         for f in bad[:50]:
             print("FAIL", f)
         if bad:
             print(f"{len(bad)} failures")
             sys.exit(1)
-        print(f"EQUIVALENCE OK p={P}")
+        print(ok_line)
 
 
 if __name__ == "__main__":

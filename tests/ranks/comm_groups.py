@@ -546,15 +546,7 @@ def main():
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
     groups.close()
     mesh.close()
-    everyone = REF.gather(failures, root=0)
-    if WRANK == 0:
-        bad = [f for fs in everyone for f in fs]
-        for f in bad[:50]:
-            print("FAIL", f)
-        if bad:
-            print(f"{len(bad)} failures")
-            sys.exit(1)
-        print(f"GROUPS OK n={WSIZE} shape={mesh.shape} roles={roles}")
+    ce.report(REF, failures, f"GROUPS OK n={WSIZE} shape={mesh.shape} roles={roles}")
 
 
 if __name__ == "__main__":
