@@ -150,6 +150,10 @@ def prepare(args, world):
     lr_schedule = schedule_factory(cfg.schedule)
 
     name = runtimes.canonical(cfg.strategy or default_strategy(world.size))
+    if cfg.checkpoint_every and name in runtimes.presets.EPOCH_END_CHECKPOINTS:
+        from mpidl.training.trainer import epoch_end_checkpoints_only  # noqa: PLC0415
+
+        raise ConfigError(epoch_end_checkpoints_only(name))
     options = strategy_kwargs(cfg)
     cfg.strategy = name
     meta = {"model": cfg.model, "dataset": dataset.name,

@@ -39,6 +39,9 @@ OPTIONS = [
 
 #: options only the Python API takes (benchmarks, tests), never flags
 PS_TUNING = ("trace", "poll_max_ms")
+#: presets whose ranks agree on the parameters only between epochs: checkpoints are
+#: written at every epoch's end, never every K steps
+EPOCH_END_CHECKPOINTS = ("ps",)
 
 
 def cli_options():
@@ -167,7 +170,7 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
                      unused=unused)
     rt.compressor = compressor
     rt.mode_cfg = cfg
-    rt.checkpoint_at_epoch_end = True
+    rt.checkpoint_at_epoch_end = "ps" in EPOCH_END_CHECKPOINTS
     return rt
 
 

@@ -123,11 +123,7 @@ class Trainer:
         self._stop = False
         self.log = get_logger()
         if runtime.checkpoint_at_epoch_end and cfg.checkpoint_every:
-            raise ConfigError(
-                f"--checkpoint-every is not supported with --strategy {runtime.name}: its "
-                "checkpoints are written at the end of every epoch, the only moment the "
-                "servers and all workers agree on the parameters (drop --checkpoint-every; "
-                "--checkpoint-dir turns them on)")
+            raise ConfigError(epoch_end_checkpoints_only(runtime.name))
         self.index, self.count = runtime.shard()
         micro = getattr(runtime.schedule, "k", 1)
         self.loader = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size * micro,
@@ -407,6 +403,14 @@ class Trainer:
         ckpt.save_model(path, self.model, meta)
         self.log.info(f"saved the model to {path}")
         return path
+
+
+def epoch_end_checkpoints_only(strategy):
+    """The one-line refusal of --checkpoint-every for a strategy that cannot honour it."""
+    return (f"--checkpoint-every is not supported with --strategy {strategy}: its "
+            "checkpoints are written at the end of every epoch, the only moment the servers "
+            "and all workers agree on the parameters (drop --checkpoint-every; "
+            "--checkpoint-dir turns them on)")
 
 
 def _settings(config, settings):
