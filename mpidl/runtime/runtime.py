@@ -95,6 +95,7 @@ class Runtime:
         """Collective: groups, parameter broadcast, the syncs' layouts, hooks."""
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.named_params = model.named_parameters()
+        self.schedule.setup(model)
         self._build_groups()
         if self.compressor is not None and self.comm is not None:
             # momentum applied once: a momentum-correcting memory (onebit, dgc) takes it

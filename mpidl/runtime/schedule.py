@@ -69,6 +69,12 @@ class MicroBatches:
         self.straggler = float(straggler)
         self.forward_s = self.backward_s = self.straggle_s = 0.0
 
+    def setup(self, model):
+        """The schedule decides whether the model's first layer computes the gradient of
+        its input: here the input is data, whose gradient nobody uses (a pipeline stage
+        after the first will say yes). Saves the first layer's input-gradient GEMM."""
+        model.needs_input_grad = False
+
     def run(self, model, loss, x, y, arm=None):
         """Run the step's passes; returns the mean loss over the batch (a float)."""
         k = self.k
