@@ -58,13 +58,13 @@ def test_groups_with_eager_progress():
     assert "GROUPS OK n=4" in launch.output, launch.output
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("n, args", [
     (8, ["--dp", "4", "--tp", "2"]),
     (8, ["--dp", "2", "--tp", "2", "--pp", "2"]),
-], ids=["4x2", "2x2x2"])
+], ids=["4x2-full-grid", "2x2x2-full-grid"])
 def test_mesh_groups_full_grid(n, args):
-    """The whole grid on the other 8-rank layouts, every section (three axes busy)."""
+    """The whole grid on the other 8-rank layouts, every section (three axes busy);
+    about 10 s each here, so they run in CI too."""
     launch = run_ranks(n, [SCRIPT, *args, "--grid", "full"], timeout=600).check()
     assert f"GROUPS OK n={n}" in launch.output, launch.output
 
