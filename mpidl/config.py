@@ -8,6 +8,7 @@ out of range is a ``ConfigError`` naming the key (and the file), which the comma
 turns into one line and exit status 2.
 """
 
+import math
 import os
 from types import SimpleNamespace
 
@@ -114,7 +115,7 @@ def strategy_kwargs(cfg):
             and getattr(cfg, o.name, o.default) != o.default}
 #: settings that change which samples a step sees: a checkpoint only resumes if they match
 RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "accumulate",
-               "seed", "dtype", "optimizer", "dropout")
+               "seed", "dtype", "optimizer", "dropout", "strategy")
 
 
 class TrainConfig(SimpleNamespace):
@@ -148,6 +149,9 @@ def load_toml(path):
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start} is "
+                          f"0x{e.object[e.start]:02x}); save it as UTF-8") from None
     out = {}
     for key, value in table.items():
         name = key.replace("-", "_")
@@ -205,7 +209,7 @@ def validate(cfg):
         why = o.check(v) if o.check is not None and v is not None else None
         if why:
             bad(o.name, why)
-    if not cfg.lr > 0:
+    if not 0 < cfg.lr < math.inf:
         bad("lr", "must be positive")
     if cfg.epochs < 1:
         bad("epochs", "must be at least 1")
@@ -214,10 +218,12 @@ def validate(cfg):
             bad(name, "must be at least 1")
     if not 0 <= cfg.momentum < 1:
         bad("momentum", "must be in [0, 1)")
-    if cfg.weight_decay < 0:
-        bad("weight_decay", "must not be negative")
-    if cfg.warmup_epochs < 0:
-        bad("warmup_epochs", "must not be negative")
+    if not 0 <= cfg.weight_decay < math.inf:
+        bad("weight_decay", "must be a number >= 0")
+    if not 0 <= cfg.warmup_epochs < math.inf:
+        bad("warmup_epochs", "must be a number >= 0")
+    if not 0 <= cfg.seed < 2 ** 63:
+        bad("seed", "must be a whole number >= 0")
     for name in ("limit_train", "limit_test"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             bad(name, "must be at least 1")

@@ -184,3 +184,54 @@ def test_a_diverging_run_stops_with_one_error_and_saves_nothing(tmp_path, n, ext
     assert len(records) == int(m.group(1)) < 4  # stopped at the first diverged epoch,
     assert records[-1]["train_loss"] is None  # which is logged,
     assert not list(out.glob("*.npz")), sorted(os.listdir(out))  # but no model is saved
+
+
+# -- values that used to end in a traceback (issue "Nothing lost, nothing silent", its
+#    list of tracebacks): each is one line and exit 2, before any training time is spent
+
+@pytest.mark.parametrize("args, needles", [
+    (["--lr", "inf"], ["--lr must be positive, got inf"]),
+    (["--weight-decay", "nan"], ["--weight-decay must be a number >= 0, got nan"]),
+    (["--warmup-epochs", "nan"], ["--warmup-epochs must be a number >= 0"]),
+    (["--warmup-epochs", "inf"], ["--warmup-epochs must be a number >= 0"]),
+    (["--bucket-mb", "inf"], ["--bucket-mb must be a positive number of MiB"]),
+    (["--bucket-mb", "1e-9"], ["--bucket-mb must be a positive number of MiB, at least one"]),
+    (["--seed", "-1"], ["--seed must be a whole number >= 0"]),
+    (["--mode", "asynch"], ["--mode must be one of sync, async, ssp, backup"]),
+    (["--sparse-grads", "foo"], ["--sparse-grads must be one of allgather, dense"]),
+    (["--wait", "0"], ["--wait must be at least 1"]),
+    (["--epoch-quorum", "0"], ["--epoch-quorum must be at least 1"]),
+    (["--strategy", "ps", "--servers", "0"], ["--servers must be at least 1"]),
+])
+def test_bad_numbers_and_words_are_one_line(args, needles):
+    assert_one_line_error(run(["train"] + args + FAST), *needles)
+
+
+def test_bad_files_are_one_line(tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_bytes(b'lr = "\xff\xfe"\n')
+    assert_one_line_error(run(["train", "--config", toml] + FAST), "is not UTF-8 text")
+    np.save(tmp_path / "a.npy", np.zeros(3))
+    assert_one_line_error(run(["train", "--init", tmp_path / "a.npy"] + FAST),
+                          "single array (.npy), not the .npz archive")
+    (tmp_path / "cut.npz").write_bytes(b"PK\x03\x04" + b"\0" * 40)
+    assert_one_line_error(run(["train", "--init", tmp_path / "cut.npz"] + FAST),
+                          "--init", "not a model file saved by mpidl train")
+
+
+def test_unwritable_outputs_are_one_line_before_training(tmp_path):
+    (tmp_path / "afile").write_text("")
+    line = assert_one_line_error(
+        run(["train", "--out-dir", tmp_path / "afile" / "sub"] + FAST),
+        "--out-dir: cannot make the folder")
+    assert "Not a directory" in line
+    assert_one_line_error(run(["train", "--metrics", tmp_path, "--out-dir",
+                               tmp_path / "o"] + FAST), "--metrics", "that is a folder")
+
+
+def test_resuming_another_strategys_checkpoint_is_one_line(tmp_path):
+    ck = tmp_path / "ck"
+    run(["train", "--checkpoint-dir", ck, "--out-dir", tmp_path / "a"] + FAST, n=2).check()
+    launch = run(["train", "--strategy", "ps", "--resume", "--checkpoint-dir", ck,
+                  "--out-dir", tmp_path / "b"] + FAST, n=3)
+    assert_one_line_error(launch, "cannot resume", "strategy: checkpoint 'allreduce', now 'ps'")

@@ -11,7 +11,9 @@ Two phases, so that no rank is ever left waiting on another that failed:
 import argparse
 import inspect
 import os
+import tempfile
 import time
+import zipfile
 
 from mpidl import config
 from mpidl.config import OPTIONS, resolve, strategy_kwargs
@@ -181,6 +183,14 @@ def prepare(args, world):
             "checkpoint_dir": (cfg.checkpoint_dir or os.path.join(out_dir, "checkpoints"))
             if ckpt_on else None,
         }
+        # the outputs must be writable before any training time is spent (the root
+        # writes them; every rank agrees on the answer)
+        with Agreement(world):
+            if strategy.is_root:
+                check_output_paths(trainer.paths, {
+                    "metrics": "--metrics" if cfg.metrics else "--out-dir",
+                    "save": "--save" if cfg.save else "--out-dir",
+                    "checkpoint_dir": "--checkpoint-dir" if cfg.checkpoint_dir else "--out-dir"})
         if strategy.is_root:
             log.info(
                 f"training {cfg.model} on {dataset.name} ({len(dataset.train_y)} train / "
@@ -211,6 +221,33 @@ def prepare(args, world):
     return job
 
 
+def check_output_paths(paths, flags):
+    """ConfigError when an output cannot be written: a metrics or model path that is a
+    folder, a folder that cannot be made (a file in the way) or written in. ``flags``
+    names, per path, the flag the user would change ("--out-dir" for derived ones)."""
+    for key in ("metrics", "save"):
+        path = paths.get(key)
+        if path and os.path.isdir(path):
+            raise ConfigError(f"{flags[key]} {path}: that is a folder; give a file name")
+    folders = [(os.path.dirname(os.path.abspath(paths[k])), flags[k])
+               for k in ("metrics", "save") if paths.get(k)]
+    if paths.get("checkpoint_dir"):
+        folders.append((os.path.abspath(paths["checkpoint_dir"]), flags["checkpoint_dir"]))
+    for folder, flag in folders:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"{flag}: cannot make the folder {folder} "
+                              f"({e.strerror or e})") from None
+        try:  # a real write: permissions, a read-only mount, a full disk
+            fd, probe = tempfile.mkstemp(prefix=".mpidl-write-test-", dir=folder)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"{flag}: cannot write in the folder {folder} "
+                              f"({e.strerror or e})") from None
+
+
 def read_init(path):
     """(arrays, meta) of a model file saved by ``mpidl train``; errors name the file."""
     from mpidl.training.checkpoint import load_model_arrays  # noqa: PLC0415
@@ -219,8 +256,10 @@ def read_init(path):
         raise ConfigError(f"--init {path}: no such file")
     try:
         arrays, meta = load_model_arrays(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"--init {path}: not a model file saved by mpidl train ({e})") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError,
+            zipfile.BadZipFile) as e:
+        raise ConfigError(f"--init {path}: not a model file saved by mpidl train "
+                          f"({type(e).__name__}: {e})") from None
     if not meta.get("model") or "input_shape" not in meta:
         raise ConfigError(f"--init {path}: the file has no mpidl metadata (model name, input "
                           "shape); save models with mpidl train --save")

@@ -224,6 +224,9 @@ def save_model(path, model, meta=None):
 
 def load_model_arrays(path):
     """({name: array}, meta) from a file written by ``save_model``."""
-    with np.load(path, allow_pickle=False) as z:
+    loaded = np.load(path, allow_pickle=False)
+    if not hasattr(loaded, "files"):  # a single array (.npy), not an .npz archive
+        raise ValueError("it holds a single array (.npy), not the .npz archive of a model")
+    with loaded as z:
         meta = json.loads(bytes(z["__meta__"]).decode()) if "__meta__" in z.files else {}
         return {k: z[k] for k in z.files if k != "__meta__"}, meta

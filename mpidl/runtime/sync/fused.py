@@ -43,7 +43,8 @@ OPTIONS = [
            "mpi or auto (default auto)", "parallelism"),
     Option("bucket_mb", float, None, "gradient fusion bucket size in MiB (default "
            f"{DEFAULT_BUCKET_MB:g})", "parallelism", metavar="MB",
-           check=lambda mb: None if 0 < mb < float("inf") else "must be a positive number"),
+           check=lambda mb: None if 1 <= mb * MiB < float("inf") else
+           "must be a positive number of MiB, at least one byte"),
     Option("overlap", str, "auto", "overlap gradient communication with backward: on, "
            "off, or auto (on with a GPU or a spare core per rank, where it pays); "
            "--no-overlap is --overlap off", "parallelism", choices=OVERLAP_MODES),
@@ -73,7 +74,7 @@ def check_overlap(overlap):
 
 def check_bucket_mb(bucket_mb):
     bucket_mb = DEFAULT_BUCKET_MB if bucket_mb is None else float(bucket_mb)
-    if not bucket_mb > 0 or bucket_mb == float("inf"):
+    if not 1 <= bucket_mb * MiB < float("inf"):
         raise ConfigError(f"--bucket-mb must be a positive number of MiB, got {bucket_mb}")
     return bucket_mb
 

@@ -37,18 +37,23 @@ from mpidl.runtime.sync.base import GradSync
 
 OPTIONS = [
     Option("servers", int, None, "--strategy ps: number of server ranks (ranks 0..S-1; "
-           "parameters sharded over them by size); default 1", "parallelism", metavar="S"),
+           "parameters sharded over them by size); default 1", "parallelism", metavar="S",
+           check=lambda v: None if v >= 1 else "must be at least 1"),
     Option("mode", str, None, "--strategy ps: sync, async (Downpour), ssp (bounded "
            "staleness) or backup (first k of n gradients); default sync", "parallelism",
            choices=(None,) + MODES),
     Option("staleness", int, None, "--mode ssp: a worker may run at most this many clocks "
-           "ahead of the slowest", "parallelism", metavar="S"),
+           "ahead of the slowest", "parallelism", metavar="S",
+           check=lambda v: None if v >= 0 else "must be at least 0"),
     Option("wait", int, None, "--mode backup: use the first K gradients of each step, drop "
-           "the late ones (default: workers - 1)", "parallelism", metavar="K"),
+           "the late ones (default: workers - 1)", "parallelism", metavar="K",
+           check=lambda v: None if v >= 1 else "must be at least 1 (leave it out for the "
+           "default, workers - 1)"),
     Option("epoch_quorum", int, None, "--mode async/ssp/backup: an epoch ends once K "
            "workers finished their share; the others skip the rest of theirs (default: "
            "all workers, so the slowest sets every epoch's length)", "parallelism",
-           metavar="K"),
+           metavar="K", check=lambda v: None if v >= 1 else "must be at least 1 (leave it "
+           "out for the default, all workers)"),
     Option("staleness_aware_lr", bool, False, "--mode async/ssp: divide the learning rate "
            "by each gradient's staleness", "parallelism"),
 ]
