@@ -235,3 +235,29 @@ def test_resuming_another_strategys_checkpoint_is_one_line(tmp_path):
     launch = run(["train", "--strategy", "ps", "--resume", "--checkpoint-dir", ck,
                   "--out-dir", tmp_path / "b"] + FAST, n=3)
     assert_one_line_error(launch, "cannot resume", "strategy: checkpoint 'allreduce', now 'ps'")
+
+
+# -- ranks that disagree (MPMD launches with other settings on some ranks)
+
+@pytest.mark.parametrize("flag, a, b", [
+    ("--lr", "0.1", "0.2"), ("--momentum", "0.9", "0.5"), ("--weight-decay", "0", "0.01"),
+    ("--schedule", "cosine", "constant"), ("--optimizer", "sgd", "adam"),
+    ("--seed", "1", "2"), ("--epochs", "1", "2"), ("--batch-size", "32", "64"),
+    ("--limit-train", "256", "128"), ("--overlap", "on", "off"),
+    ("--compression", "topk", "none"),
+])
+def test_ranks_that_disagree_end_with_one_line(tmp_path, flag, a, b):
+    """Before, these diverged silently (lr, momentum, ...) or hung forever (epochs, batch
+    size, limit-train, overlap, compression on one rank only)."""
+    common = MPIDL + ["train"] + FAST + ["--out-dir", str(tmp_path)]
+    cmd = [mpiexec_path(), "-n", "1"] + common + [flag, a, ":", "-n", "1"] + common + [flag, b]
+    launch = run_command(cmd, timeout=60)
+    assert_one_line_error(launch, f"ranks disagree on {flag}", "rank 0:", "rank 1:")
+
+
+def test_flags_that_only_exist_on_one_rank_are_named(tmp_path):
+    common = MPIDL + ["train"] + FAST + ["--out-dir", str(tmp_path)]
+    for flag in ("--scale-lr", "--drop-last"):
+        cmd = [mpiexec_path(), "-n", "1"] + common + [flag, ":", "-n", "1"] + common
+        assert_one_line_error(run_command(cmd, timeout=60), f"ranks disagree on {flag}",
+                              "rank 0: True", "rank 1: False")

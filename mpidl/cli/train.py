@@ -17,7 +17,7 @@ import zipfile
 
 from mpidl import config
 from mpidl.config import OPTIONS, resolve, strategy_kwargs
-from mpidl.errors import ConfigError, UserError
+from mpidl.errors import AgreedUserError, ConfigError, UserError
 from mpidl.threads import blas_threads_note
 
 GROUPS = ["model and data", "training", "parallelism", "outputs"]
@@ -166,6 +166,7 @@ def prepare(args, world):
         from mpidl.cli.errors import Agreement  # noqa: PLC0415
         from mpidl.training.trainer import Trainer  # noqa: PLC0415
 
+        check_ranks_agree(world, cfg, dataset)
         # The Communicator's constructor is collective, so it is built only now that every
         # rank got through phase 1; the runtime's and loader's checks agree once more.
         with Agreement(world):
@@ -219,6 +220,54 @@ def prepare(args, world):
         return 0
 
     return job
+
+
+#: settings that may differ between ranks: where each node finds or writes its files, and
+#: how chatty it is (everything else must be the same on every rank)
+PER_RANK_KEYS = ("data_dir", "config", "given", "verbose", "progress", "out_dir", "name",
+                 "metrics", "save", "checkpoint_dir", "init")
+
+
+def data_fingerprint(dataset):
+    """Sizes and a checksum of the data a rank loaded (a strided sample of the images and
+    every label): ranks that read different files disagree here."""
+    import zlib  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    crc = 0
+    for a in (dataset.train_y, dataset.test_y, dataset.train_x.reshape(-1)[::997],
+              dataset.test_x.reshape(-1)[::997]):
+        crc = zlib.crc32(np.ascontiguousarray(a).tobytes(), crc)
+    return (len(dataset.train_y), len(dataset.test_y), tuple(dataset.train_x.shape[1:]), crc)
+
+
+def check_ranks_agree(world, cfg, dataset):
+    """Collective, before anything else collective: every rank resolved the same settings
+    and loaded the same data. A difference (an MPMD launch with other flags on some ranks,
+    another data folder on one node) is one line naming the setting, the values and the
+    ranks, on every rank, instead of replicas that silently diverge or ranks that hang."""
+    if world.size == 1:
+        return
+    mine = {k: v for k, v in cfg.to_dict().items() if k not in PER_RANK_KEYS}
+    mine["__data__"] = data_fingerprint(dataset)
+    everyone = world.mpi.allgather(mine)
+    keys = sorted(set().union(*everyone), key=lambda k: (k == "__data__", k))
+    for key in keys:  # the settings first: a different --limit-train explains the data
+        values = [row.get(key) for row in everyone]
+        if all(v == values[0] for v in values):
+            continue
+        groups = {}
+        for rank, v in enumerate(values):
+            groups.setdefault(repr(v), []).append(rank)
+        said = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}"
+                         for v, r in groups.items())
+        if key == "__data__":
+            raise AgreedUserError(f"ranks loaded different data (training/test sizes, input "
+                                  f"shape, checksum: {said}); give every rank the same "
+                                  "--dataset and data files")
+        raise AgreedUserError(f"ranks disagree on --{key.replace('_', '-')} ({said}); every "
+                              "rank must run the same command with the same settings")
 
 
 def check_output_paths(paths, flags):
