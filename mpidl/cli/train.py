@@ -191,7 +191,8 @@ def prepare(args, world):
                 check_output_paths(trainer.paths, {
                     "metrics": "--metrics" if cfg.metrics else "--out-dir",
                     "save": "--save" if cfg.save else "--out-dir",
-                    "checkpoint_dir": "--checkpoint-dir" if cfg.checkpoint_dir else "--out-dir"})
+                    "checkpoint_dir": "--checkpoint-dir" if cfg.checkpoint_dir else "--out-dir"},
+                    resume=cfg.resume)
         if strategy.is_root:
             log.info(
                 f"training {cfg.model} on {dataset.name} ({len(dataset.train_y)} train / "
@@ -270,10 +271,12 @@ def check_ranks_agree(world, cfg, dataset):
                               "rank must run the same command with the same settings")
 
 
-def check_output_paths(paths, flags):
+def check_output_paths(paths, flags, resume=False):
     """ConfigError when an output cannot be written: a metrics or model path that is a
     folder, a folder that cannot be made (a file in the way) or written in. ``flags``
-    names, per path, the flag the user would change ("--out-dir" for derived ones)."""
+    names, per path, the flag the user would change ("--out-dir" for derived ones). A new
+    run (not ``resume``) refuses a checkpoint folder holding an earlier run's checkpoints:
+    they would shadow its own at a resume, and pruning would delete its own first."""
     for key in ("metrics", "save"):
         path = paths.get(key)
         if path and os.path.isdir(path):
@@ -282,6 +285,16 @@ def check_output_paths(paths, flags):
                for k in ("metrics", "save") if paths.get(k)]
     if paths.get("checkpoint_dir"):
         folders.append((os.path.abspath(paths["checkpoint_dir"]), flags["checkpoint_dir"]))
+        if not resume:
+            from mpidl.training.checkpoint import list_checkpoints  # noqa: PLC0415
+
+            earlier = list_checkpoints(paths["checkpoint_dir"])
+            if earlier:
+                raise ConfigError(
+                    f"{flags['checkpoint_dir']}: {paths['checkpoint_dir']} already holds "
+                    f"{len(earlier)} checkpoint(s) of an earlier run (newest: step "
+                    f"{earlier[-1][0]}); continue that run with --resume, or give this one "
+                    "another --checkpoint-dir or --out-dir")
     for folder, flag in folders:
         try:
             os.makedirs(folder, exist_ok=True)

@@ -16,12 +16,14 @@ complete new one; a leftover temporary file is never taken for a checkpoint, and
 import json
 import os
 import re
+import shutil
 import tempfile
 import zipfile
 
 import numpy as np
 
 from mpidl.backend import is_gpu_array, to_numpy
+from mpidl.errors import UserError
 
 FORMAT = "mpidl-checkpoint"
 VERSION = 1
@@ -31,6 +33,22 @@ _TMP_PREFIX = ".tmp-ckpt-"
 
 class CheckpointError(RuntimeError):
     """A checkpoint file that cannot be read."""
+
+
+class CheckpointWriteError(UserError, OSError):
+    """A checkpoint that cannot be written (disk full, permissions): one line for the
+    user; the earlier checkpoints are kept. Still an OSError for callers that catch one."""
+
+
+#: the state a checkpoint of ``mpidl train`` holds at its top level
+REQUIRED = ("config", "progress", "model", "optimizer", "ranks")
+
+
+def check_training_state(path, state):
+    """CheckpointError unless ``state`` has every part a training checkpoint has."""
+    if not isinstance(state, dict) or any(k not in state for k in REQUIRED):
+        raise CheckpointError(f"{path} lacks part of a training state (it needs "
+                              f"{', '.join(REQUIRED)})")
 
 
 # -- nested state <-> (JSON tree, arrays)
@@ -136,13 +154,34 @@ def write_npz_atomic(path, arrays, crash_after_bytes=None):
 
 
 def save(directory, step, state, keep=None, crash_after_bytes=None):
-    """Write ``state`` as checkpoint ``step`` in ``directory``; keep the newest ``keep``."""
+    """Write ``state`` as checkpoint ``step`` in ``directory``; keep the newest ``keep``.
+
+    Space is checked first, and a write that fails (disk full, permissions) raises
+    ``CheckpointWriteError`` with every earlier checkpoint left in place. Pruning keeps
+    the newest ``keep`` checkpoints up to this step; a checkpoint with a higher step
+    number (an unreadable one a resume skipped) is never what pushes this one out.
+    """
     tree, arrays = encode(state)
     doc = json.dumps({"format": FORMAT, "version": VERSION, "step": int(step), "state": tree})
     arrays["__tree__"] = np.frombuffer(doc.encode("utf-8"), dtype=np.uint8)
-    path = write_npz_atomic(checkpoint_path(directory, step), arrays, crash_after_bytes)
+    path = checkpoint_path(directory, step)
+    kept = f"; the earlier checkpoints in {directory} are kept"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        need = sum(int(a.nbytes) for a in arrays.values()) + (1 << 20)
+        free = shutil.disk_usage(directory).free
+        if free < need:
+            raise CheckpointWriteError(
+                f"not enough space to write checkpoint {path}: it needs about "
+                f"{need / (1 << 20):.1f} MiB and {free / (1 << 20):.1f} MiB are free{kept}; "
+                "free some space (or use another --checkpoint-dir) and run again with "
+                "--resume")
+        path = write_npz_atomic(path, arrays, crash_after_bytes)
+    except OSError as e:
+        raise CheckpointWriteError(f"cannot write checkpoint {path} ({e.strerror or e})"
+                                   f"{kept}; fix that and run again with --resume") from None
     if keep:
-        for old in list_checkpoints(directory)[:-keep]:
+        for old in [c for c in list_checkpoints(directory) if c[0] <= step][:-keep]:
             try:
                 os.unlink(old[1])
             except OSError:
@@ -153,7 +192,10 @@ def save(directory, step, state, keep=None, crash_after_bytes=None):
 def load(path):
     """The state saved in checkpoint ``path``; CheckpointError when it cannot be read."""
     try:
-        with np.load(path, allow_pickle=False) as z:
+        loaded = np.load(path, allow_pickle=False)
+        if not hasattr(loaded, "files"):
+            raise CheckpointError(f"{path} holds a single array, not a checkpoint")
+        with loaded as z:
             doc = json.loads(bytes(z["__tree__"]).decode("utf-8"))
             if doc.get("format") != FORMAT:
                 raise CheckpointError(f"{path} is not an mpidl checkpoint")
@@ -161,12 +203,14 @@ def load(path):
                 raise CheckpointError(f"{path} has format version {doc['version']}; this "
                                       f"mpidl reads up to {VERSION}")
             arrays = {k: z[k] for k in z.files if k != "__tree__"}
+            state = decode(doc["state"], arrays)
     except CheckpointError:
         raise
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile,
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile,
             json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
-    return decode(doc["state"], arrays)
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") \
+            from None
+    return state
 
 
 def list_checkpoints(directory):
@@ -181,18 +225,22 @@ def list_checkpoints(directory):
     return sorted(found)
 
 
-def latest(directory, warn=None):
-    """(path, state) of the newest readable checkpoint in ``directory``, or (None, None).
+def latest(directory, warn=None, check=None):
+    """(path, state) of the newest usable checkpoint in ``directory``, or (None, None).
 
-    An unreadable newest checkpoint (say a disk that filled up) is reported through
-    ``warn(message)`` and skipped for the one before it.
+    A newest checkpoint that cannot be read (a disk that filled up, a stray file), or that
+    ``check(path, state)`` rejects (by raising CheckpointError: another run's, parameters of
+    other shapes), is reported through ``warn(message)`` and skipped for the one before.
     """
     for _, path in reversed(list_checkpoints(directory)):
         try:
-            return path, load(path)
+            state = load(path)
+            if check is not None:
+                check(path, state)
+            return path, state
         except CheckpointError as e:
             if warn:
-                warn(f"skipping unreadable checkpoint: {e}")
+                warn(f"skipping checkpoint: {e}")
     return None, None
 
 

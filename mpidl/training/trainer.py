@@ -14,6 +14,7 @@ bitwise equal to an uninterrupted one with the same seed and rank count.
 
 import math
 import time
+import uuid
 from types import SimpleNamespace
 
 import numpy as np
@@ -150,6 +151,8 @@ class Trainer:
         self.epoch_start = time.perf_counter()  # set again as each epoch starts
         self.seconds_before = 0.0  # time spent in earlier (interrupted) runs
         self.last = {}
+        # this run's identity, in every checkpoint it writes (a resume keeps the old one)
+        self.run_id = uuid.uuid4().hex
 
     # -- helpers
     @property
@@ -325,13 +328,18 @@ class Trainer:
         runtime_state = self.runtime.state_dict()
         self.checkpoints_written += 1
         path = None
-        if self.is_root:
+        if self.is_root and not self.parameters_finite():
+            self.log.warning(f"not writing a checkpoint at step {self.step}: the parameters "
+                             "are not finite (training diverged); the last finite "
+                             f"checkpoint stays the newest in {self.paths['checkpoint_dir']}")
+        elif self.is_root:
             crash = None
             if self.crash_in_checkpoint and \
                     self.crash_in_checkpoint[0] == self.checkpoints_written:
                 crash = (self.crash_in_checkpoint[1] if len(self.crash_in_checkpoint) > 1
                          else 4096)
             state = {
+                "run": self.run_id,
                 "config": self.resume_config(),
                 "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
                              "elapsed": self.elapsed(), "last": self.last},
@@ -346,6 +354,26 @@ class Trainer:
         self.callbacks.on_checkpoint(self, path)
         return path
 
+    def parameters_finite(self):
+        """Whether every parameter is finite (no checkpoint is written of a diverged run)."""
+        from mpidl.backend import to_numpy  # noqa: PLC0415
+
+        return all(np.isfinite(to_numpy(p.data)).all() for _, p in
+                   self.model.named_parameters())
+
+    def _usable(self, path, state):
+        """CheckpointError unless ``state`` is a training checkpoint that fits this model
+        (names and shapes)."""
+        ckpt.check_training_state(path, state)
+        own = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        saved = state.get("model") or {}
+        if set(saved) != set(own):
+            raise ckpt.CheckpointError(f"{path}: its model has other parameters than this one")
+        for k, shape in own.items():
+            if tuple(np.shape(saved[k])) != shape:
+                raise ckpt.CheckpointError(f"{path}: its {k!r} has shape "
+                                           f"{tuple(np.shape(saved[k]))}, this model's {shape}")
+
     def restore(self):
         """Collective: the root finds the newest checkpoint, every rank loads it."""
         directory = self.paths.get("checkpoint_dir")
@@ -353,7 +381,8 @@ class Trainer:
         if self.is_root:
             try:
                 ckpt.remove_stale_temporaries(directory)
-                path, state = ckpt.latest(directory, warn=self.log.warning)
+                path, state = ckpt.latest(directory, warn=self.log.warning,
+                                          check=self._usable)
                 if path is not None:
                     self.check_compatible(path, state["config"])
                 payload = ("ok", path, state)
@@ -370,6 +399,7 @@ class Trainer:
         mine = state["ranks"][self.shard_rank_index()]
         set_rng_states(self.model, mine["rng"])
         self.runtime.load_state_dict(state.get("runtime"))
+        self.run_id = state.get("run") or self.run_id
         p = state["progress"]
         self.step, self.epoch, self.batch = int(p["step"]), int(p["epoch"]), int(p["batch"])
         self.stats = EpochStats.from_state(mine["epoch_stats"])  # this rank's own sums
