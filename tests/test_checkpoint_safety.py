@@ -1,0 +1,99 @@
+"""Checkpoints that never shadow or poison a run (issue "Nothing lost, nothing silent",
+its cases 1-3), through ``mpidl train`` on one process: each test fails on the code
+before it (a new run pruned its own checkpoints and resumed an old run's; an unreadable
+newest file crashed --resume; a diverged run checkpointed NaN and pruned the good ones).
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from mpirun import run_command
+
+FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "256", "--limit-test",
+        "64", "--batch-size", "32", "--seed", "3"]
+
+
+def train(args, timeout=120, env=None):
+    return run_command([sys.executable, "-m", "mpidl.cli.main", "train"] + FAST +
+                       [str(a) for a in args], timeout=timeout, env=env)
+
+
+def steps(folder):
+    return sorted(int(n[5:14]) for n in os.listdir(folder) if n.startswith("ckpt-"))
+
+
+def one_line(launch):
+    lines = [ln for ln in launch.output.splitlines() if ln.strip()]
+    assert launch.returncode == 2 and len(lines) == 1, launch.output
+    assert lines[0].startswith("mpidl: error: ") and "Traceback" not in launch.output
+    return lines[0]
+
+
+def test_a_new_run_refuses_a_folder_with_an_earlier_runs_checkpoints(tmp_path):
+    ck = tmp_path / "ck"
+    train(["--epochs", "1", "--checkpoint-every", "2", "--checkpoint-dir", ck,
+           "--out-dir", tmp_path / "a"]).check()
+    before = steps(ck)
+    line = one_line(train(["--epochs", "1", "--lr", "0.3", "--checkpoint-every", "2",
+                           "--checkpoint-dir", ck, "--out-dir", tmp_path / "b"]))
+    assert "already holds" in line and "--resume" in line, line
+    assert steps(ck) == before  # nothing of the earlier run was pruned
+    resumed = train(["--epochs", "2", "--checkpoint-every", "2", "--checkpoint-dir", ck,
+                     "--resume", "--out-dir", tmp_path / "a2"]).check()
+    assert f"resumed from {ck}" in resumed.output
+
+
+def _bogus_checkpoints(ck):
+    """Higher-numbered files that are not usable training checkpoints of this model."""
+    from mpidl.training import checkpoint
+
+    np.save(ck / "ckpt-000000999.npy", np.zeros(3))
+    os.replace(ck / "ckpt-000000999.npy", ck / "ckpt-000000999.npz")   # a .npy inside
+    checkpoint.save(str(ck), 998, {"just": np.zeros(2)})                # no training state
+    newest = checkpoint.load(checkpoint.list_checkpoints(str(ck))[-3][1])
+    newest["model"] = {k: np.zeros(3) for k in newest["model"]}         # other shapes
+    checkpoint.save(str(ck), 997, newest)
+
+
+def test_resume_skips_unusable_newest_files_and_pruning_keeps_its_own(tmp_path):
+    ck = tmp_path / "ck"
+    common = ["--checkpoint-every", "2", "--keep-checkpoints", "2", "--checkpoint-dir", ck]
+    # a 2-epoch run that fails before step 9: its checkpoints are steps 6 and 8
+    failed = train(["--epochs", "2", "--out-dir", tmp_path / "a"] + common,
+                   env={"MPIDL_FAIL_AT": "0:8"})
+    assert failed.returncode != 0 and steps(ck) == [6, 8], failed.output
+    _bogus_checkpoints(ck)
+    resumed = train(["--epochs", "2", "--resume", "--out-dir", tmp_path / "a"] + common)
+    resumed.check()
+    assert "resumed from" in resumed.output and "ckpt-000000008.npz" in resumed.output
+    assert resumed.output.count("skipping checkpoint") == 3, resumed.output
+    # its own newest two are kept; the unusable higher-numbered files did not push them out
+    assert steps(ck) == [14, 16, 997, 998, 999]
+    # and the run continued exactly: the same as never stopping
+    whole = tmp_path / "whole"
+    train(["--epochs", "2", "--out-dir", whole]).check()
+    with np.load(tmp_path / "a" / "model.npz") as a, np.load(whole / "model.npz") as b:
+        for k in b.files:
+            if k != "__meta__":
+                np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_a_diverging_run_keeps_its_last_finite_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    common = ["--checkpoint-every", "1", "--keep-checkpoints", "2", "--checkpoint-dir", ck,
+              "--out-dir", tmp_path / "a"]
+    train(["--epochs", "1"] + common).check()                           # steps 7, 8, finite
+    diverged = train(["--epochs", "2", "--resume", "--lr", "1e30"] + common)
+    assert diverged.returncode == 2 and "training diverged" in diverged.output
+    assert "not writing a checkpoint" in diverged.output
+    from mpidl.training import checkpoint
+
+    kept = steps(ck)  # the newest finite ones (a huge lr may leave one more finite step)
+    assert len(kept) == 2 and kept[0] >= 7, kept
+    for _, path in checkpoint.list_checkpoints(str(ck)):
+        state = checkpoint.load(path)
+        assert all(np.isfinite(v).all() for v in state["model"].values())
+    assert json.loads(open(tmp_path / "a" / "metrics.jsonl").readlines()[-1])["epoch"] == 2
