@@ -97,3 +97,37 @@ def test_a_diverging_run_keeps_its_last_finite_checkpoint(tmp_path):
         state = checkpoint.load(path)
         assert all(np.isfinite(v).all() for v in state["model"].values())
     assert json.loads(open(tmp_path / "a" / "metrics.jsonl").readlines()[-1])["epoch"] == 2
+
+
+def test_a_full_disk_is_one_line_and_keeps_every_earlier_checkpoint(tmp_path):
+    """A small tmpfs (root only) as the checkpoint folder: the third checkpoint does not
+    fit. One line, exit 2, the first two intact; with space, --resume goes on to the end."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        ck = small / "ck"
+        common = ["--epochs", "1", "--checkpoint-every", "2", "--keep-checkpoints", "5",
+                  "--out-dir", tmp_path / "a"]
+        full = train(common + ["--checkpoint-dir", ck])  # (the run's first log line, then)
+        errors = [ln for ln in full.output.splitlines() if "error" in ln]
+        assert full.returncode == 2 and "Traceback" not in full.output, full.output
+        assert len(errors) == 1 and errors[0].startswith("mpidl: error: not enough space"), \
+            full.output
+        assert "are kept" in errors[0] and "--resume" in errors[0]
+        assert steps(ck) == [2, 4]
+        moved = tmp_path / "ck"
+        shutil.copytree(ck, moved)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    train(common + ["--checkpoint-dir", moved, "--resume"]).check()
+    assert steps(moved)[-1] == 8

@@ -177,6 +177,8 @@ def save(directory, step, state, keep=None, crash_after_bytes=None):
                 "free some space (or use another --checkpoint-dir) and run again with "
                 "--resume")
         path = write_npz_atomic(path, arrays, crash_after_bytes)
+    except CheckpointWriteError:
+        raise
     except OSError as e:
         raise CheckpointWriteError(f"cannot write checkpoint {path} ({e.strerror or e})"
                                    f"{kept}; fix that and run again with --resume") from None
