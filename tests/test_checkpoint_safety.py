@@ -131,3 +131,36 @@ def test_a_full_disk_is_one_line_and_keeps_every_earlier_checkpoint(tmp_path):
         subprocess.run(["umount", str(small)], check=True)
     train(common + ["--checkpoint-dir", moved, "--resume"]).check()
     assert steps(moved)[-1] == 8
+
+
+def test_a_final_model_that_does_not_fit_loses_nothing_checkpointed(tmp_path):
+    """--save on a 1 MiB tmpfs (root only): one line that says the final checkpoint holds
+    the model; --resume with another --save writes it, equal to the checkpoint's."""
+    import subprocess
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    ck = tmp_path / "ck"
+    common = ["--epochs", "1", "--checkpoint-dir", ck, "--out-dir", tmp_path / "a"]
+    try:
+        full = train(common + ["--save", small / "model.npz"])
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    errors = [ln for ln in full.output.splitlines() if "error" in ln]
+    assert full.returncode == 2 and "Traceback" not in full.output, full.output
+    assert len(errors) == 1 and "cannot write the final model" in errors[0], full.output
+    assert "the final checkpoint in" in errors[0] and "--resume" in errors[0]
+    train(common + ["--resume", "--save", tmp_path / "model.npz"]).check()
+    from mpidl.training import checkpoint
+
+    state = checkpoint.load(checkpoint.list_checkpoints(str(ck))[-1][1])
+    with np.load(tmp_path / "model.npz") as f:
+        for k, v in state["model"].items():
+            np.testing.assert_array_equal(f[k], v)

@@ -430,7 +430,15 @@ class Trainer:
             return None
         meta = dict(self.model_meta, step=self.step, epochs=self.epoch,
                     test_acc=self.last.get("test_acc"))
-        ckpt.save_model(path, self.model, meta)
+        try:
+            ckpt.save_model(path, self.model, meta)
+        except OSError as e:  # the final checkpoint (written just before) holds the model
+            kept = (f"; the final checkpoint in {self.paths['checkpoint_dir']} holds the "
+                    "trained model: mpidl train --resume with the same settings and another "
+                    "--save writes it again" if self.checkpointing else
+                    "; with --checkpoint-dir a checkpoint would have kept it")
+            raise ckpt.CheckpointWriteError(f"cannot write the final model {path} "
+                                            f"({e.strerror or e}){kept}") from None
         self.log.info(f"saved the model to {path}")
         return path
 
