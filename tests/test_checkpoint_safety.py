@@ -4,11 +4,14 @@ before it (a new run pruned its own checkpoints and resumed an old run's; an unr
 newest file crashed --resume; a diverged run checkpointed NaN and pruned the good ones).
 """
 
+import contextlib
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from mpirun import run_command
 
@@ -30,6 +33,22 @@ def one_line(launch):
     assert launch.returncode == 2 and len(lines) == 1, launch.output
     assert lines[0].startswith("mpidl: error: ") and "Traceback" not in launch.output
     return lines[0]
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder, size):
+    """A tmpfs of ``size`` mounted on ``folder`` for the block, unmounted after (root only;
+    the test skips where it cannot mount one)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_a_new_run_refuses_a_folder_with_an_earlier_runs_checkpoints(tmp_path):
@@ -103,18 +122,8 @@ def test_a_full_disk_is_one_line_and_keeps_every_earlier_checkpoint(tmp_path):
     """A small tmpfs (root only) as the checkpoint folder: the third checkpoint does not
     fit. One line, exit 2, the first two intact; with space, --resume goes on to the end."""
     import shutil
-    import subprocess
 
-    import pytest
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
-    small = tmp_path / "small"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(small)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_tmpfs(tmp_path / "small", "40m") as small:
         ck = small / "ck"
         common = ["--epochs", "1", "--checkpoint-every", "2", "--keep-checkpoints", "5",
                   "--out-dir", tmp_path / "a"]
@@ -127,8 +136,6 @@ def test_a_full_disk_is_one_line_and_keeps_every_earlier_checkpoint(tmp_path):
         assert steps(ck) == [2, 4]
         moved = tmp_path / "ck"
         shutil.copytree(ck, moved)
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
     train(common + ["--checkpoint-dir", moved, "--resume"]).check()
     assert steps(moved)[-1] == 8
 
@@ -136,23 +143,10 @@ def test_a_full_disk_is_one_line_and_keeps_every_earlier_checkpoint(tmp_path):
 def test_a_final_model_that_does_not_fit_loses_nothing_checkpointed(tmp_path):
     """--save on a 1 MiB tmpfs (root only): one line that says the final checkpoint holds
     the model; --resume with another --save writes it, equal to the checkpoint's."""
-    import subprocess
-
-    import pytest
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
-    small = tmp_path / "small"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
     ck = tmp_path / "ck"
     common = ["--epochs", "1", "--checkpoint-dir", ck, "--out-dir", tmp_path / "a"]
-    try:
+    with small_tmpfs(tmp_path / "small", "1m") as small:
         full = train(common + ["--save", small / "model.npz"])
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
     errors = [ln for ln in full.output.splitlines() if "error" in ln]
     assert full.returncode == 2 and "Traceback" not in full.output, full.output
     assert len(errors) == 1 and "cannot write the final model" in errors[0], full.output
