@@ -20,8 +20,11 @@ VARIABLES = {
                                  "when issued)"),
     "MPIDL_PROGRESS_WAIT": ("block", "poll: the progress thread polls and sleeps instead "
                                      "of blocking inside MPI"),
-    "MPIDL_STALL_WARNING": ("60", "seconds before a rank waiting in a consistency check "
-                                  "says so"),
+    "MPIDL_STALL_WARNING": ("60", "seconds a rank waits in a collective, point-to-point "
+                                  "call or protocol before it names who has not arrived "
+                                  "(--stall-warning)"),
+    "MPIDL_STALL_TIMEOUT": ("0", "seconds of such a wait before the job is aborted; 0: "
+                                 "never (--stall-timeout)"),
     "MPIDL_EXIT_TIMEOUT": ("30", "seconds to wait at exit for unfinished non-blocking "
                                  "collectives"),
     "MPIDL_FAIL_AT": (None, "tests: RANK:STEP[,RANK:STEP...] raises on that rank before "

@@ -63,8 +63,8 @@ from mpi4py import MPI
 
 from .. import backend
 from .. import env
-from . import algorithms, auto, counters
-from .consistency import DESC_BYTES, describe, encode, raise_mismatch
+from . import algorithms, auto, counters, stall
+from .consistency import DESC_BYTES, compare_windows, describe, digest, encode, raise_mismatch
 from .consistency import check as _consistency_check
 from .layout import even_split
 from .ops import check_op, mpi_datatype, reduction
@@ -77,8 +77,9 @@ ALGORITHMS = ("auto",) + algorithms.names()
 _REGISTRY = algorithms.REGISTRY  # live: algorithms registered later are found too
 _NP_SUM = reduction(np, "sum")
 IN_PLACE, SUM = MPI.IN_PLACE, MPI.SUM
-CHECK_MODES = ("first", "always", "off")
-_OFF, _FIRST, _ALWAYS = 0, 1, 2
+CHECK_MODES = ("digest", "first", "always", "off")
+_OFF, _FIRST, _ALWAYS, _DIGEST = 0, 1, 2, 3
+DIGEST_PERIOD = 256  # calls between two digest comparisons (check="digest")
 DEFAULT_SEGMENT_BYTES = 1024 * 1024
 
 _live = weakref.WeakSet()
@@ -87,6 +88,7 @@ _live = weakref.WeakSet()
 def _close_all():
     """At exit: close what the program left open (queued collectives finish first, but a
     collective other ranks never joined is not waited for forever)."""
+    stall.INSPECTOR.stop()
     for comm in list(_live):
         try:
             comm.close(_exit_timeout=env.number("MPIDL_EXIT_TIMEOUT"))
@@ -100,13 +102,25 @@ atexit.register(_close_all)
 class _Channel:
     """One duplicate communicator, used by one thread: transports, scratch, check memory."""
 
-    def __init__(self, comm, tid, staging, cuda_aware, polite=False):
+    def __init__(self, comm, tid, role, staging, cuda_aware, polite=False):
         self.comm = comm
         self.cuda_aware = cuda_aware
         self.tid = tid
+        self.role = role  # "main", "progress" or "p2p": how the stall inspector names it
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.seen = set()
+        self.seen_allreduce = set()
+        # What this channel waits for now (a signature key or a stall.Wait), how many
+        # calls it has started, and the inspector's memory of it (stall.py).
+        self.busy = None
+        self.seq = 0
+        self.track = None
+        # Digests of the calls since the last comparison (check="digest"), and the digest
+        # of each signature key seen (consistency.digest). Per channel: each channel's
+        # calls are in the same order on every rank, the two channels' are not.
+        self.window = []
+        self.digests = {}
         self.stats = counters.new_table()
         self.allreduce_stats = self.stats["allreduce"]
         self._staging = staging
@@ -172,8 +186,8 @@ class Communicator(PointToPoint):
     collective.
     """
 
-    def __init__(self, mpi_comm=None, check="first", timeline=None, *, label=None,
-                 _staging=None, _owns=False, _tables=None):
+    def __init__(self, mpi_comm=None, check="digest", timeline=None, *, label=None,
+                 check_period=DIGEST_PERIOD, _staging=None, _owns=False, _tables=None):
         comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if check not in CHECK_MODES:
             raise ValueError(f"check={check!r}: expected one of {', '.join(CHECK_MODES)}")
@@ -183,7 +197,10 @@ class Communicator(PointToPoint):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.check = check
-        self._check = {"off": _OFF, "first": _FIRST, "always": _ALWAYS}[check]
+        self._check = {"off": _OFF, "first": _FIRST, "always": _ALWAYS,
+                       "digest": _DIGEST}[check]
+        if not int(check_period) >= 1:
+            raise ValueError(f"check_period={check_period!r}: expected calls >= 1")
         self._owns = _owns
         self._closed = False
 
@@ -195,12 +212,23 @@ class Communicator(PointToPoint):
         # GPU arrays: device pointers straight to MPI if it is CUDA-aware (decided once,
         # here), else staged through pinned host buffers.
         self.cuda_aware = backend.cuda_aware_mpi()
-        self._main = _Channel(comm.Dup(), TID_CALLER, _staging, self.cuda_aware)
+        self._main = _Channel(comm.Dup(), TID_CALLER, "main", _staging, self.cuda_aware)
         polite = env.get("MPIDL_PROGRESS_WAIT").lower() == "poll"
-        self._bg = _Channel(comm.Dup(), TID_PROGRESS, _staging, self.cuda_aware, polite)
+        self._bg = _Channel(comm.Dup(), TID_PROGRESS, "progress", _staging, self.cuda_aware,
+                            polite)
         # Point-to-point gets its own duplicate: user tags can never match a collective's.
-        self._p2p = _Channel(comm.Dup(), TID_CALLER, _staging, self.cuda_aware)
+        self._p2p = _Channel(comm.Dup(), TID_CALLER, "p2p", _staging, self.cuda_aware)
         self._channels = (self._main, self._bg, self._p2p)
+        # The stall inspector's questions and answers (stall.py) get one more.
+        self._inspect = comm.Dup()
+        world = MPI.COMM_WORLD.Get_group()
+        mine = comm.Get_group()
+        self.world_ranks = [int(r) for r in MPI.Group.Translate_ranks(
+            mine, list(range(self.size)), world)]
+        mine.Free()
+        world.Free()
+        self.world_rank = self.world_ranks[self.rank]
+        self.check_period = int(check_period)
         self._staging = _staging
         self.label = label
 
@@ -241,6 +269,8 @@ class Communicator(PointToPoint):
         else:
             self._progress = EagerProgress()
         _live.add(self)
+        if stall.available():
+            stall.INSPECTOR.register(self)
 
     # ------------------------------------------------------------------ basics
     @property
@@ -304,12 +334,45 @@ class Communicator(PointToPoint):
         if sub == MPI.COMM_NULL:
             return None
         group = Communicator(sub, check=self.check, timeline=self._timeline, label=label,
-                             _staging=self._staging, _owns=True, _tables=self._tables)
+                             check_period=self.check_period, _staging=self._staging,
+                             _owns=True, _tables=self._tables)
         group.segment_bytes = self.segment_bytes
         return group
 
+    @property
+    def group_text(self):
+        """How messages name this group: its label (or "world") and its world ranks."""
+        name = self.label or ("world" if self.size == MPI.COMM_WORLD.Get_size() else "group")
+        return f"{name} [{stall.ranks_text(self.world_ranks)}]"
+
     def barrier(self):
-        self._main.comm.Barrier()
+        ch = self._main
+        key = ("barrier", None, None, None, None, None, None)
+        ch.seq += 1
+        ch.busy = key
+        try:
+            ch.comm.Barrier()
+        finally:
+            ch.busy = None
+        if self._check == _DIGEST:
+            self._digest(ch, key)
+
+    def waiting(self, text, peers=None):
+        """A context in which this rank waits for ``text`` from ``peers`` (ranks of this
+        group; None: any) outside mpidl's own calls, e.g. a protocol's polling loop: the
+        stall inspector (stall.py) names the peers that have not answered when it lasts."""
+        return _Waiting(self._p2p, stall.Wait(text, peers))
+
+    def check_signatures(self):
+        """Compare the signatures of the calls since the last comparison now
+        (check="digest"; collective). ``close()`` does this too."""
+        if self._check == _DIGEST:
+            for ch in (self._main, self._bg):
+                if ch is self._bg and self._progress is not None \
+                        and self._progress.mode == "thread":
+                    self._submit("digest", None, False, self._compare, ch).wait()
+                else:
+                    self._compare(ch)
 
     def free_buffers(self):
         """Give the persistent scratch and staging memory back (they regrow on demand)."""
@@ -327,8 +390,11 @@ class Communicator(PointToPoint):
         communicators. Collective; idempotent."""
         if self._closed:
             return
+        if _exit_timeout is None and not MPI.Is_finalized():
+            self.check_signatures()
         self._closed = True
         _live.discard(self)
+        stall.INSPECTOR.unregister(self)
         if self._progress is not None and not self._progress.close(_exit_timeout):
             print(f"mpidl: rank {self.rank}: non-blocking collectives still running at exit "
                   f"after {_exit_timeout:.0f} s (other ranks never joined them); not waiting",
@@ -340,6 +406,7 @@ class Communicator(PointToPoint):
             self._timeline.flush(self._main.comm)
         for ch in self._channels:
             ch.close()
+        self._inspect.Free()
         if self._owns:
             self.mpi.Free()
 
@@ -368,6 +435,29 @@ class Communicator(PointToPoint):
             _consistency_check(ch.comm, kind, name,
                                describe(kind, name, shape, dtype, op, alg, root))
             ch.seen.add(key)
+            if kind == "allreduce" and name is not None:
+                ch.seen_allreduce.add(name)  # the allreduce fast path's lookup
+
+    def _digest(self, ch, key):
+        """Remember this call's signature (as its digest: an int, which the garbage
+        collector does not track; keeping the key tuples would make it run); compare the
+        digests every ``check_period`` calls."""
+        window = ch.window
+        window.append(digest(key, ch.digests))
+        if len(window) >= self.check_period:
+            self._compare(ch)
+
+    def _compare(self, ch):
+        """Digest comparison of ``ch``'s calls since the last one (consistency.py);
+        raises CollectiveMismatchError on every rank naming the first call that differs."""
+        window, ch.window = ch.window, []
+        first = ch.seq - len(window) + 1
+        ch.busy = stall.Wait(f"in the signature check of calls {first}-{ch.seq}")
+        try:
+            compare_windows(ch.comm, window, ch.digests, first, self.group_text,
+                            blocking=ch is self._main)
+        finally:
+            ch.busy = None
 
     def _submit(self, kind, name, gpu, fn, *args):
         """Queue ``fn(*args)`` on the progress thread; returns its Handle."""
@@ -398,14 +488,25 @@ class Communicator(PointToPoint):
         registry, ``op="mean"`` division, copy-back of a non-contiguous result)."""
         t = ch.transport(True) if c.gpu else ch.host
         kind = c.kind
-        if c.verify and self._check:
-            self._verify(ch, kind, c.name, c.x.shape, c.x.dtype, c.op, c.alg, c.root)
-        tl = self._timeline
-        start = tl.clock() if tl is not None else 0.0
-        stats = ch.stats[kind]
-        stats[0] += 1
-        t.count = stats
-        result = c.body(self, t, c, stats)
+        key = (kind, c.name, None if kind == "allgatherv" else c.x.shape, c.x.dtype, c.op,
+               c.alg, c.root)
+        ch.seq += 1
+        ch.busy = key
+        try:
+            if c.verify and self._check:
+                self._verify(ch, kind, c.name, c.x.shape, c.x.dtype, c.op, c.alg, c.root)
+            tl = self._timeline
+            start = tl.clock() if tl is not None else 0.0
+            stats = ch.stats[kind]
+            stats[0] += 1
+            t.count = stats
+            result = c.body(self, t, c, stats)
+        except MPI.Exception as e:
+            raise _mpi_error(self, key, e) from None
+        finally:
+            ch.busy = None
+        if self._check == _DIGEST:
+            self._digest(ch, key)
         if c.op == "mean" and c.dst is not None:
             c.xp.divide(c.dst, self.size, out=c.dst)
         if c.back is not None:
@@ -451,28 +552,49 @@ class Communicator(PointToPoint):
             ch = self._main
             alg = algorithm if algorithm in _REGISTRY else self.selector.choose(
                 "allreduce", x.nbytes)
-            if self._check and (name is None or self._check == _ALWAYS
-                                or ("allreduce", name) not in ch.seen):
-                self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
-            src = x if x.ndim == 1 else x.reshape(-1)
-            dst = src if out is x else (out if out.ndim == 1 else out.reshape(-1))
-            stats = ch.allreduce_stats
-            stats[0] += 1
-            if self.size == 1 or not src.size:
-                if dst is not src:
-                    dst[...] = src
-            elif alg == "mpi":
-                stats[3] += 1
-                dt = mpi_datatype(x.dtype)
-                ch.comm.Allreduce(IN_PLACE if src is dst else [src, dt], [dst, dt], SUM)
-            else:
-                t = ch.host
-                t.count = stats
-                try:
-                    fn = _REGISTRY[alg].allreduce
-                except (KeyError, AttributeError):
-                    fn = algorithms.get(alg, "allreduce")  # raises the clear error
-                fn(t, src, dst, _NP_SUM, self._ctx)
+            check = self._check
+            key = (name, x.shape, x.dtype.num, alg)  # short form of a sum's signature key
+            ch.seq += 1
+            ch.busy = key
+            try:
+                if check == _DIGEST:
+                    # A known key means a known name: no full check, one lookup per call.
+                    d = ch.digests.get(key)
+                    if d is None:
+                        if name is None or name not in ch.seen_allreduce:
+                            self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
+                        d = digest(key, ch.digests)
+                elif check and (name is None or check == _ALWAYS
+                                or name not in ch.seen_allreduce):
+                    self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
+                src = x if x.ndim == 1 else x.reshape(-1)
+                dst = src if out is x else (out if out.ndim == 1 else out.reshape(-1))
+                stats = ch.allreduce_stats
+                stats[0] += 1
+                if self.size == 1 or not src.size:
+                    if dst is not src:
+                        dst[...] = src
+                elif alg == "mpi":
+                    stats[3] += 1
+                    dt = mpi_datatype(x.dtype)
+                    ch.comm.Allreduce(IN_PLACE if src is dst else [src, dt], [dst, dt], SUM)
+                else:
+                    t = ch.host
+                    t.count = stats
+                    try:
+                        fn = _REGISTRY[alg].allreduce
+                    except (KeyError, AttributeError):
+                        fn = algorithms.get(alg, "allreduce")  # raises the clear error
+                    fn(t, src, dst, _NP_SUM, self._ctx)
+            except MPI.Exception as e:
+                raise _mpi_error(self, key, e) from None
+            finally:
+                ch.busy = None
+            if check == _DIGEST:
+                window = ch.window
+                window.append(d)
+                if len(window) >= self.check_period:
+                    self._compare(ch)
             return out
         return self._blocking(self._prep_allreduce(x, out, op, algorithm), name)
 
@@ -630,6 +752,25 @@ class Communicator(PointToPoint):
                      verify=False, nbytes=0)
 
 
+class _Waiting:
+    """``Communicator.waiting``: marks a channel busy with a ``stall.Wait`` meanwhile."""
+
+    __slots__ = ("ch", "wait", "prev")
+
+    def __init__(self, ch, wait):
+        self.ch, self.wait, self.prev = ch, wait, None
+
+    def __enter__(self):
+        ch = self.ch
+        self.prev = ch.busy
+        ch.seq += 1
+        ch.busy = self.wait
+        return self
+
+    def __exit__(self, *exc):
+        self.ch.busy = self.prev
+
+
 class _Call:
     """One prepared collective: what the caller's thread validated and resolved, handed to
     ``Communicator._run`` on the caller's thread or the progress thread."""
@@ -736,6 +877,23 @@ def _exchange_counts(comm, n, desc, kind, name):
     if not (descs == descs[0]).all():
         raise_mismatch(descs, kind, name)
     return [int(c) for c in np.ascontiguousarray(table[:, :8]).view(np.int64).reshape(-1)]
+
+
+def _mpi_error(comm, key, error):
+    """An MPI error inside a collective, as an error that says which call and why."""
+    from .consistency import CollectiveMismatchError  # noqa: PLC0415
+    what = stall.describe_busy(key)
+    # MPI's error string is a stack of lines; the last one says what happened.
+    lines = [ln.split(":", 1)[-1].strip() for ln in error.Get_error_string().splitlines()]
+    detail = next((ln for ln in reversed(lines) if ln), "")
+    if error.Get_error_class() == MPI.ERR_TRUNCATE:
+        return CollectiveMismatchError(
+            f"rank {comm.world_rank}: {what} on group {comm.group_text}: another rank sent "
+            f"more data than this call expects (MPI: {detail}; ranks as numbered in this "
+            "group): the ranks disagree on this call's shape or dtype, or on which call "
+            "this is")
+    return RuntimeError(f"rank {comm.world_rank}: {what} on group {comm.group_text} "
+                        f"failed in MPI: {detail}")
 
 
 def _on_device(device_id, event, fn, args):

@@ -1,30 +1,36 @@
-"""The consistency check: do all ranks agree on what they are about to reduce?
+"""The consistency check: do all ranks agree on the collectives they call?
 
-Before the first call of each tensor name (every call in ``check="always"`` mode, or
-with ``MPIDL_DEBUG=1``), ranks all-gather a fixed-size description of the call:
-collective, tensor name, shape, dtype, op, algorithm (after ``auto`` is resolved) and
-root. The description is a fixed number of bytes, so the exchange itself always matches
-even when the calls do not. Every rank then sees the same table, so a disagreement raises
-``CollectiveMismatchError`` on all ranks at once, naming the tensor and which ranks
-passed what, instead of a hang or silent garbage.
+Two mechanisms, both raising ``CollectiveMismatchError`` on every rank at once, naming
+the call, the tensor and which ranks passed what, instead of a hang or silent garbage:
 
-Calls without a name are keyed by their description, so a rank seeing a new
-(collective, shape, dtype, op, algorithm) checks it. Ranks that disagree on *whether* to
-check (one has seen a signature before, the other has not) cannot be caught without
-checking every call: name your tensors, or use ``check="always"`` while debugging. A rank
-that waits in a check for longer than ``MPIDL_STALL_WARNING`` seconds (default 60) prints
-which tensor it waits for, so a stall is visible rather than silent.
+- The full check (``check``): ranks all-gather a fixed-size description of the call
+  (collective, tensor name, shape, dtype, op, algorithm after ``auto`` is resolved,
+  root) before it runs. The description is a fixed number of bytes, so the exchange
+  itself always matches even when the calls do not. It runs on the first call of each
+  tensor name (``check="first"`` and ``"digest"``; unnamed calls on each new signature),
+  or on every call (``check="always"``, ``MPIDL_DEBUG=1``), which costs one more
+  latency-bound collective per call.
+- The digest comparison (``compare_windows``, ``check="digest"``, the default): every
+  call's signature is remembered (a tuple, no hashing on the hot path); every
+  ``check_period`` calls (and at ``close()``) ranks all-gather 24 bytes: the number of
+  calls and a digest of their signatures. So a later call with another dtype, op, shape
+  or name, or a rank that skipped a call, is caught within ``check_period`` calls, at the
+  cost of one small all-gather per period. A call whose shapes differ may fail before
+  that (MPI's "message truncated", reported as a mismatch of that call) or hang; a hang
+  is named by the stall inspector (stall.py), which compares the signatures of the calls
+  the ranks are stuck in.
 """
 
+import array
 import hashlib
-import sys
 import time
 
 import numpy as np
 
-from .. import env
 
 DESC_BYTES = 256
+_DTYPES = {np.dtype(c).num: np.dtype(c) for c in np.typecodes["All"]}
+SPIN_S = 1e-3  # a check's exchange is polled without sleeping this long (a sleep is 50+ us)
 _HASH = 16
 
 
@@ -34,10 +40,13 @@ class CollectiveMismatchError(RuntimeError):
 
 def describe(kind, name, shape, dtype, op=None, algorithm=None, root=None):
     """The text every rank must agree on (shape None: not compared, as in allgatherv)."""
+    if kind == "barrier":
+        return "barrier"
     parts = [kind, f"tensor={name!r}" if name is not None else "tensor=<unnamed>"]
     if shape is not None:
         parts.append(f"shape={tuple(shape)}")
-    parts.append(f"dtype={np.dtype(dtype).name}")
+    if dtype is not None:
+        parts.append(f"dtype={np.dtype(dtype).name}")
     if op is not None:
         parts.append(f"op={op}")
     if algorithm is not None:
@@ -68,49 +77,117 @@ def _ranks(ranks):
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def check(comm, kind, name, desc, stall_warning=None):
+def check(comm, kind, name, desc):
     """All-gather ``desc`` over ``comm``; raise CollectiveMismatchError on every rank if
     the ranks differ."""
     p = comm.Get_size()
     if p == 1:
         return
-    mine = encode(desc)
     table = np.empty((p, DESC_BYTES), dtype=np.uint8)
-    req = comm.Iallgather(mine, table)
-    if not req.Test():
-        _wait(req, comm.Get_rank(), kind, name, stall_warning)
+    _allgather(comm, encode(desc), table)
     if not (table == table[0]).all():
         raise_mismatch(table, kind, name)
 
 
-def raise_mismatch(table, kind, name):
+def _allgather(comm, mine, table, blocking=False):
+    """All-gather; unless ``blocking``, waiting with Test and short sleeps, not inside
+    MPI: a check that other ranks never join (an orphaned non-blocking call at exit) must
+    not hold a progress thread in MPI while the process finalizes. (A stall here is named
+    by the stall inspector.)"""
+    if blocking:
+        comm.Allgather(mine, table)
+        return
+    req = comm.Iallgather(mine, table)
+    spin_until = time.perf_counter() + SPIN_S
+    while not req.Test():
+        if time.perf_counter() > spin_until:
+            break
+    delay = 1e-5
+    while not req.Test():
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+
+
+def raise_mismatch(table, kind, name, where=None):
     """Raise CollectiveMismatchError describing which ranks passed what (rows of ``table``
-    are the ranks' encoded descriptions)."""
+    are the ranks' encoded descriptions). ``where``: what disagrees, when it is not one
+    tensor's call (the digest comparison names a call number)."""
     groups = {}
     for r in range(table.shape[0]):
         groups.setdefault(table[r].tobytes(), []).append(r)
     lines = [f"  {_ranks(rs)}: {_decode(table[rs[0]])}" for rs in groups.values()]
-    odd = min(groups.values(), key=len)
+    sizes = sorted(len(rs) for rs in groups.values())
+    blame = ""
+    if len(sizes) > 1 and sizes[0] < sizes[1]:  # a unique smallest group is the odd one
+        odd = min(groups.values(), key=len)
+        blame = f" ({_ranks(odd)} {'differs' if len(odd) == 1 else 'differ'} from the rest)"
     label = repr(name) if name is not None else "<unnamed>"
+    subject = f"{kind} of tensor {label}" if where is None else where
     raise CollectiveMismatchError(
-        f"ranks disagree on {kind} of tensor {label} ({_ranks(odd)} "
-        f"{'differs' if len(odd) == 1 else 'differ'} from the rest); "
-        "every rank must pass the same name, shape, dtype, op and algorithm:\n"
+        f"ranks disagree on {subject}{blame}; every rank must make the same collective "
+        "calls in the same order, with the same name, shape, dtype, op and algorithm:\n"
         + "\n".join(lines))
 
 
-def _wait(req, rank, kind, name, stall_warning):
-    """Wait for the check's exchange without burning a core, warning once on a stall."""
-    if stall_warning is None:
-        stall_warning = env.number("MPIDL_STALL_WARNING")
-    start = time.perf_counter()
-    delay = 1e-6
-    warned = False
-    while not req.Test():
-        time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
-        if not warned and time.perf_counter() - start > stall_warning:
-            warned = True
-            print(f"mpidl: rank {rank} has waited {stall_warning:.0f} s in the consistency "
-                  f"check of {kind} tensor {name!r}: other ranks are in a different "
-                  "collective or stopped", file=sys.stderr, flush=True)
+def full_key(key):
+    """A signature key as ``describe``'s arguments: (kind, name, shape, dtype, op,
+    algorithm, root). The all-reduce fast path records a sum's key in the short form
+    (name, shape, dtype number, algorithm), which costs less to build and to hash (a
+    dtype's hash is slow)."""
+    if len(key) == 4:
+        return ("allreduce", key[0], key[1], _DTYPES[key[2]], "sum", key[3], None)
+    return key
+
+
+def digest(key, cache):
+    """A stable 64-bit digest of a call's signature key (the same on every rank, unlike
+    Python's ``hash`` of strings, and the same for a key's short and full forms),
+    computed once per distinct key. ``cache`` maps keys to digests and digests back to
+    their description (to name a call that differs)."""
+    d = cache.get(key)
+    if d is None:
+        text = describe(*full_key(key))
+        d = cache[key] = int.from_bytes(
+            hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+        cache[("text", d)] = text
+    return d
+
+
+def compare_windows(comm, window, cache, first, group, blocking=True):
+    """Do all ranks' last calls have the same signatures? ``window``: the digests of this
+    rank's calls since the last comparison (``digest``), the first being call number
+    ``first``. ``blocking=False``: wait by polling (for a progress thread, which must
+    not be inside MPI when the process finalizes).
+
+    One all-gather of 24 bytes per rank (the number of calls and a 16-byte digest of their
+    signatures) when all agree; when they do not, two more find the first call that
+    differs and every rank raises CollectiveMismatchError naming it, the ranks, and what
+    each passed."""
+    p = comm.Get_size()
+    if p == 1:
+        return
+    packed = array.array("Q", window)  # faster than NumPy for a list of Python ints
+    mine = np.frombuffer(len(window).to_bytes(8, "little")
+                         + hashlib.blake2b(packed, digest_size=16).digest(), dtype=np.uint64)
+    table = np.empty((p, 3), dtype=np.uint64)
+    _allgather(comm, mine, table, blocking)
+    if (table == table[0]).all():
+        return
+    # Somebody differs: find the first call that does (windows may differ in length).
+    longest = int(table[:, 0].max())
+    padded = np.zeros(longest, dtype=np.uint64)
+    padded[:len(window)] = np.frombuffer(packed, dtype=np.uint64)
+    every = np.empty((p, longest), dtype=np.uint64)
+    _allgather(comm, padded, every, blocking)
+    lengths = table[:, 0].astype(np.int64)
+    for i in range(longest):
+        column = [int(every[r, i]) if i < lengths[r] else None for r in range(p)]
+        if len(set(column)) > 1:
+            break
+    else:  # equal digests, different digest of digests: cannot happen; say so plainly
+        i = longest - 1
+    desc = (cache[("text", window[i])] if i < len(window)
+            else "no call (this rank made fewer calls)")
+    descs = np.empty((p, DESC_BYTES), dtype=np.uint8)
+    _allgather(comm, encode(desc), descs, blocking)
+    raise_mismatch(descs, "call", None, where=f"call {first + i} on group {group}")

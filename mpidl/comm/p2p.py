@@ -38,6 +38,10 @@ def _check_tag(tag, recv=False):
                          f"{_tag_ub()}" + (" (or ANY_TAG to receive any)" if recv else ""))
 
 
+def _tag_text(tag):
+    return "any" if tag == ANY_TAG else str(int(tag))
+
+
 _TAG_UB = []
 
 
@@ -54,10 +58,12 @@ class Request:
     After completion ``source`` and ``tag`` say what a receive matched."""
 
     __slots__ = ("kind", "_t", "_req", "_result", "_back", "_done", "_keep", "_timeline",
-                 "source", "tag", "nbytes")
+                 "_waiting", "source", "tag", "nbytes")
 
-    def __init__(self, kind, t, req, result=None, back=None, keep=None, timeline=None):
+    def __init__(self, kind, t, req, result=None, back=None, keep=None, timeline=None,
+                 waiting=None):
         self.kind = kind
+        self._waiting = waiting  # Communicator.waiting(...): what wait() waits for
         self._t, self._req = t, req
         self._result, self._back, self._keep = result, back, keep
         self._done = False
@@ -79,7 +85,8 @@ class Request:
             tl = self._timeline
             start = tl.clock() if tl is not None else 0.0
             status = MPI.Status()
-            self._t.wait(self._req, status)
+            with self._waiting:
+                self._t.wait(self._req, status)
             self._finish(status)
             if tl is not None:
                 tl.record("wait", self.kind, "", 0, start, tl.clock(), TID_CALLER)
@@ -147,6 +154,14 @@ class PointToPoint:
             raise ValueError(f"{what} {rank!r} is not a rank of this communicator "
                              f"(size {self.size})" + (" or ANY_SOURCE" if any_ok else ""))
 
+    def _p2p_waiting(self, what, peer, tag):
+        """The stall inspector's mark for a point-to-point wait (stall.py)."""
+        if peer == ANY_SOURCE:
+            return self.waiting(f"in {what} from any rank, tag {_tag_text(tag)}")
+        direction = "to" if what.startswith(("send", "isend")) else "from"
+        return self.waiting(f"in {what} {direction} rank {self.world_ranks[peer]}, tag "
+                            f"{_tag_text(tag)}", (peer,))
+
     def _p2p_record(self, kind, start, nbytes, **extra):
         tl = self._timeline
         if tl is not None:
@@ -166,7 +181,8 @@ class PointToPoint:
         start = self._clock()
         buf = _contiguous(x, xp)
         t.ready()
-        t.send(buf, dest, tag)
+        with self._p2p_waiting("send", dest, tag):
+            t.send(buf, dest, tag)
         self._p2p_record("send", start, x.nbytes, peer=int(dest), tag=int(tag))
 
     def recv(self, out, source, tag=0, status=None):
@@ -180,7 +196,8 @@ class PointToPoint:
         if status is None:
             status = MPI.Status()
         buf, back = _landing(out, xp)
-        t.recv(buf, source, tag, status)
+        with self._p2p_waiting("recv", source, tag):
+            t.recv(buf, source, tag, status)
         if back is not None:
             back[...] = buf.reshape(back.shape)
         self._p2p_record("recv", start, status.Get_count(BYTE),
@@ -198,7 +215,8 @@ class PointToPoint:
         t.ready()
         req = t.isend(buf, dest, tag)
         self._p2p_record("isend", start, x.nbytes, peer=int(dest), tag=int(tag))
-        return Request("isend", t, req, keep=buf, timeline=self._timeline)
+        return Request("isend", t, req, keep=buf, timeline=self._timeline,
+                       waiting=self._p2p_waiting("isend", dest, tag))
 
     def irecv(self, out, source, tag=0):
         """Start receiving into ``out`` (MPI_Irecv); ``wait()`` returns ``out``."""
@@ -210,7 +228,8 @@ class PointToPoint:
         req = t.irecv(buf, source, tag)
         self._p2p_record("irecv", start, 0, peer=int(source), tag=int(tag))
         return Request("irecv", t, req, result=out if back is None else buf, back=back,
-                       timeline=self._timeline)
+                       timeline=self._timeline,
+                       waiting=self._p2p_waiting("irecv", source, tag))
 
     def sendrecv(self, x, dest, out, source, sendtag=0, recvtag=None, status=None):
         """Send ``x`` to ``dest`` and receive into ``out`` from ``source`` at once
@@ -231,7 +250,8 @@ class PointToPoint:
         if status is None:
             status = MPI.Status()
         t.ready()
-        t.sendrecv(sbuf, dest, rbuf, source, sendtag, recvtag, status)
+        with self._p2p_waiting("sendrecv", source, recvtag):
+            t.sendrecv(sbuf, dest, rbuf, source, sendtag, recvtag, status)
         if back is not None:
             back[...] = rbuf.reshape(back.shape)
         self._p2p_record("sendrecv", start, x.nbytes, peer=int(dest),
@@ -255,7 +275,8 @@ class PointToPoint:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         self._obj_begin(len(data))
         start = self._clock()
-        self._p2p.comm.Send([data, BYTE], dest, tag)
+        with self._p2p_waiting("send_obj", dest, tag):
+            self._p2p.comm.Send([data, BYTE], dest, tag)
         self._p2p_record("send_obj", start, len(data), peer=int(dest), tag=int(tag))
 
     def isend_obj(self, obj, dest, tag=0):
@@ -267,7 +288,8 @@ class PointToPoint:
         start = self._clock()
         req = self._p2p.comm.Isend([data, BYTE], dest, tag)
         self._p2p_record("isend_obj", start, len(data), peer=int(dest), tag=int(tag))
-        return Request("isend_obj", _Plain, req, keep=data, timeline=self._timeline)
+        return Request("isend_obj", _Plain, req, keep=data, timeline=self._timeline,
+                       waiting=self._p2p_waiting("isend_obj", dest, tag))
 
     def recv_obj(self, source=ANY_SOURCE, tag=ANY_TAG):
         """Receive one object: returns ``(obj, source, tag)``."""
@@ -276,7 +298,8 @@ class PointToPoint:
         self._obj_begin(None)
         start = self._clock()
         status = MPI.Status()
-        msg = self._p2p.comm.Mprobe(source, tag, status)
+        with self._p2p_waiting("recv_obj", source, tag):
+            msg = self._p2p.comm.Mprobe(source, tag, status)
         data = bytearray(status.Get_count(BYTE))
         msg.Recv([data, BYTE])
         src, got_tag = status.Get_source(), status.Get_tag()
@@ -294,5 +317,6 @@ class PointToPoint:
     def probe(self, source=ANY_SOURCE, tag=ANY_TAG):
         """Like ``iprobe`` but blocks until a message is there."""
         status = MPI.Status()
-        self._p2p.comm.Probe(source, tag, status)
+        with self._p2p_waiting("probe", source, tag):
+            self._p2p.comm.Probe(source, tag, status)
         return status.Get_source(), status.Get_tag(), status.Get_count(BYTE)

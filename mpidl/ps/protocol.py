@@ -29,7 +29,6 @@ the workers that would send the awaited message.
 """
 
 import pickle
-import sys
 import time
 
 import numpy as np
@@ -101,12 +100,11 @@ class Poller:
     that arrives while we sleep waits at most ``longest`` seconds to be noticed.
     """
 
-    def __init__(self, comm, first=20e-6, longest=1e-3, stall_warning=120.0, who=""):
+    def __init__(self, comm, first=20e-6, longest=1e-3, who=""):
         self.comm = comm
         self.first, self.longest = first, longest
         # longest == 0: block inside MPI instead (MPICH then polls; kept for comparison)
         self.blocking = longest <= 0
-        self.stall_warning = stall_warning
         self.who = who
         self.delay = first
         self.idle_s = 0.0  # wall time spent sleeping between probes
@@ -128,30 +126,30 @@ class Poller:
             return found[0]
         return None
 
-    def wait(self, source, tag, what=None, timeout=None, idle=None):
+    def wait(self, source, tag, what=None, timeout=None, idle=None, peers=None):
         """Sleep-probe until a message matches; returns its source rank (None on timeout).
 
-        ``idle()`` is called between probes (e.g. to retire finished sends); after
-        ``stall_warning`` seconds one line says what we are waiting for.
+        ``idle()`` is called between probes (e.g. to retire finished sends). While we
+        wait, the stall inspector (``mpidl.comm.stall``) knows we wait for ``what`` from
+        ``peers`` (ranks; default ``source``, or everyone for ANY_SOURCE): after the stall
+        warning it names those that have not answered, and what the others do.
         """
-        if self.blocking and timeout is None:
-            return self.comm.probe(source, tag)[0]
-        start = time.monotonic()
-        warned = False
-        while True:
-            found = self.probe(source, tag)
-            if found is not None:
-                return found
-            if idle is not None:
-                idle()
-            waited = time.monotonic() - start
-            if timeout is not None and waited > timeout:
-                return None
-            if not warned and self.stall_warning and waited > self.stall_warning:
-                warned = True
-                print(f"mpidl ps [{self.who}]: still waiting after {waited:.0f} s for "
-                      f"{what or 'a message'}", file=sys.stderr, flush=True)
-            self.nap()
+        if peers is None and source >= 0:
+            peers = (source,)
+        text = f"for {what or 'a message'}" + (f" ({self.who})" if self.who else "")
+        with self.comm.waiting(text, peers):
+            if self.blocking and timeout is None:
+                return self.comm.probe(source, tag)[0]
+            start = time.monotonic()
+            while True:
+                found = self.probe(source, tag)
+                if found is not None:
+                    return found
+                if idle is not None:
+                    idle()
+                if timeout is not None and time.monotonic() - start > timeout:
+                    return None
+                self.nap()
 
     def wait_requests(self, reqs, timeout=None):
         """Complete ``reqs`` without spinning; returns False on timeout."""

@@ -143,7 +143,8 @@ class ParameterServer:
         self._barrier_passed = False
         while self.active and not (until == "barrier" and self._barrier_passed):
             source = self.poller.wait(ANY_SOURCE, TAG_CTRL, what="pushes from workers "
-                                      f"{sorted(self.active)}", idle=self._idle)
+                                      f"{sorted(self.active)}", idle=self._idle,
+                                      peers=sorted(self.active))
             header, arrays = receive(self.comm, source, TAG_CTRL, TAG_UP,
                                      into=self._into_buffer(source))
             self._handle(source, header, arrays)

@@ -153,7 +153,8 @@ class PSWorker:
         pending, got = set(self.servers), {}
         while pending:
             src = self.poller.wait(ANY_SOURCE, TAG_REPLY, idle=self._idle,
-                                   what=f"'{kind}' from server ranks {sorted(pending)}")
+                                   what=f"'{kind}' from server ranks {sorted(pending)}",
+                                   peers=sorted(pending))
             header, arrays = receive(self.comm, src, TAG_REPLY, TAG_DOWN,
                                      into=self._into_params)
             if header.get("kind") == "abort":

@@ -39,8 +39,8 @@ def expect_mismatch(label, fn, must_contain):
 
 
 def main():
-    comm = Communicator()  # default check="first"
-    assert comm.check == "first"
+    comm = Communicator()  # default check="digest": first call checked in full
+    assert comm.check == "digest"
     odd = 1
 
     # 1. different shapes, named tensor (the case)

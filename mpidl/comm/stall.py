@@ -1,0 +1,313 @@
+"""The stall inspector: a rank that waits too long says what for, and who has not come.
+
+Every wait that can block marks its channel busy while it waits: a collective on any
+group (its signature: kind, tensor, shape, dtype, op, algorithm), a point-to-point send,
+receive or probe, and the parameter server's protocol (``Communicator.waiting``). One
+daemon thread per process (the inspector, started with the first ``Communicator`` when
+MPI gives ``MPI_THREAD_MULTIPLE``) wakes every ``warning / 10`` seconds (between 50 ms
+and 1 s) and looks at every live communicator:
+
+- It answers the questions other ranks' inspectors sent to this rank: what each channel
+  of that communicator is doing now (its call number and what it waits for), and what
+  this rank waits for on its other communicators.
+- A channel busy with the same call for longer than the stall warning
+  (``--stall-warning``, ``MPIDL_STALL_WARNING``, default 60 s) makes it ask the ranks the
+  call waits for (every other rank of the group for a collective, the peer for a
+  point-to-point call) and print one line: which ranks have not arrived and why (no
+  answer: stopped, dead, or never releasing Python's GIL; or what they do instead), which
+  wait in the same call. After the stall timeout (``--stall-timeout``,
+  ``MPIDL_STALL_TIMEOUT``, 0 = never) it prints that line again and aborts the job
+  (``MPI_Abort``, exit status 1): a stopped rank never turns into a silent hang.
+- Two ranks found in the same call number of a collective channel with different
+  signatures have called different collectives: MPI cannot finish that call, so after
+  ``MISMATCH_AFTER`` seconds of waiting the job is aborted at once with both signatures.
+
+The questions travel on a duplicate communicator of their own (made by the collective
+``Communicator`` constructor), so they never meet anybody's data. Waiting costs nothing
+extra: the marks are two attribute writes per call, and nobody sends anything unless a
+wait has already lasted seconds.
+
+Without ``MPI_THREAD_MULTIPLE`` there is no inspector thread (one line says so when a
+communicator is made with a stall warning set); waits then stay silent.
+"""
+
+import sys
+import threading
+import time
+import weakref
+
+from mpi4py import MPI
+
+from .. import env
+
+QUERY, REPLY = 1, 2
+MISMATCH_AFTER = 2.0  # seconds in a call before asking whether the peers are in another
+STALL_EXIT = 1
+
+_settings = {}
+
+
+def configure(warning=None, timeout=None):
+    """Set the stall warning and timeout (seconds; None keeps the current value, a
+    timeout of 0 means never). The command line calls this with ``--stall-warning`` and
+    ``--stall-timeout``; defaults come from ``MPIDL_STALL_WARNING``/``MPIDL_STALL_TIMEOUT``."""
+    _load()
+    if warning is not None:
+        if not warning > 0:
+            raise ValueError(f"stall warning {warning!r}: expected seconds > 0")
+        _settings["warning"] = float(warning)
+    if timeout is not None:
+        if not timeout >= 0:
+            raise ValueError(f"stall timeout {timeout!r}: expected seconds >= 0 (0 = never)")
+        _settings["timeout"] = float(timeout)
+
+
+def settings():
+    """``(warning, timeout)`` in seconds (timeout 0: never)."""
+    _load()
+    return _settings["warning"], _settings["timeout"]
+
+
+def _load():
+    if not _settings:
+        _settings["warning"] = env.number("MPIDL_STALL_WARNING")
+        _settings["timeout"] = env.number("MPIDL_STALL_TIMEOUT")
+
+
+class Wait:
+    """What a channel waits for, when it is not a collective: ``text`` for people, read
+    after "has waited 10 s" (so it starts with "in" or "for"), and ``peers`` (group ranks
+    it waits for; None: every other rank of the group)."""
+
+    __slots__ = ("text", "peers")
+
+    def __init__(self, text, peers=None):
+        self.text = text
+        self.peers = peers
+
+    def __repr__(self):
+        return self.text
+
+
+def describe_busy(busy):
+    """Text of what a channel is busy with (a collective's signature key or a Wait),
+    starting with "in" or "for"."""
+    if isinstance(busy, Wait):
+        return busy.text
+    from .consistency import describe, full_key  # noqa: PLC0415 (imports nothing of us)
+    return "in " + describe(*full_key(busy))
+
+
+def ranks_text(ranks):
+    ranks = list(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+class _Track:
+    """What the inspector remembers of one channel between its visits."""
+
+    __slots__ = ("seq", "since", "warned", "mismatch_checked")
+
+    def __init__(self, seq, since):
+        self.seq, self.since = seq, since
+        self.warned = self.mismatch_checked = False
+
+
+class Inspector:
+    """The per-process inspector thread (see the module doc)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # held while visiting a communicator; close() takes it
+        self._comms = weakref.WeakSet()
+        self._stop = threading.Event()
+        self._thread = None
+        self._sends = []
+        self._query_id = 0
+
+    # -- registration (called by Communicator)
+    def register(self, comm):
+        with self.lock:
+            self._comms.add(comm)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mpidl-stall",
+                                                daemon=True)
+                self._thread.start()
+
+    def unregister(self, comm):
+        with self.lock:
+            self._comms.discard(comm)
+
+    def stop(self, timeout=3.0):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the loop
+    def _run(self):
+        while not self._stop.is_set():
+            warning, _ = settings()
+            self._stop.wait(min(1.0, max(0.05, warning / 10)))
+            if self._stop.is_set() or MPI.Is_finalized():
+                return
+            try:
+                with self.lock:
+                    for comm in list(self._comms):
+                        if not comm._closed:
+                            self._visit(comm)
+                    self._sends = [r for r in self._sends if not r.Test()]
+            except Exception as e:  # the inspector must never take the job down itself
+                print(f"mpidl: stall inspector stopped: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
+                return
+
+    def _visit(self, comm):
+        self.answer(comm)
+        now = time.monotonic()
+        warning, timeout = settings()
+        for ch in comm._channels:
+            busy, seq = ch.busy, ch.seq
+            track = ch.track
+            if busy is None:
+                ch.track = None
+                continue
+            if track is None or track.seq != seq:
+                ch.track = _Track(seq, now)
+                continue
+            waited = now - track.since
+            collective = not isinstance(busy, Wait)
+            if collective and not track.mismatch_checked and waited > MISMATCH_AFTER:
+                track.mismatch_checked = True
+                report = self.inquire(comm, ch, busy, seq, waited)
+                if report is not None and report.mismatch:
+                    self._abort(f"mpidl: rank {comm.world_rank}: {report.mismatch}")
+            if timeout and waited > timeout:
+                report = self.inquire(comm, ch, busy, seq, waited)
+                if report is not None:
+                    self._abort(f"mpidl: stall timeout ({timeout:g} s, --stall-timeout): "
+                                f"{report.text} Ending the job.")
+            elif not track.warned and waited > warning:
+                track.warned = True
+                report = self.inquire(comm, ch, busy, seq, waited)
+                if report is not None:
+                    print(f"mpidl: stall: {report.text}", file=sys.stderr, flush=True)
+
+    def _abort(self, message):
+        print(message, file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(STALL_EXIT)
+
+    # -- questions and answers
+    def state(self, comm):
+        """This rank's answer about ``comm``: per channel (seq, busy text or None), and
+        what it waits for on its other communicators."""
+        channels = {ch.role: (ch.seq, None if ch.busy is None else describe_busy(ch.busy))
+                    for ch in comm._channels}
+        elsewhere = []
+        for other in list(self._comms):
+            if other is comm or other._closed:
+                continue
+            for ch in other._channels:
+                busy = ch.busy
+                if busy is not None:
+                    elsewhere.append(f"{describe_busy(busy)} on group {other.group_text}")
+        return {"channels": channels, "elsewhere": elsewhere}
+
+    def answer(self, comm):
+        """Answer every question waiting on ``comm``'s inspection communicator."""
+        icomm = comm._inspect
+        status = MPI.Status()
+        while icomm.Iprobe(MPI.ANY_SOURCE, QUERY, status):
+            source = status.Get_source()
+            query = icomm.recv(source=source, tag=QUERY)
+            reply = dict(self.state(comm), id=query)
+            self._sends.append(icomm.isend(reply, dest=source, tag=REPLY))
+
+    def inquire(self, comm, ch, busy, seq, waited):
+        """Ask the ranks ``busy`` waits for what they do; None if the wait ended meanwhile."""
+        icomm = comm._inspect
+        if isinstance(busy, Wait) and busy.peers is not None:
+            peers = [r for r in busy.peers if r != comm.rank]
+        else:
+            peers = [r for r in range(comm.size) if r != comm.rank]
+        self._query_id += 1
+        qid = self._query_id
+        for r in peers:
+            self._sends.append(icomm.isend(qid, dest=r, tag=QUERY))
+        warning, _ = settings()
+        interval = min(1.0, max(0.05, warning / 10))
+        deadline = time.monotonic() + 2 * interval + 0.5
+        replies = {}
+        status = MPI.Status()
+        while len(replies) < len(peers) and time.monotonic() < deadline:
+            self.answer(comm)  # a peer may be asking us at the same moment
+            while icomm.Iprobe(MPI.ANY_SOURCE, REPLY, status):
+                source = status.Get_source()
+                reply = icomm.recv(source=source, tag=REPLY)
+                if reply.get("id") == qid:
+                    replies[source] = reply
+            time.sleep(0.01)
+        if ch.busy is not busy or ch.seq != seq:
+            return None
+        return _Report(comm, ch, busy, seq, waited, peers, replies)
+
+
+class _Report:
+    """The line a stall prints, built from the peers' answers."""
+
+    def __init__(self, comm, ch, busy, seq, waited, peers, replies):
+        me = describe_busy(busy)
+        collective = not isinstance(busy, Wait)
+        world = comm.world_ranks
+        absent, same, other = [], [], []
+        self.mismatch = None
+        for r in peers:
+            name = f"rank {world[r]}"
+            reply = replies.get(r)
+            if reply is None:
+                absent.append(f"{name} (no answer: stopped, exited, or holding Python's GIL)")
+                continue
+            their_seq, their_busy = reply["channels"].get(ch.role, (None, None))
+            doing = their_busy
+            if collective and their_seq == seq and their_busy is not None:
+                if their_busy == me:
+                    same.append(world[r])
+                    continue
+                self.mismatch = (f"ranks disagree on call {seq} of group {comm.group_text}: "
+                                 f"rank {comm.world_rank} is {me}, {name} is {their_busy}; "
+                                 "every rank must make the same collective calls in the "
+                                 "same order, with the same name, shape, dtype, op and "
+                                 "algorithm")
+            if doing is None:
+                elsewhere = reply.get("elsewhere") or []
+                doing = ("is waiting " + " and ".join(elsewhere) if elsewhere
+                         else "is not waiting in mpidl (computing, or between calls)")
+                if collective and their_seq is not None:
+                    doing = f"has started {their_seq} calls on this group and {doing}"
+            else:
+                where = f" (call {their_seq})" if collective and their_seq is not None else ""
+                doing = f"is waiting{where} {doing}"
+            if collective:
+                absent.append(f"{name} {doing}")
+            else:
+                other.append(f"{name} {doing}")
+        where = f" (call {seq} on group {comm.group_text})" if collective else \
+            f" (group {comm.group_text})"
+        parts = [f"rank {comm.world_rank} has waited {waited:.0f} s {me}{where}."]
+        if collective:
+            parts.append(("Not arrived: " + "; ".join(absent) + ".") if absent
+                         else "Every rank has arrived.")
+            if same:
+                parts.append(f"Waiting in the same call: {ranks_text(same)}.")
+        else:
+            parts.append(" ".join(f"{t};" for t in absent + other).rstrip(";") + ".")
+        self.text = " ".join(parts)
+
+
+INSPECTOR = Inspector()
+
+
+def available():
+    """True when the inspector can run (MPI_THREAD_MULTIPLE)."""
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE

@@ -1,0 +1,60 @@
+"""A disagreement on a *later* call of an already-checked tensor, under the default
+check="digest": it must end in an error naming the call, the tensor and the ranks, never
+in silent garbage or a silent hang.
+
+Usage: comm_later_mismatch.py CASE ALGORITHM. Two names alternate ('w', 'v'), float32
+vectors of 10 elements; at call AT (after the first digest comparison) rank 1 does
+something else:
+
+- dtype: int32 instead of float32 (same bytes: MPI would add them silently)
+- op: max instead of sum
+- shape: 12 elements instead of 10
+- skip: rank 1 skips call AT (every later call pairs with the wrong one)
+- skip-last: rank 1 skips the very last call and goes on to close()
+
+Each rank prints "RAISED <type>: <message>" when it gets an error, "FINISHED" when it
+got none. The test runs this under MPIDL_STALL_WARNING/TIMEOUT of a few seconds, so a
+rank stuck in MPI is named and the job ended by the stall inspector.
+"""
+
+import sys
+
+import numpy as np
+
+from mpidl.comm import Communicator
+
+CASE, ALG = sys.argv[1], sys.argv[2]
+CALLS, AT = 700, 300
+
+
+def main():
+    comm = Communicator()
+    assert comm.check == "digest"
+    odd = comm.rank == 1
+    last = CALLS - 1
+    try:
+        for i in range(CALLS):
+            name = "w" if i % 2 == 0 else "v"
+            n, dtype, op = 10, np.float32, "sum"
+            if odd and i == AT:
+                if CASE == "dtype":
+                    dtype = np.int32
+                elif CASE == "op":
+                    op = "max"
+                elif CASE == "shape":
+                    n = 12
+                elif CASE == "skip":
+                    continue
+            if odd and CASE == "skip-last" and i == last:
+                continue
+            x = np.ones(n, dtype)
+            comm.allreduce(x, out=x, op=op, algorithm=ALG, name=name)
+        comm.close()
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        print(f"RAISED {type(e).__name__}: {e}", flush=True)
+        sys.exit(3)
+    print(f"FINISHED rank {comm.rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

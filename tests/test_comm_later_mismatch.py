@@ -1,0 +1,78 @@
+"""A disagreement on a later call (after the tensor's first, fully checked call) ends
+in an error naming the call, the tensor and the ranks, under every algorithm — never in
+silent garbage, never in a silent hang (check="digest", the default; issue 12, point 3).
+
+The rank script (ranks/comm_later_mismatch.py) makes 700 calls of two alternating
+tensors; at call 301 rank 1 passes another dtype, op or shape, or skips a call, or it
+skips the very last one. The stall inspector runs with a 2 s warning and a 5 s timeout,
+so a rank stuck in MPI is named and the job ends.
+"""
+
+import os
+import re
+import time
+
+import pytest
+
+from mpirun import run_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "ranks", "comm_later_mismatch.py")
+ALGORITHMS = ("ring", "tree", "recursive_doubling", "mpi")
+STALL = {"MPIDL_STALL_WARNING": "2", "MPIDL_STALL_TIMEOUT": "5"}
+
+
+def launch(case, algorithm):
+    t0 = time.perf_counter()
+    out = run_ranks(2, [SCRIPT, case, algorithm], timeout=60, env=STALL)
+    assert not out.timed_out, out.output
+    assert out.returncode != 0, f"a mismatch went unnoticed:\n{out.output}"
+    assert "FINISHED" not in out.output, out.output
+    return out.output, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("case,rank0,rank1", [
+    ("dtype", "tensor='w' shape=(10,) dtype=float32", "tensor='w' shape=(10,) dtype=int32"),
+    ("op", "tensor='w' shape=(10,) dtype=float32 op=sum", "dtype=float32 op=max"),
+    ("skip", "rank 0: allreduce tensor='w'", "rank 1: allreduce tensor='v'"),
+])
+def test_later_mismatch_raises_on_every_rank(case, rank0, rank1, algorithm):
+    """Caught by the digest comparison after call 512, on both ranks, naming call 301."""
+    output, _ = launch(case, algorithm)
+    assert output.count("RAISED CollectiveMismatchError: ranks disagree on call 301 on "
+                        "group world [ranks 0, 1]") == 2, output
+    assert rank0 in output and rank1 in output, output
+    assert f"algorithm={algorithm}" in output, output
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_later_shape_mismatch_is_named(algorithm):
+    """Another shape fails inside the call: the rank that receives too much names the
+    call and the tensor (MPI's "message truncated"), and the job ends."""
+    output, elapsed = launch("shape", algorithm)
+    assert re.search(r"truncated; \d+ bytes received but buffer size is \d+", output), output
+    if algorithm == "mpi":
+        # MPICH's own allreduce aborts the job itself (an internal communicator of its
+        # with fatal errors): its message names the ranks and sizes, not the tensor.
+        assert "Message from rank 1" in output, output
+        return
+    assert "RAISED CollectiveMismatchError: rank 0: in allreduce tensor='w' shape=(10,)" \
+        in output, output
+    assert "another rank sent more data than this call expects" in output, output
+    # The raising rank exits non-zero, and `python -m mpi4py` aborts the job; without it
+    # the other rank would be named stuck by its stall inspector and the job aborted.
+    assert elapsed < 30, elapsed
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_skipped_last_call_names_the_missing_rank(algorithm):
+    """Rank 1 skips the last call and goes on to close(): rank 0's stall warning names
+    rank 1 and where it is instead; the stall timeout ends the job."""
+    output, elapsed = launch("skip-last", algorithm)
+    assert ("mpidl: stall: rank 0 has waited 2 s in allreduce tensor='v' shape=(10,) "
+            f"dtype=float32 op=sum algorithm={algorithm} (call 700 on group world "
+            "[ranks 0, 1]). Not arrived: rank 1 is waiting (call 699) in the signature "
+            "check of calls 513-699.") in output, output
+    assert "mpidl: stall timeout (5 s, --stall-timeout)" in output, output
+    assert elapsed < 30, elapsed
