@@ -69,6 +69,15 @@ OPTIONS = [
     Option("dtype", str, "float32", "float32 or float64 parameters and activations",
            choices=("float32", "float64")),
     # outputs
+    Option("stall_warning", float, None, "seconds a rank may wait in a collective, a "
+           "point-to-point call or the parameter server's protocol before it names the "
+           "ranks that have not arrived (default: MPIDL_STALL_WARNING or 60)", "parallelism",
+           metavar="S", check=lambda s: None if 0 < s < float("inf") else
+           "must be a number of seconds > 0"),
+    Option("stall_timeout", float, None, "end the job (exit 1) when such a wait lasts S "
+           "seconds, naming who has not arrived (default: MPIDL_STALL_TIMEOUT or 0 = never)",
+           "parallelism", metavar="S", check=lambda s: None if 0 <= s < float("inf") else
+           "must be a number of seconds >= 0 (0: never)"),
     Option("out_dir", str, None, "folder for this run's outputs (default "
            "runs/<name or date-time>)", "outputs", metavar="DIR"),
     Option("name", str, None, "run name: outputs go to runs/NAME unless --out-dir is given",
@@ -108,10 +117,14 @@ def register(options):
     return OPTIONS
 
 
+#: parallelism settings that are not the strategy's (the communicator's own)
+NOT_STRATEGY = ("strategy", "stall_warning", "stall_timeout")
+
+
 def strategy_kwargs(cfg):
     """The parallelism settings that differ from their defaults, for the strategy."""
     return {o.name: getattr(cfg, o.name) for o in OPTIONS
-            if o.group == "parallelism" and o.name != "strategy"
+            if o.group == "parallelism" and o.name not in NOT_STRATEGY
             and getattr(cfg, o.name, o.default) != o.default}
 #: settings that change which samples a step sees: a checkpoint only resumes if they match
 RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "accumulate",

@@ -216,6 +216,76 @@ def measure(comm, collective="allreduce", sizes=None, algorithms=ALGORITHMS, ite
     return records
 
 
+def measure_check_cost(comm, sizes, algorithm="auto", repeats=21, target=0.01,
+                       dtype=np.float32, modes=("off", "digest")):
+    """What the signature check costs per call: allreduce timed on communicators that
+    differ only in ``check`` mode, interleaved run by run on the same buffers.
+
+    Returns one record per size with each mode's median time per call and
+    ``overhead`` = median over repeats of (checked run / unchecked run) - 1: paired
+    runs, back to back, so the machine's drift cancels. Every rank must call this."""
+    from mpidl.comm import Communicator  # noqa: PLC0415
+
+    comms = {m: Communicator(comm.mpi, check=m) for m in modes}
+    raw = comm.mpi.Dup()
+    records = []
+    try:
+        for nbytes in sizes:
+            itemsize = np.dtype(dtype).itemsize
+            n = max(1, nbytes // itemsize)
+            x, out = np.ones(n, dtype=dtype), np.empty(n, dtype=dtype)
+            calls = {m: (lambda c=c: c.allreduce(x, out=out, algorithm=algorithm,
+                                                 name="bench"))
+                     for m, c in comms.items()}
+            for fn in calls.values():
+                for _ in range(3):
+                    fn()
+            # The same number of calls for every mode, enough for several digest periods.
+            iters = max(_pick_iters(raw, calls[modes[0]], nbytes, target), 1024
+                        if nbytes <= 64 * KiB else 256)
+            times = {m: [] for m in modes}
+            for _ in range(repeats):
+                for m in modes:
+                    times[m].append(_time_run(raw, calls[m], iters))
+            base = times[modes[0]]
+            rec = {"bytes": n * itemsize, "p": comm.size, "algorithm": algorithm,
+                   "iters": iters, "repeats": repeats}
+            for m in modes:
+                rec[f"lat_us_{m}"] = statistics.median(times[m]) * 1e6
+                rec[f"lat_us_runs_{m}"] = [t * 1e6 for t in times[m]]
+                if m != modes[0]:
+                    rec[f"overhead_{m}"] = statistics.median(
+                        t / b for t, b in zip(times[m], base)) - 1
+            records.append(rec)
+    finally:
+        for c in comms.values():
+            c.close()
+        raw.Free()
+    return records
+
+
+def check_cost_table(records, modes=("off", "digest")):
+    lines = [f"{'size':>10} " + " ".join(f"{m + ' us':>12}" for m in modes)
+             + "".join(f" {'cost ' + m:>12}" for m in modes[1:])]
+    for r in records:
+        lines.append(f"{human(r['bytes']):>10} "
+                     + " ".join(f"{r['lat_us_' + m]:12.2f}" for m in modes)
+                     + "".join(f" {100 * r['overhead_' + m]:11.2f}%" for m in modes[1:]))
+    return "\n".join(lines)
+
+
+def check_cost_goals(records, mode="digest"):
+    """The issue's goals for the per-call check: under 5 % at 4 B, under 1 % from 64 KiB."""
+    out = []
+    for r in records:
+        limit = 0.05 if r["bytes"] <= 4 else 0.01 if r["bytes"] >= 64 * KiB else None
+        if limit is not None:
+            cost = r[f"overhead_{mode}"]
+            out.append((f"check={mode} costs {100 * cost:.2f}% per call at "
+                        f"{human(r['bytes'])} (goal < {100 * limit:.0f}%)", cost < limit))
+    return out
+
+
 # ---------------------------------------------------------------------------- reporting
 def table(records, collective=None):
     """A text table: latency per algorithm and its ratio to native (native time / time)."""
@@ -423,6 +493,10 @@ def add_arguments(p):
     p.add_argument("--tune", action="store_true",
                    help="measure all algorithms and save the fastest per size for "
                    "algorithm='auto' (to $MPIDL_TUNING or ~/.cache/mpidl/tuning.json)")
+    p.add_argument("--check-cost", action="store_true",
+                   help="instead: time allreduce with the signature check off and with "
+                   "check='digest' (the default), interleaved, and report what the check "
+                   "costs per call (--algorithms: one algorithm, default auto)")
     p.add_argument("--np", type=int, default=None, metavar="P",
                    help="launch P ranks with mpiexec (when not already under a launcher)")
     return p
@@ -494,6 +568,22 @@ def run(args, out=print):
         if root and comm.size == 1:
             out("note: 1 rank; run under 'mpiexec -n 2' (or pass --np 2) to measure "
                 "communication")
+        if getattr(args, "check_cost", False):
+            alg = args.algorithm_list[0] if len(args.algorithm_list) == 1 else "auto"
+            records = measure_check_cost(comm, args.size_list, alg, repeats=args.repeats)
+            if root:
+                out(check_cost_table(records))
+                checked = check_cost_goals(records)
+                for text, ok in checked:
+                    out(f"goal {'met   ' if ok else 'MISSED'} {text}")
+                if args.json:
+                    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+                    with open(args.json, "w", encoding="utf-8") as f:
+                        json.dump({"info": info, "check_cost": records,
+                                   "goals": [{"goal": t, "met": ok} for t, ok in checked]},
+                                  f, indent=1)
+                    out(f"wrote {args.json}")
+            return records, info
         if getattr(args, "tune", False):
             path, tables = tune(comm, args.collective_list, sizes=args.size_list,
                                 repeats=max(2, args.repeats // 2), log=out if root else None)

@@ -169,6 +169,10 @@ def prepare(args, world):
         check_ranks_agree(world, cfg, dataset)
         # The Communicator's constructor is collective, so it is built only now that every
         # rank got through phase 1; the runtime's and loader's checks agree once more.
+        if world.mpi is not None:
+            from mpidl.comm import stall  # noqa: PLC0415
+
+            stall.configure(cfg.stall_warning, cfg.stall_timeout)
         with Agreement(world):
             comm = make_comm(world) if world.size > 1 or name != "local" else None
             runtime = runtimes.build(name, comm, strict=False, **options)

@@ -293,7 +293,7 @@ class _Report:
             else:
                 other.append(f"{name} {doing}")
         where = f" (call {seq} on group {comm.group_text})" if collective else \
-            f" (group {comm.group_text})"
+            f" on group {comm.group_text}"
         parts = [f"rank {comm.world_rank} has waited {waited:.0f} s {me}{where}."]
         if collective:
             parts.append(("Not arrived: " + "; ".join(absent) + ".") if absent
