@@ -188,6 +188,9 @@ class ModelAveraging:
     def after_update(self):
         """After the optimizer placement stepped: average every ``period`` local steps.
         Returns the seconds spent communicating."""
+        self.stats["steps"] += 1
+        if self.step < self.warmup_steps:
+            self.stats["synced"] += 1
         self.step += 1
         if self.step == self.warmup_steps:
             self._start_local()
@@ -296,11 +299,17 @@ class ModelAveraging:
 
     # -- reporting
     def reset_stats(self):
-        self.stats = {"averagings": 0}
+        self.stats = {"averagings": 0, "steps": 0, "synced": 0}
+
+    def exchange_fraction(self):
+        """Exchanges of the whole model (gradient all-reduces in the warm-up, and
+        averagings) per step since the last ``metrics``."""
+        st = self.stats
+        return (st["synced"] + st["averagings"]) / max(st["steps"], 1)
 
     def metrics(self):
         out = {"averagings": self.stats["averagings"],
-               "average_bytes_per_call": self.nbytes}
+               "allreduce_steps": self.stats["synced"]}
         self.reset_stats()
         return out
 

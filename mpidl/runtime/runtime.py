@@ -292,6 +292,8 @@ class Runtime:
             fused = [sy for _, sy in self.syncs if hasattr(sy, "bytes_per_step")]
             if fused and fused[0].hook is None:
                 out["bytes_sent_per_step"] = sum(sy.bytes_per_step() for sy in fused)
+                if self.averaging is not None:  # (averagings move the same buckets)
+                    out["bytes_sent_per_step"] *= self.averaging.exchange_fraction()
         for _, sync in self.syncs:
             out.update(sync.metrics())
         if self.averaging is not None:
