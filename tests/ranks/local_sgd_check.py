@@ -55,12 +55,13 @@ def params(model):
     return {k: p.data.copy() for k, p in model.named_parameters()}
 
 
-def train(comm, steps, make_opt=sgd, **options):
+def train(comm, steps, make_opt=sgd, overlap="off", **options):
     """Yields (step, model, optimizer, runtime) after each step; rank 0's weights win."""
     r, n = comm.rank, comm.size
     model = mlp(3 if r == 0 else 100 + r)
     opt = make_opt(model)
-    rt = build("allreduce", comm, algorithm="ring", overlap="off", **options)
+    options.setdefault("bucket_mb", 0.0004)  # several buckets
+    rt = build("allreduce", comm, algorithm="ring", overlap=overlap, **options)
     rt.setup(model, opt, SoftmaxCrossEntropy())
     x, y = data(steps, n * B)
     for s in range(steps):
@@ -156,6 +157,13 @@ def check_post_local_switch(comm, warmup=4, steps=10):
     ref = trajectory(comm, warmup)
     post = trajectory(comm, steps, sync="local-sgd", period=3, warmup_steps=warmup,
                       verify_averaging=True)
+    # the warm-up's all-reduce overlapped with backward (grad-ready hooks, several
+    # buckets), then hooks off for the local steps: the same bits
+    hooked = trajectory(comm, steps, overlap="on", sync="local-sgd", period=3,
+                        warmup_steps=warmup, verify_averaging=True)
+    for s in range(steps):
+        if not bitwise(post[s], hooked[s]):
+            raise AssertionError(f"post-local SGD with overlap differs at step {s + 1}")
     for s in range(warmup):
         if not bitwise(post[s], ref[s]):
             raise AssertionError(f"post-local SGD differs from all-reduce at step {s + 1}, "
