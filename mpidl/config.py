@@ -128,7 +128,8 @@ def strategy_kwargs(cfg):
             and getattr(cfg, o.name, o.default) != o.default}
 #: settings that change which samples a step sees: a checkpoint only resumes if they match
 RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "accumulate",
-               "seed", "dtype", "optimizer", "dropout", "strategy")
+               "seed", "dtype", "optimizer", "dropout", "strategy", "sync", "period",
+               "warmup_steps")
 
 
 class TrainConfig(SimpleNamespace):

@@ -198,3 +198,27 @@ def test_images_to_target_is_the_first_crossing():
     assert staleness.images_to(curve, 0.55) == 100
     assert staleness.images_to(curve, 0.65) == 300
     assert staleness.images_to(curve, 0.9) is None
+
+
+def test_local_sgd_bench_quick_writes_exact_byte_fractions_and_plot(tmp_path):
+    """bench/local_sgd.py --quick (synthetic data, 2 ranks, 32 steps): local SGD and DiLoCo
+    send exactly 1/H of all-reduce's bytes (the communicator's counters), H = 1 trains
+    like all-reduce, and the JSON and PNG are written."""
+    out, png = tmp_path / "local_sgd.json", tmp_path / "local_sgd.png"
+    bench("local_sgd.py", "--quick", "--work", tmp_path / "work", "--out", out, "--plot", png)
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert sorted(runs) == ["allreduce", "diloco H=1", "diloco H=4", "local-sgd H=1",
+                            "local-sgd H=4"]
+    ref = runs["allreduce"]
+    assert ref["steps"] == 32 and report["allreduce_bytes_per_step"] > 0
+    for name, r in runs.items():
+        if name == "allreduce":
+            continue
+        assert r["exact"] and r["fraction_is_1_over_H"], (name, r)
+        assert r["bytes_rank0"] * r["period"] == ref["bytes_rank0"], name
+        assert r["averagings"] == 32 // r["period"], name
+    # local SGD with H = 1 is all-reduce (within rounding): the same accuracy here
+    assert abs(runs["local-sgd H=1"]["test_acc"] - ref["test_acc"]) <= 1 / 64
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.stat().st_size > 0

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mpidl.errors import ConfigError
-from mpidl.runtime import build, cli_options, presets
+from mpidl.runtime import averaging, build, cli_options, presets
 from mpidl.runtime import schedule as schedule_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.sync import (FusedAllreduce, GradSync, PerTensorCompressed, PushPull,
@@ -55,7 +55,9 @@ def test_each_preset_takes_exactly_its_parts_options():
     assert presets.PRESETS["local"][1] == common
     assert presets.PRESETS["allreduce"][1] == (common | names(fused.OPTIONS)
                                                | names(rowsparse.OPTIONS)
-                                               | names(compressed.OPTIONS) | {"sync_bn"})
+                                               | names(compressed.OPTIONS) | {"sync_bn"}
+                                               | names(averaging.OPTIONS)
+                                               | set(presets.AVERAGING_CHECK))
     assert presets.PRESETS["ps"][1] == (common | names(pushpull.OPTIONS)
                                         | names(compressed.OPTIONS) | set(presets.PS_TUNING))
     # every flag is declared once, by one part

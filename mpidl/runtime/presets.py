@@ -11,6 +11,11 @@ allreduce  micro-batches             fused buckets (dense; a compressor     repl
 ps         micro-batches (workers)   push to / pull from parameter servers  on servers
 =========  ========================  =====================================  ============
 
+``--sync local-sgd|diloco --period H`` composes with ``allreduce`` (``averaging``): the
+gradient syncs above run during ``--warmup-steps`` only, then every rank steps alone and
+the parameters are averaged every H steps (``--sync allreduce``, the default, is the
+plain preset). ``ps`` refuses it; on one process (``local``) it has no effect.
+
 Each part declares its own settings (``OPTIONS`` in its module); ``cli_options()``
 collects them for the command line. ``build(name, comm, **options)`` hands each part
 only the settings it declares; a setting no part of the chosen preset uses is an error
@@ -20,6 +25,7 @@ the log saying it has no effect here (one command line runs on 1 rank and on N).
 
 from mpidl.errors import ConfigError
 from mpidl.options import Option
+from mpidl.runtime import averaging as averaging_part
 from mpidl.runtime import schedule as schedule_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.runtime import Runtime
@@ -39,6 +45,7 @@ OPTIONS = [
 
 #: options only the Python API takes (benchmarks, tests), never flags
 PS_TUNING = ("trace", "poll_max_ms")
+AVERAGING_CHECK = ("verify_averaging",)  # a digest exchange after every averaging
 #: presets whose ranks agree on the parameters only between epochs: checkpoints are
 #: written at every epoch's end, never every K steps
 EPOCH_END_CHECKPOINTS = ("ps",)
@@ -47,7 +54,7 @@ EPOCH_END_CHECKPOINTS = ("ps",)
 def cli_options():
     """Every part's settings, for ``mpidl.config`` and the command line."""
     return (OPTIONS + schedule_part.OPTIONS + fused.OPTIONS + rowsparse.OPTIONS
-            + compressed.OPTIONS + pushpull.OPTIONS)
+            + compressed.OPTIONS + pushpull.OPTIONS + averaging_part.OPTIONS)
 
 
 def names():
@@ -68,6 +75,7 @@ def build(name, comm=None, strict=True, **options):
     rank, or None for one process); local work only, no communication."""
     name = canonical(name)
     given = {k: v for k, v in options.items() if v is not None}
+    averaging_part.check_options(name, given)
     preset, takes = PRESETS[name]
     unused = sorted(k for k in given if k not in takes)
     if unused and strict:
@@ -108,7 +116,9 @@ def local(comm, unused, accumulate=1, straggler=None):
 
 
 def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket_mb=None,
-              overlap="auto", compression=None, ratio=None, sparse_grads=None, sync_bn=False):
+              overlap="auto", compression=None, ratio=None, sparse_grads=None, sync_bn=False,
+              sync=None, period=None, warmup_steps=None, outer_lr=None, outer_momentum=None,
+              verify_averaging=False):
     size = _size(comm)
     rank = 0 if comm is None else comm.rank
     sched = _schedule(accumulate, straggler, rank, list(range(size)))
@@ -131,7 +141,11 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
             syncs = [(_NotSparse(), dense), (_Sparse(), rowsparse.RowSparseAllgather())]
         else:
             syncs = [(_everything, dense)]
-    rt = Runtime(comm, "allreduce", sched, syncs, Replicated, sync_bn=sync_bn, unused=unused)
+    averaging = averaging_part.build_averaging(
+        sync, period, warmup_steps, outer_lr, outer_momentum, algorithm=algorithm,
+        bucket_mb=fused.check_bucket_mb(bucket_mb), verify=verify_averaging)
+    rt = Runtime(comm, "allreduce" if averaging is None else f"allreduce+{averaging.name}",
+                 sched, syncs, Replicated, sync_bn=sync_bn, unused=unused, averaging=averaging)
     rt.compressor = compressor
     return rt
 
@@ -199,7 +213,8 @@ _COMMON = _names(schedule_part.OPTIONS)
 PRESETS = {
     "local": (local, _COMMON),
     "allreduce": (allreduce, _COMMON | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
-                  | _names(compressed.OPTIONS) | {"sync_bn"}),
+                  | _names(compressed.OPTIONS) | {"sync_bn"} | _names(averaging_part.OPTIONS)
+                  | set(AVERAGING_CHECK)),
     "ps": (ps, _COMMON | _names(pushpull.OPTIONS) | _names(compressed.OPTIONS)
            | set(PS_TUNING)),
 }

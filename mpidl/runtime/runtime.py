@@ -9,13 +9,17 @@ line; ``--strategy local|allreduce|ps`` are presets):
   buckets, compressed exchange, row-sparse all-gather, parameter-server push/pull, or
   none;
 * an **optimizer placement** (``placement``): replicated on every training rank, or on
-  the parameter servers.
+  the parameter servers;
+* optionally **model averaging** (``averaging``: local SGD, DiLoCo), after the update:
+  the replicas step alone and their parameters are averaged every H steps; while it is
+  in its local phase the step runs no gradient sync (``GradSync`` over everything).
 
 ::
 
     rt.zero_grad; for s in syncs: s.begin_step()
     loss = schedule.run(model, loss, x, y, arm=hooks on for the final backward pass)
     for s in syncs: for names in s.finish(): placement.step(names)
+    averaging.after_update()         # every H steps: parameters averaged (if any)
 
 A rank has a role: ``trainer`` (runs steps) or ``server`` (``serve()`` instead). The
 trainer talks to the runtime only (shard, step, evaluation, collectives, checkpoints),
@@ -31,6 +35,7 @@ in the same order.
 import time
 
 from mpidl.engine.dropout import Dropout
+from mpidl.runtime.sync.base import GradSync
 
 _clock = time.perf_counter
 
@@ -42,11 +47,14 @@ class Runtime:
     checkpoint_at_epoch_end = False
 
     def __init__(self, comm, name, schedule, syncs, placement_cls, *, role="trainer",
-                 server=None, roles=None, sync_bn=False, options=None, unused=()):
+                 server=None, roles=None, sync_bn=False, options=None, unused=(),
+                 averaging=None):
         self.comm = comm                      # the world Communicator (None: one process)
         self.name = name                      # the preset's name, for logs
         self.schedule = schedule
         self.syncs = list(syncs)              # [(selector, GradSync)]; see presets
+        self.averaging = averaging            # a ModelAveraging (local SGD, DiLoCo) or None
+        self._step_syncs = self.syncs         # the syncs the current step runs
         self.placement_cls = placement_cls
         self.role = role
         self.server = server                  # a ServerRole on server ranks
@@ -129,6 +137,14 @@ class Runtime:
             owned.update(n for n, _ in mine)
             sync.checkpoints = self.checkpoints
             sync.setup(self, mine)
+        self._local_syncs = self.syncs
+        if self.averaging is not None:
+            # the local phase of model averaging: no gradient leaves the rank
+            local = GradSync()
+            local.setup(self, [(n, p) for n, p in self.named_params if n in owned])
+            self._local_syncs = [(lambda name: True, local)]
+            self.averaging.setup(self)
+        self._step_syncs = self.syncs
         self._hooked = [s for _, s in self.syncs if s.wants_hooks]
         self._armed = False
         if self._hooked:
@@ -166,7 +182,7 @@ class Runtime:
                 sync.on_grads_ready(names)
 
     def _arm(self, on):
-        self._armed = on and bool(self._hooked)
+        self._armed = on and bool(self._hooked) and self._step_syncs is self.syncs
 
     # -- a step
     def train_step(self, x, y):
@@ -179,7 +195,11 @@ class Runtime:
     def begin_step(self):
         """Clear the gradients and open the syncs' step (before the first forward)."""
         self.placement.zero_grad(self.model)
-        for _, s in self.syncs:
+        avg = self.averaging
+        if avg is not None:
+            avg.restore()  # after an evaluation of the averaged model
+            self._step_syncs = self.syncs if avg.gradients_synced() else self._local_syncs
+        for _, s in self._step_syncs:
             s.begin_step()
 
     def finish_step(self, forward_s=0.0, backward_s=0.0):
@@ -187,10 +207,12 @@ class Runtime:
         applies them; the step's times go to the counters."""
         t2 = _clock()
         wait = 0.0
-        for _, s in self.syncs:
+        for _, s in self._step_syncs:
             for names in s.finish():
                 self.placement.step(names)
             wait += s.wait_seconds()
+        if self.averaging is not None:
+            wait += self.averaging.after_update()
         t4 = _clock()
         stats = self.stats
         stats["forward"] += forward_s
@@ -227,6 +249,8 @@ class Runtime:
         """Make the model hold the parameters to evaluate and average its buffers."""
         for _, s in self.syncs:
             s.prepare_eval()
+        if self.averaging is not None and self.trains_on_data:
+            self.averaging.prepare_eval()
         self.sync_buffers()
 
     def sync_buffers(self):
@@ -268,8 +292,12 @@ class Runtime:
             fused = [sy for _, sy in self.syncs if hasattr(sy, "bytes_per_step")]
             if fused and fused[0].hook is None:
                 out["bytes_sent_per_step"] = sum(sy.bytes_per_step() for sy in fused)
+                if self.averaging is not None:  # (averagings move the same buckets)
+                    out["bytes_sent_per_step"] *= self.averaging.exchange_fraction()
         for _, sync in self.syncs:
             out.update(sync.metrics())
+        if self.averaging is not None:
+            out.update(self.averaging.metrics())
         if self.server is not None and self.server.final_stats is not None:
             from mpidl.runtime.sync.pushpull import summarize  # noqa: PLC0415
 
@@ -283,6 +311,8 @@ class Runtime:
                  f"{getattr(getattr(self, 'placement', None), 'name', '-')}"]
         for _, sync in self.syncs:
             lines += sync.describe()
+        if self.averaging is not None:
+            lines += self.averaging.describe()
         return lines
 
     # -- collectives for the trainer (over the training ranks)
@@ -344,7 +374,12 @@ class Runtime:
         self.sync_buffers()
         mine = [s.state_dict() for _, s in self.syncs]
         per_rank = self.gather(mine)
-        return {"syncs": per_rank} if self.is_root else None
+        out = {"syncs": per_rank}
+        avg = self.averaging
+        if avg is not None:  # the replicas differ inside a period: every rank's own
+            out["averaging"] = avg.shared_state()
+            out["averaging_ranks"] = self.gather(avg.local_state())
+        return out if self.is_root else None
 
     def load_state_dict(self, state):
         """Every rank takes its own part of what ``state_dict`` saved (when the number of
@@ -357,6 +392,15 @@ class Runtime:
                 self.server.load_state_dict(servers)
             return
         index, count = self.shard()
+        avg = self.averaging
+        if avg is not None and (state or {}).get("averaging") is not None:
+            ranks = state.get("averaging_ranks") or []
+            avg.load_state(state["averaging"], ranks[index] if len(ranks) == count else None)
+        elif avg is not None and state is not None:
+            from mpidl.errors import ConfigError  # noqa: PLC0415
+
+            raise ConfigError(f"the checkpoint was written without --sync {avg.name}; "
+                              "resume with the settings it was written with")
         if len(per_rank) != count:
             return
         for (_, sync), st in zip(self.syncs, per_rank[index]):
