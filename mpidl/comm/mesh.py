@@ -42,7 +42,7 @@ class Mesh:
     """
 
     def __init__(self, world=None, *, dp=None, pp=1, tp=1, order=AXES, roles=None,
-                 check="first", timeline=None):
+                 check="digest", timeline=None):
         if isinstance(world, Communicator):
             self.world, self._owns_world = world, False
         else:
