@@ -433,7 +433,8 @@ class Communicator(PointToPoint):
         key = (kind, name) if name is not None else (kind, shape, dtype, op, alg, root)
         if self._check == _ALWAYS or key not in ch.seen:
             _consistency_check(ch.comm, kind, name,
-                               describe(kind, name, shape, dtype, op, alg, root))
+                               describe(kind, name, shape, dtype, op, alg, root),
+                               blocking=ch is self._main)
             ch.seen.add(key)
             if kind == "allreduce" and name is not None:
                 ch.seen_allreduce.add(name)  # the allreduce fast path's lookup

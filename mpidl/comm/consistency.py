@@ -30,7 +30,8 @@ import numpy as np
 
 DESC_BYTES = 256
 _DTYPES = {np.dtype(c).num: np.dtype(c) for c in np.typecodes["All"]}
-SPIN_S = 1e-3  # a check's exchange is polled without sleeping this long (a sleep is 50+ us)
+SPIN_S = 5e-5  # a polled exchange spins this long before it sleeps (a sleep is 50+ us;
+#                spinning longer starves the other ranks when they outnumber the cores)
 _HASH = 16
 
 
@@ -77,14 +78,14 @@ def _ranks(ranks):
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def check(comm, kind, name, desc):
+def check(comm, kind, name, desc, blocking=False):
     """All-gather ``desc`` over ``comm``; raise CollectiveMismatchError on every rank if
-    the ranks differ."""
+    the ranks differ. ``blocking``: wait inside MPI (the caller's thread), else poll."""
     p = comm.Get_size()
     if p == 1:
         return
     table = np.empty((p, DESC_BYTES), dtype=np.uint8)
-    _allgather(comm, encode(desc), table)
+    _allgather(comm, encode(desc), table, blocking)
     if not (table == table[0]).all():
         raise_mismatch(table, kind, name)
 
