@@ -214,3 +214,34 @@ def test_help_documents_the_stopped_status():
     launch = run_command(MPIDL[:-1] + ["--help"]).check()
     text = " ".join(launch.output.split())
     assert "--resume [auto]" in text and "exit with status 75" in text, text
+
+
+# -- the Trainer from Python
+
+def test_trainer_preemption_true_installs_handlers_only_during_fit(tmp_path):
+    """``Trainer(preemption=True)``: a SIGUSR1 during step 3 (here from a callback) stops
+    after step 3 with a checkpoint written where checkpoints are otherwise off; the previous
+    handler is back after ``fit``."""
+    from mpidl.data import load_dataset
+    from mpidl.engine import SGD, build_model
+    from mpidl.training.callbacks import Callback
+    from mpidl.training.trainer import Trainer
+
+    class Kill(Callback):
+        def on_step_start(self, trainer):
+            if trainer.step == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    data = load_dataset("synthetic").limit(256, 32)
+    model = build_model("mlp", hidden=(16,), seed=0)
+    before = signal.getsignal(signal.SIGUSR1)
+    trainer = Trainer(model, SGD(model.named_parameters(), lr=0.1), data, callbacks=[Kill()],
+                      batch_size=32, epochs=2, progress=False, quiet=True, preemption=True,
+                      paths={"stop_checkpoint_dir": str(tmp_path / "ck"),
+                             "save": str(tmp_path / "model.npz")})
+    trainer.fit()
+    assert trainer.stopped == {"signal": "SIGUSR1", "step": 3, "epoch": 1, "mid_epoch": True,
+                               "checkpoint": str(tmp_path / "ck" / "ckpt-000000003.npz")}
+    assert checkpoint_steps(tmp_path / "ck") == [3] and not (tmp_path / "model.npz").exists()
+    assert signal.getsignal(signal.SIGUSR1) == before
+    assert trainer.stop_message().startswith("stopped by SIGUSR1 at epoch 1 step 3;")
