@@ -21,6 +21,18 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 
+def resume_mode(value):
+    """``--resume``'s value: False (a new run), True (the bare flag, or ``resume = true``
+    in a config file) or "auto"; both resume from the newest usable checkpoint and start
+    from scratch when there is none. ValueError for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    raise ValueError("expects no value or 'auto' on the command line, true, false or "
+                     f"\"auto\" in a config file; got {value!r}")
+
+
 OPTIONS = [
     # model and data
     Option("model", str, "mlp", "network to train (see `mpidl info --models`); its "
@@ -92,8 +104,11 @@ OPTIONS = [
            "(0: only at the end, and only when checkpoints are on)", "outputs", metavar="K"),
     Option("keep_checkpoints", int, 3, "keep the newest N checkpoints", "outputs",
            metavar="N"),
-    Option("resume", bool, False, "continue from the newest checkpoint in the checkpoint "
-           "folder (bitwise the same result as an uninterrupted run)", "outputs"),
+    Option("resume", resume_mode, False, "continue from the newest checkpoint in the "
+           "checkpoint folder (bitwise the same result as an uninterrupted run), or start "
+           "from scratch when it holds none; --resume auto says the same for scripts that "
+           "run one command line again and again (slurm/train.sbatch after a requeue). "
+           "Config key: resume = true or \"auto\"", "outputs", metavar="auto"),
     Option("progress", bool, True, "no progress bar (rank 0 shows one on stderr by "
            "default; config key: progress = false)", "outputs"),
     Option("verbose", bool, False, "let every rank log, not only rank 0", "outputs"),
@@ -141,6 +156,12 @@ class TrainConfig(SimpleNamespace):
 
 def _check_type(opt, value, where):
     t = opt.type
+    if t is resume_mode:
+        try:
+            return resume_mode(value)
+        except ValueError:
+            raise ConfigError(f"{where}: {opt.name} must be bool or \"auto\", got "
+                              f"{value!r}") from None
     if opt.choices and "on" in opt.choices and isinstance(value, bool):
         return "on" if value else "off"  # overlap = true/false in a config file
     ok = (isinstance(value, bool) if t is bool else

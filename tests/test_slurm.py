@@ -12,11 +12,14 @@ ranks as Slurm started tasks.
 import json
 import os
 import re
+import subprocess
 import sys
+import time
 
 import pytest
 
-from slurm_cluster import ROOT, Cluster, ClusterUnavailable, in_ci, run_job
+from slurm_cluster import (ROOT, TERMINAL, Cluster, ClusterUnavailable, in_ci, job_env, run_job,
+                           scontrol_job, wait_job)
 
 pytestmark = pytest.mark.slurm
 
@@ -142,3 +145,133 @@ def test_scaling_sbatch_collects_json(cluster, tmp_path):
     with open(out / "slurm-job.json") as f:
         record = json.load(f)
     assert record["ranks"] == [1, 2] and record["SLURM_NTASKS"] == "2", record
+
+
+# -- preemption: a stopped job checkpoints, requeues itself and finishes bitwise equal
+
+PREEMPT_TRAIN = ["--model", "mlp", "--dataset", "synthetic", "--limit-train", "2048",
+                 "--limit-test", "256", "--epochs", "2", "--batch-size", "8", "--seed", "5",
+                 "--no-progress"]
+
+
+def wait_for_output(path, needle, job_id, timeout):
+    """Poll the job's output file until it contains ``needle`` (while the job runs)."""
+    end = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < end:
+        try:
+            with open(path, errors="replace") as f:
+                text = f.read()
+        except FileNotFoundError:
+            text = ""
+        if needle in text:
+            return text
+        if scontrol_job(job_id).get("JobState") in TERMINAL:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id}: no {needle!r} in its output after {timeout}s:\n{text}")
+
+
+def wait_requeued_job(job_id, timeout):
+    """Wait for a job that requeues itself to end (through its restarts). Slurm holds a
+    requeued job for about 2 minutes (its credentials' lifetime) before it may start again;
+    starting it at once with ``scontrol update StartTime=now`` made the new step collide
+    with the old one's (same job and step ids: "mpi/pmi2: failed to send temp kvs"), so
+    the test waits."""
+    end = time.monotonic() + timeout
+    info = {}
+    while time.monotonic() < end:
+        info = scontrol_job(job_id)
+        if info.get("JobState") in TERMINAL:
+            return info
+        time.sleep(0.5)
+    subprocess.run(["scancel", str(job_id)], timeout=30)
+    raise AssertionError(f"job {job_id} did not end in {timeout}s: {info}")
+
+
+def submit(args, out, cwd, env=None):
+    p = subprocess.run(["sbatch", "--parsable", "--ntasks=2", f"--output={out}",
+                        f"--chdir={cwd}", TRAIN, *[str(a) for a in args]], capture_output=True,
+                       text=True, env=job_env(env), cwd=cwd, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip().split(";")[0]
+
+
+def uninterrupted_model(folder):
+    """The final model of the same 2-rank run, never stopped (mpiexec, outside Slurm)."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpidl.cli.main", "train",
+                    *PREEMPT_TRAIN, "--out-dir", folder], check=True, capture_output=True,
+                   timeout=300, env=job_env())
+    return folder / "model.npz"
+
+
+def assert_same_model(path, reference, describe):
+    import numpy as np
+
+    with np.load(path) as a, np.load(reference) as b:
+        assert sorted(a.files) == sorted(b.files), describe
+        for k in b.files:
+            if k != "__meta__":
+                assert np.array_equal(a[k], b[k]), f"{k} differs\n{describe}"
+
+
+def read(path):
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def test_train_sbatch_signalled_job_checkpoints_and_requeues_itself(cluster, tmp_path):
+    """`scancel --signal=TERM JOB` mid-epoch reaches the training step's ranks (what a
+    preemption or `--signal=TERM@T` does): they checkpoint and exit 75, train.sbatch
+    requeues the job, the requeued job (same id, same --name slurm-JOBID, --resume auto)
+    continues from the checkpoint and its final model is bitwise equal to an uninterrupted
+    run's. About 3 minutes: Slurm holds a requeued job for ~2 minutes."""
+    reference = uninterrupted_model(tmp_path / "full")
+    out = tmp_path / "job.out"
+    job_id = submit(PREEMPT_TRAIN, out, tmp_path)
+    try:
+        wait_for_output(out, '{"epoch": 1,', job_id, timeout=240)  # then into epoch 2
+        subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=30)
+        info = wait_requeued_job(job_id, timeout=500)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    output = read(out)
+    describe = f"job {job_id}: {info}\n{output}"
+    assert info.get("JobState") == "COMPLETED" and info.get("Restarts") == "1", describe
+    m = re.search(r"mpidl: stopped by SIGTERM at epoch 2 step (\d+); checkpoint", output)
+    assert m and 128 < int(m.group(1)) < 256, describe
+    assert "requeueing job" in output and "restart 1;" in output, describe
+    assert f"resumed from runs/slurm-{job_id}/checkpoints/ckpt-{int(m.group(1)):09d}.npz" \
+        in output, describe
+    assert_same_model(tmp_path / "runs" / f"slurm-{job_id}" / "model.npz", reference, describe)
+
+
+def test_train_sbatch_forwards_a_batch_shell_signal(cluster, tmp_path):
+    """`scancel --signal=USR1 --batch JOB` reaches the batch shell only, as `#SBATCH
+    --signal=B:USR1@120` does before the time limit: the script passes it to the step, the
+    ranks checkpoint, and with MPIDL_REQUEUE=0 the job ends with status 75 instead of
+    requeueing. The same command submitted again (--resume auto, same --out-dir) finishes
+    bitwise equal to an uninterrupted run."""
+    reference = uninterrupted_model(tmp_path / "full")
+    args = PREEMPT_TRAIN + ["--out-dir", tmp_path / "run"]
+    out = tmp_path / "first.out"
+    job_id = submit(args, out, tmp_path, env={"MPIDL_REQUEUE": "0"})
+    try:
+        wait_for_output(out, '{"epoch": 1,', job_id, timeout=240)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+        state, exit_code = wait_job(job_id, 120)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    output = read(out)
+    describe = f"job {job_id} {state} exit={exit_code}\n{output}"
+    assert state == "FAILED" and exit_code == "75:0", describe
+    assert "train.sbatch: got SIGUSR1; passing it to the training step" in output, describe
+    m = re.search(r"mpidl: stopped by SIGUSR1 at epoch 2 step (\d+); checkpoint", output)
+    assert m and 128 < int(m.group(1)) < 256, describe
+    assert "MPIDL_REQUEUE=0: not requeueing" in output, describe
+    again = run_job(TRAIN, args, ntasks=2, timeout=240, cwd=tmp_path)
+    assert again.state == "COMPLETED", again.describe()
+    assert f"ckpt-{int(m.group(1)):09d}.npz: step {m.group(1)}, epoch 2" in again.output, \
+        again.describe()
+    assert_same_model(tmp_path / "run" / "model.npz", reference, again.describe())

@@ -11,6 +11,7 @@ Two phases, so that no rank is ever left waiting on another that failed:
 import argparse
 import inspect
 import os
+import sys
 import tempfile
 import time
 import zipfile
@@ -19,6 +20,7 @@ from mpidl import config
 from mpidl.config import OPTIONS, resolve, strategy_kwargs
 from mpidl.errors import AgreedUserError, ConfigError, UserError
 from mpidl.threads import blas_threads_note
+from mpidl.training.preempt import STOPPED_STATUS
 
 GROUPS = ["model and data", "training", "parallelism", "outputs"]
 
@@ -47,7 +49,10 @@ def register(subparsers):
         flag = "--" + o.name.replace("_", "-")
         g = groups[o.group]
         default = "" if o.default is None else f" (default: {o.default})"
-        if o.type is bool and o.default is True:
+        if o.type is config.resume_mode:  # --resume alone, or --resume auto
+            g.add_argument(flag, dest=o.name, nargs="?", const=True, type=_resume_arg,
+                           default=argparse.SUPPRESS, metavar=o.metavar, help=o.help)
+        elif o.type is bool and o.default is True:
             g.add_argument("--no-" + o.name.replace("_", "-"), dest=o.name,
                            action="store_false", default=argparse.SUPPRESS, help=o.help)
         elif o.type is bool:
@@ -62,6 +67,13 @@ def register(subparsers):
                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(prepare=prepare)
     return p
+
+
+def _resume_arg(text):
+    try:
+        return config.resume_mode(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _epilog():
@@ -84,7 +96,13 @@ def _epilog():
               "global batch of an epoch is padded by wrapping around to the epoch's first "
               "samples, or dropped with --drop-last.",
               "checkpoints: --checkpoint-every K writes one every K steps and at the end; "
-              "--resume continues from the newest, bitwise as if never stopped."]
+              "--resume continues from the newest, bitwise as if never stopped.",
+              f"preemption: SIGTERM, SIGINT or SIGUSR1 (to mpiexec, srun or any rank) makes "
+              "every rank finish its step, write a checkpoint (in --checkpoint-dir, default "
+              "OUT_DIR/checkpoints, even when checkpoints are off) and exit with status "
+              f"{STOPPED_STATUS}: stopped, resumable with --resume (a parameter server stops "
+              "at the end of the epoch). --resume auto resumes when there is a checkpoint "
+              "and starts fresh otherwise."]
     return "\n".join(lines)
 
 
@@ -121,6 +139,11 @@ def prepare(args, world):
     from mpidl.data import load_dataset  # noqa: PLC0415
     from mpidl.training.log import setup_logging  # noqa: PLC0415
 
+    # from now on a stop signal is a request to stop at the next step boundary (with a
+    # checkpoint), not an exception in whatever is running (see mpidl.training.preempt)
+    from mpidl.training.preempt import StopSignals  # noqa: PLC0415
+
+    stop_signals = StopSignals().install()
     flags = given_flags(args)
     cfg = resolve(flags, args.config)
     log = setup_logging(world.rank, cfg.verbose)
@@ -177,16 +200,18 @@ def prepare(args, world):
             comm = make_comm(world) if world.size > 1 or name != "local" else None
             runtime = runtimes.build(name, comm, strict=False, **options)
             trainer = Trainer(model, optimizer, dataset, runtime=runtime, config=cfg,
-                              lr_schedule=lr_schedule, model_meta=meta)
+                              lr_schedule=lr_schedule, model_meta=meta,
+                              preemption=stop_signals)
         strategy = runtime
         stamp = strategy.bcast(time.strftime("%Y%m%d-%H%M%S") if strategy.is_root else None)
         out_dir = cfg.out_dir or os.path.join("runs", cfg.name or stamp)
         ckpt_on = bool(cfg.checkpoint_dir or cfg.checkpoint_every or cfg.resume)
+        ckpt_dir = cfg.checkpoint_dir or os.path.join(out_dir, "checkpoints")
         trainer.paths = {
             "metrics": cfg.metrics or os.path.join(out_dir, "metrics.jsonl"),
             "save": cfg.save or os.path.join(out_dir, "model.npz"),
-            "checkpoint_dir": (cfg.checkpoint_dir or os.path.join(out_dir, "checkpoints"))
-            if ckpt_on else None,
+            "checkpoint_dir": ckpt_dir if ckpt_on else None,
+            "stop_checkpoint_dir": ckpt_dir,  # a stop signal checkpoints in any case
         }
         # the outputs must be writable before any training time is spent (the root
         # writes them; every rank agrees on the answer)
@@ -222,6 +247,10 @@ def prepare(args, world):
                   f", {'shard %d of %d' % (index, count) if strategy.trains_on_data else 'server'}"
                   f", strategy {name}")
         trainer.fit()
+        if trainer.stopped:
+            if strategy.is_root:
+                print(f"mpidl: {trainer.stop_message()}", file=sys.stderr, flush=True)
+            return STOPPED_STATUS
         return 0
 
     return job

@@ -367,6 +367,21 @@ class Runtime:
         if comm is not None:
             comm.Barrier()
 
+    def agree_max(self, value):
+        """The largest of the integer ``value`` over the training ranks (one 8-byte
+        all-reduce: cheap enough for every step; the trainer agrees on a stop signal
+        with it)."""
+        self._before_collective()
+        comm = self._trainers()
+        if comm is None:
+            return int(value)
+        import numpy as np  # noqa: PLC0415
+        from mpi4py import MPI  # noqa: PLC0415
+
+        buf = np.array([int(value)], dtype=np.int64)
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        return int(buf[0])
+
     # -- checkpoints
     def state_dict(self):
         """The syncs' state, every training rank's gathered on the root (collective over

@@ -10,6 +10,11 @@ where it stopped — model (with buffers such as BatchNorm statistics and Dropou
 counter), optimizer state, step, epoch, position in the epoch, the epoch's running
 metrics, every rank's RNG states and the runtime's state — so a resumed run ends
 bitwise equal to an uninterrupted one with the same seed and rank count.
+
+Preemption (``mpidl.training.preempt``): with ``preemption`` on, a SIGTERM, SIGINT or
+SIGUSR1 on any rank makes every rank finish the step in flight, agree on stopping at the
+same step, write a checkpoint of that exact position and leave ``fit`` with
+``trainer.stopped`` saying where; ``mpidl train`` then exits with status 75.
 """
 
 import math
@@ -101,12 +106,18 @@ class Trainer:
     default from ``schedule``. ``callbacks``: ``mpidl.training.callbacks.Callback``s;
     one may end training early with ``trainer.stop()`` (every rank at the same step: the
     epoch then ends as usual, evaluation and metrics included). ``quiet``: no metrics
-    lines on stdout (the metrics file, if any, is still written).
+    lines on stdout (the metrics file, if any, is still written). ``preemption``: stop
+    with a checkpoint on SIGTERM, SIGINT and SIGUSR1 (see the module doc): True installs
+    ``mpidl.training.preempt.StopSignals`` for the time of ``fit`` (main thread), or give
+    an installed one (the command line installs it before loading the data); every rank
+    must give the same. A stop writes to ``paths["checkpoint_dir"]``, or when checkpoints
+    are off to ``paths["stop_checkpoint_dir"]``; ``trainer.stopped`` is then
+    {"signal", "epoch", "step", "checkpoint"} (None when training ran to its end).
     """
 
     def __init__(self, model, optimizer, dataset, runtime=None, task=None, config=None,
                  callbacks=(), paths=None, lr_schedule=None, model_meta=None, quiet=False,
-                 **settings):
+                 preemption=None, **settings):
         self.cfg = _settings(config, settings)
         cfg = self.cfg
         if runtime is None:
@@ -122,6 +133,9 @@ class Trainer:
         self.callbacks = CallbackList(callbacks)
         self.quiet = bool(quiet)
         self._stop = False
+        self.preemption = preemption or None
+        self.stopped = None  # where a stop signal ended training (see the class doc)
+        self._last_checkpoint = (None, None)  # (step, path on the root) of the newest
         self.log = get_logger()
         if runtime.checkpoint_at_epoch_end and cfg.checkpoint_every:
             raise ConfigError(epoch_end_checkpoints_only(runtime.name))
@@ -177,9 +191,24 @@ class Trainer:
 
     # -- the loop
     def fit(self):
-        cfg, rt = self.cfg, self.runtime
         self.t_start = time.perf_counter()
-        rt.checkpoints = self.checkpointing
+        own_signals = None
+        if self.preemption is True:
+            from mpidl.training.preempt import StopSignals  # noqa: PLC0415
+
+            self.preemption = own_signals = StopSignals().install()
+        try:
+            return self._fit()
+        finally:
+            if own_signals is not None:
+                own_signals.uninstall()
+                self.preemption = True
+
+    def _fit(self):
+        cfg, rt = self.cfg, self.runtime
+        # a parameter server's checkpoint needs the servers' state from each epoch barrier
+        rt.checkpoints = self.checkpointing or (
+            self.preemption is not None and self.paths.get("stop_checkpoint_dir") is not None)
         rt.setup(self.model, self.optimizer, self.task.loss)
         if cfg.resume:
             self.restore()
@@ -187,6 +216,7 @@ class Trainer:
         if not rt.trains_on_data:
             rt.serve()
             rt.finish()
+            self.share_stop()
             self.callbacks.on_fit_end(self)
             return self.last
         self.metrics = (MetricsWriter(self.paths.get("metrics"), stdout=not self.quiet)
@@ -220,8 +250,12 @@ class Trainer:
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_checkpoint()
                     t = time.perf_counter()  # checkpoint time does not count as training
+                    if not rt.checkpoint_at_epoch_end and self.stop_signalled(mid_epoch=True):
+                        break  # mid-epoch: the checkpoint holds the exact position
                     if rt.epoch_cut() or self._stop:
                         break
+                if self.stopped is not None:
+                    break
                 # a rank that ended its epoch early keeps the schedule in step with the rest
                 if not self._stop:
                     self.step = max(self.step, (epoch + 1) * self.steps_per_epoch)
@@ -231,17 +265,64 @@ class Trainer:
                 if (self.checkpointing and rt.checkpoint_at_epoch_end
                         and self.epoch < cfg.epochs and not diverged):
                     self.save_checkpoint()  # (the last one is written below)
-            if not diverged:
+                if (rt.checkpoint_at_epoch_end and self.epoch < cfg.epochs and not diverged
+                        and self.stop_signalled(mid_epoch=False)):
+                    break  # a parameter server: between epochs only
+            if not diverged and self.stopped is None:
                 if self.checkpointing:
                     self.save_checkpoint()
                 self.save_model()
         finally:
             self.progress.close()
         rt.finish()
+        self.share_stop()
         self.callbacks.on_fit_end(self)
         if diverged:
             raise self.divergence()
         return self.last
+
+    # -- preemption
+    def stop_signalled(self, mid_epoch):
+        """Collective over the training ranks (when preemption is on): whether any rank
+        received a stop signal. If so, write the checkpoint of this exact position (unless
+        one was just written at this step), set ``self.stopped`` and return True."""
+        if self.preemption is None:
+            return False
+        signum = self.runtime.agree_max(self.preemption.received)
+        if not signum:
+            return False
+        from mpidl.training.preempt import signal_name  # noqa: PLC0415
+
+        step, path = self._last_checkpoint
+        if step != self.step:
+            if not self.checkpointing:
+                self.paths["checkpoint_dir"] = self.paths.get("stop_checkpoint_dir")
+            if self.paths.get("checkpoint_dir") is None:
+                raise ConfigError("a stop signal came, but there is no folder to write its "
+                                  "checkpoint in: give the Trainer paths['checkpoint_dir'] "
+                                  "or paths['stop_checkpoint_dir']")
+            path = self.save_checkpoint()
+        self.stopped = {"signal": signal_name(signum), "step": self.step,
+                        "epoch": self.epoch + 1 if mid_epoch else self.epoch,
+                        "mid_epoch": mid_epoch, "checkpoint": path}
+        self.log.debug(f"stopping: {self.stopped}")
+        return True
+
+    def share_stop(self):
+        """Collective over every rank, servers included (when preemption is on): the
+        root's ``stopped`` on every rank, so all of them exit with the same status."""
+        if self.preemption is not None:
+            self.stopped = self.runtime.bcast(self.stopped if self.is_root else None)
+
+    def stop_message(self):
+        """One line for the user about the stop (None when training was not stopped)."""
+        s = self.stopped
+        if not s:
+            return None
+        where = (f"at epoch {s['epoch']} step {s['step']}" if s["mid_epoch"] else
+                 f"after epoch {s['epoch']} (step {s['step']})")
+        return (f"stopped by {s['signal']} {where}; checkpoint {s['checkpoint']}; resume "
+                "with --resume (or --resume auto)")
 
     def divergence(self):
         """The error for a NaN or infinite training loss: what happened and what to try."""
@@ -351,6 +432,7 @@ class Trainer:
             path = ckpt.save(self.paths["checkpoint_dir"], self.step, state,
                              keep=self.cfg.keep_checkpoints, crash_after_bytes=crash)
             self.log.debug(f"checkpoint {path}")
+        self._last_checkpoint = (self.step, path)
         self.callbacks.on_checkpoint(self, path)
         return path
 
