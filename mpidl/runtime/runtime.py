@@ -326,6 +326,12 @@ class Runtime:
             return None
         return self.group.mpi if self.group is not None else None
 
+    def _waiting(self, what, world=False):
+        """The stall inspector's mark while a collective below runs on the raw mpi4py
+        communicator of the trainers (or the world): a stopped rank is named there too."""
+        comm = self.comm if world or self.group is None else self.group
+        return comm.waiting(f"in the runtime's {what}")
+
     def reduce(self, values, op="mean"):
         """{name: float} summed ("sum") or averaged ("mean") over the training ranks, in
         rank order on every rank (the same bits everywhere, whatever MPI does)."""
@@ -336,7 +342,8 @@ class Runtime:
         if comm is None:
             return {k: float(v) for k, v in values.items()}
         keys = sorted(values)
-        rows = comm.allgather([float(values[k]) for k in keys])
+        with self._waiting(f"all-gather of {', '.join(keys)}"):
+            rows = comm.allgather([float(values[k]) for k in keys])
         totals = [0.0] * len(keys)
         for row in rows:
             totals = [t + v for t, v in zip(totals, row)]
@@ -353,19 +360,22 @@ class Runtime:
         comm = self._trainers()
         if comm is None:
             return [obj]
-        return comm.gather(obj, root=0)
+        with self._waiting("gather to the root"):
+            return comm.gather(obj, root=0)
 
     def bcast(self, obj):
         """The root's ``obj`` on every rank (servers included)."""
         if self.comm is None or self.size == 1:
             return obj
-        return self.comm.mpi.bcast(obj, root=self.trainer_ranks[0])
+        with self._waiting("broadcast from the root", world=True):
+            return self.comm.mpi.bcast(obj, root=self.trainer_ranks[0])
 
     def barrier(self):
         self._before_collective()
         comm = self._trainers()
         if comm is not None:
-            comm.Barrier()
+            with self._waiting("barrier"):
+                comm.Barrier()
 
     def agree_max(self, value):
         """The largest of the integer ``value`` over the training ranks (one 8-byte
@@ -379,7 +389,8 @@ class Runtime:
         from mpi4py import MPI  # noqa: PLC0415
 
         buf = np.array([int(value)], dtype=np.int64)
-        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        with self._waiting("agreement on a stop signal"):
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
         return int(buf[0])
 
     # -- checkpoints
@@ -427,7 +438,8 @@ class Runtime:
             s.finish_training()
         comm = self._trainers()
         if comm is not None and self.trains_on_data and self.broadcast_at_start:
-            counts = comm.allgather(self.steps)
+            with self._waiting("all-gather of step counts at the end"):
+                counts = comm.allgather(self.steps)
             if len(set(counts)) != 1:
                 raise RuntimeError(f"{self.name}: ranks ran different numbers of steps "
                                    f"{counts}; every rank must see the same number of "
