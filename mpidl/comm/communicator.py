@@ -79,7 +79,7 @@ _NP_SUM = reduction(np, "sum")
 IN_PLACE, SUM = MPI.IN_PLACE, MPI.SUM
 CHECK_MODES = ("digest", "first", "always", "off")
 _OFF, _FIRST, _ALWAYS, _DIGEST = 0, 1, 2, 3
-DIGEST_PERIOD = 256  # calls between two digest comparisons (check="digest")
+DIGEST_PERIOD = 1024  # calls between two digest comparisons (check="digest")
 DEFAULT_SEGMENT_BYTES = 1024 * 1024
 
 _live = weakref.WeakSet()
@@ -120,7 +120,9 @@ class _Channel:
         # of each signature key seen (consistency.digest). Per channel: each channel's
         # calls are in the same order on every rank, the two channels' are not.
         self.window = []
+        self.compared = 0  # calls whose digests were compared
         self.digests = {}
+        self.digest_of = self.digests.get
         self.stats = counters.new_table()
         self.allreduce_stats = self.stats["allreduce"]
         self._staging = staging
@@ -351,17 +353,27 @@ class Communicator(PointToPoint):
         ch.seq += 1
         ch.busy = key
         try:
+            if self._check == _DIGEST:
+                self._digest(ch, key)
             ch.comm.Barrier()
         finally:
             ch.busy = None
-        if self._check == _DIGEST:
-            self._digest(ch, key)
 
     def waiting(self, text, peers=None):
         """A context in which this rank waits for ``text`` from ``peers`` (ranks of this
         group; None: any) outside mpidl's own calls, e.g. a protocol's polling loop: the
         stall inspector (stall.py) names the peers that have not answered when it lasts."""
         return _Waiting(self._p2p, stall.Wait(text, peers))
+
+    def set_check(self, mode):
+        """Change the check mode between calls. Collective: every rank switches at the same
+        point (leaving "digest" compares the calls not compared yet)."""
+        if mode not in CHECK_MODES:
+            raise ValueError(f"check={mode!r}: expected one of {', '.join(CHECK_MODES)}")
+        if self._check == _DIGEST and mode != "digest":
+            self.check_signatures()
+        self.check = mode
+        self._check = {"off": _OFF, "first": _FIRST, "always": _ALWAYS, "digest": _DIGEST}[mode]
 
     def check_signatures(self):
         """Compare the signatures of the calls since the last comparison now
@@ -440,25 +452,29 @@ class Communicator(PointToPoint):
                 ch.seen_allreduce.add(name)  # the allreduce fast path's lookup
 
     def _digest(self, ch, key):
-        """Remember this call's signature (as its digest: an int, which the garbage
-        collector does not track; keeping the key tuples would make it run); compare the
-        digests every ``check_period`` calls."""
+        """Remember the signature of the call about to run (as its digest: an int, which
+        the garbage collector does not track; keeping the key tuples would make it run);
+        before it, compare the last ``check_period`` calls' digests if that many are due."""
         window = ch.window
-        window.append(digest(key, ch.digests))
         if len(window) >= self.check_period:
-            self._compare(ch)
+            window = self._compare(ch)
+        window.append(digest(key, ch.digests))
 
     def _compare(self, ch):
         """Digest comparison of ``ch``'s calls since the last one (consistency.py);
-        raises CollectiveMismatchError on every rank naming the first call that differs."""
+        raises CollectiveMismatchError on every rank naming the first call that differs.
+        Returns the new (empty) window."""
         window, ch.window = ch.window, []
-        first = ch.seq - len(window) + 1
-        ch.busy = stall.Wait(f"in the signature check of calls {first}-{ch.seq}")
+        first = ch.compared + 1
+        ch.compared += len(window)
+        busy = ch.busy
+        ch.busy = stall.Wait(f"in the signature check of calls {first}-{ch.compared}")
         try:
             compare_windows(ch.comm, window, ch.digests, first, self.group_text,
                             blocking=ch is self._main)
         finally:
-            ch.busy = None
+            ch.busy = busy
+        return ch.window
 
     def _submit(self, kind, name, gpu, fn, *args):
         """Queue ``fn(*args)`` on the progress thread; returns its Handle."""
@@ -496,6 +512,8 @@ class Communicator(PointToPoint):
         try:
             if c.verify and self._check:
                 self._verify(ch, kind, c.name, c.x.shape, c.x.dtype, c.op, c.alg, c.root)
+            if self._check == _DIGEST and len(ch.window) >= self.check_period:
+                self._compare(ch)
             tl = self._timeline
             start = tl.clock() if tl is not None else 0.0
             stats = ch.stats[kind]
@@ -507,7 +525,9 @@ class Communicator(PointToPoint):
         finally:
             ch.busy = None
         if self._check == _DIGEST:
-            self._digest(ch, key)
+            # after the call: one that raised on every rank (a mismatch found by its own
+            # exchange, as allgatherv's) is not counted anywhere
+            ch.window.append(digest(key, ch.digests))
         if c.op == "mean" and c.dst is not None:
             c.xp.divide(c.dst, self.size, out=c.dst)
         if c.back is not None:
@@ -560,11 +580,15 @@ class Communicator(PointToPoint):
             try:
                 if check == _DIGEST:
                     # A known key means a known name: no full check, one lookup per call.
-                    d = ch.digests.get(key)
+                    d = ch.digest_of(key)
                     if d is None:
                         if name is None or name not in ch.seen_allreduce:
                             self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
                         d = digest(key, ch.digests)
+                    window = ch.window
+                    if len(window) >= self.check_period:
+                        window = self._compare(ch)
+                    window.append(d)
                 elif check and (name is None or check == _ALWAYS
                                 or name not in ch.seen_allreduce):
                     self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
@@ -591,11 +615,6 @@ class Communicator(PointToPoint):
                 raise _mpi_error(self, key, e) from None
             finally:
                 ch.busy = None
-            if check == _DIGEST:
-                window = ch.window
-                window.append(d)
-                if len(window) >= self.check_period:
-                    self._compare(ch)
             return out
         return self._blocking(self._prep_allreduce(x, out, op, algorithm), name)
 

@@ -12,7 +12,7 @@ the call, the tensor and which ranks passed what, instead of a hang or silent ga
   latency-bound collective per call.
 - The digest comparison (``compare_windows``, ``check="digest"``, the default): every
   call's signature is remembered (a tuple, no hashing on the hot path); every
-  ``check_period`` calls (and at ``close()``) ranks all-gather 24 bytes: the number of
+  ``check_period`` calls (1024 by default; and at ``close()``) ranks all-gather 24 bytes: the number of
   calls and a digest of their signatures. So a later call with another dtype, op, shape
   or name, or a rank that skipped a call, is caught within ``check_period`` calls, at the
   cost of one small all-gather per period. A call whose shapes differ may fail before
@@ -26,6 +26,7 @@ import hashlib
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 
 DESC_BYTES = 256
@@ -167,14 +168,16 @@ def compare_windows(comm, window, cache, first, group, blocking=True):
     p = comm.Get_size()
     if p == 1:
         return
-    packed = array.array("Q", window)  # faster than NumPy for a list of Python ints
-    mine = np.frombuffer(len(window).to_bytes(8, "little")
-                         + hashlib.blake2b(packed, digest_size=16).digest(), dtype=np.uint64)
-    table = np.empty((p, 3), dtype=np.uint64)
-    _allgather(comm, mine, table, blocking)
-    if (table == table[0]).all():
+    # Plain bytes, no NumPy, on the path taken every period: it is the cost.
+    packed = array.array("Q", window)
+    mine = (len(window).to_bytes(8, "little")
+            + hashlib.blake2b(packed, digest_size=16).digest())
+    gathered = bytearray(p * len(mine))
+    _allgather(comm, [mine, MPI.BYTE], [gathered, MPI.BYTE], blocking)
+    if gathered == mine * p:
         return
     # Somebody differs: find the first call that does (windows may differ in length).
+    table = np.frombuffer(gathered, dtype=np.uint64).reshape(p, 3)
     longest = int(table[:, 0].max())
     padded = np.zeros(longest, dtype=np.uint64)
     padded[:len(window)] = np.frombuffer(packed, dtype=np.uint64)

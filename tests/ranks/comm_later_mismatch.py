@@ -2,7 +2,7 @@
 check="digest": it must end in an error naming the call, the tensor and the ranks, never
 in silent garbage or a silent hang.
 
-Usage: comm_later_mismatch.py CASE ALGORITHM. Two names alternate ('w', 'v'), float32
+Usage: comm_later_mismatch.py CASE ALGORITHM. 1500 calls; two names alternate ('w', 'v'), float32
 vectors of 10 elements; at call AT (after the first digest comparison) rank 1 does
 something else:
 
@@ -24,7 +24,7 @@ import numpy as np
 from mpidl.comm import Communicator
 
 CASE, ALG = sys.argv[1], sys.argv[2]
-CALLS, AT = 700, 300
+CALLS, AT = 1500, 300
 
 
 def main():
