@@ -11,9 +11,10 @@ the call, the tensor and which ranks passed what, instead of a hang or silent ga
   or on every call (``check="always"``, ``MPIDL_DEBUG=1``), which costs one more
   latency-bound collective per call.
 - The digest comparison (``compare_windows``, ``check="digest"``, the default): every
-  call's signature is remembered (a tuple, no hashing on the hot path); every
-  ``check_period`` calls (1024 by default; and at ``close()``) ranks all-gather 24 bytes: the number of
-  calls and a digest of their signatures. So a later call with another dtype, op, shape
+  call's signature key (a tuple) is looked up once in a dictionary of digests and the
+  digest (an int) remembered; every ``check_period`` calls (1024 by default) and at
+  ``close()`` ranks all-gather 24 bytes: the number of calls and a digest of their
+  digests. So a later call with another dtype, op, shape
   or name, or a rank that skipped a call, is caught within ``check_period`` calls, at the
   cost of one small all-gather per period. A call whose shapes differ may fail before
   that (MPI's "message truncated", reported as a mismatch of that call) or hang; a hang
