@@ -158,3 +158,20 @@ def test_a_final_model_that_does_not_fit_loses_nothing_checkpointed(tmp_path):
     with np.load(tmp_path / "model.npz") as f:
         for k, v in state["model"].items():
             np.testing.assert_array_equal(f[k], v)
+
+
+def test_resume_refuses_a_folder_whose_checkpoints_all_belong_to_another_model(tmp_path):
+    """--resume (auto) where every checkpoint is another model's: one error line, exit 2,
+    and the earlier run's outputs untouched (it used to start over in the same folder)."""
+    out = tmp_path / "run"
+    train(["--model", "mlp", "--epochs", "1", "--checkpoint-every", "4", "--out-dir",
+           out]).check()
+    model = (out / "model.npz").read_bytes()
+    before = steps(out / "checkpoints")
+    launch = train(["--model", "cnn", "--epochs", "1", "--resume", "auto", "--out-dir", out])
+    last = [ln for ln in launch.output.splitlines() if ln.strip()][-1]
+    assert launch.returncode == 2, launch.output
+    assert last.startswith("mpidl: error: --resume: none of the") and \
+        "its model has other parameters" in last, launch.output
+    assert (out / "model.npz").read_bytes() == model
+    assert steps(out / "checkpoints") == before

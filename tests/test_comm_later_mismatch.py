@@ -72,7 +72,7 @@ def test_skipped_last_call_names_the_missing_rank(algorithm):
     output, elapsed = launch("skip-last", algorithm)
     assert ("mpidl: stall: rank 0 has waited 2 s in allreduce tensor='v' shape=(10,) "
             f"dtype=float32 op=sum algorithm={algorithm} (call 1500 on group world "
-            "[ranks 0, 1]). Not arrived: rank 1 is waiting (call 1499) in the signature "
-            "check of calls 1025-1499.") in output, output
+            "[ranks 0, 1]). Not arrived: rank 1 (at call 1499, waiting in the signature "
+            "check of calls 1025-1499).") in output, output
     assert "mpidl: stall timeout (5 s, --stall-timeout)" in output, output
     assert elapsed < 30, elapsed

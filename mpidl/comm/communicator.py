@@ -83,6 +83,7 @@ DIGEST_PERIOD = 1024  # calls between two digest comparisons (check="digest")
 DEFAULT_SEGMENT_BYTES = 1024 * 1024
 
 _live = weakref.WeakSet()
+_SERIALS = {}  # (label, world ranks) -> communicators made so far (for their names)
 
 
 def _close_all():
@@ -214,15 +215,22 @@ class Communicator(PointToPoint):
         # GPU arrays: device pointers straight to MPI if it is CUDA-aware (decided once,
         # here), else staged through pinned host buffers.
         self.cuda_aware = backend.cuda_aware_mpi()
-        self._main = _Channel(comm.Dup(), TID_CALLER, "main", _staging, self.cuda_aware)
+        try:
+            dups = [comm.Dup() for _ in range(4)]
+        except MPI.Exception as e:
+            raise RuntimeError(
+                f"rank {self.rank}: MPI cannot make another communicator ("
+                f"{e.Get_error_string().splitlines()[0]}); each mpidl Communicator holds 4 "
+                "duplicates: close() the communicators you no longer use") from None
+        self._main = _Channel(dups[0], TID_CALLER, "main", _staging, self.cuda_aware)
         polite = env.get("MPIDL_PROGRESS_WAIT").lower() == "poll"
-        self._bg = _Channel(comm.Dup(), TID_PROGRESS, "progress", _staging, self.cuda_aware,
+        self._bg = _Channel(dups[1], TID_PROGRESS, "progress", _staging, self.cuda_aware,
                             polite)
         # Point-to-point gets its own duplicate: user tags can never match a collective's.
-        self._p2p = _Channel(comm.Dup(), TID_CALLER, "p2p", _staging, self.cuda_aware)
+        self._p2p = _Channel(dups[2], TID_CALLER, "p2p", _staging, self.cuda_aware)
         self._channels = (self._main, self._bg, self._p2p)
         # The stall inspector's questions and answers (stall.py) get one more.
-        self._inspect = comm.Dup()
+        self._inspect = dups[3]
         world = MPI.COMM_WORLD.Get_group()
         mine = comm.Get_group()
         self.world_ranks = [int(r) for r in MPI.Group.Translate_ranks(
@@ -230,6 +238,9 @@ class Communicator(PointToPoint):
         mine.Free()
         world.Free()
         self.world_rank = self.world_ranks[self.rank]
+        # The constructor is collective, so every rank numbers its communicators alike.
+        key = (label, tuple(self.world_ranks))
+        _SERIALS[key] = self._serial = _SERIALS.get(key, 0) + 1
         self.check_period = int(check_period)
         self._staging = _staging
         self.label = label
@@ -343,8 +354,11 @@ class Communicator(PointToPoint):
 
     @property
     def group_text(self):
-        """How messages name this group: its label (or "world") and its world ranks."""
+        """How messages name this group: its label (or "world"), a number when this
+        process made several of that name (``world#2``: the second), its world ranks."""
         name = self.label or ("world" if self.size == MPI.COMM_WORLD.Get_size() else "group")
+        if self._serial > 1:
+            name += f"#{self._serial}"
         return f"{name} [{stall.ranks_text(self.world_ranks)}]"
 
     def barrier(self):
@@ -398,8 +412,10 @@ class Communicator(PointToPoint):
         return self._timeline.flush(self._main.comm)
 
     def close(self, _exit_timeout=None):
-        """Finish queued non-blocking collectives, write the timeline, free the duplicate
-        communicators. Collective; idempotent."""
+        """Compare the signatures not compared yet (check="digest"), finish queued
+        non-blocking collectives, write the timeline, free the duplicate communicators.
+        Collective and synchronizing: every rank closes its communicators in the same
+        order. Idempotent."""
         if self._closed:
             return
         if _exit_timeout is None and not MPI.Is_finalized():
@@ -468,7 +484,8 @@ class Communicator(PointToPoint):
         first = ch.compared + 1
         ch.compared += len(window)
         busy = ch.busy
-        ch.busy = stall.Wait(f"in the signature check of calls {first}-{ch.compared}")
+        calls = f"calls {first}-{ch.compared}" if window else f"no calls since call {first - 1}"
+        ch.busy = stall.Wait(f"in the signature check of {calls}")
         try:
             compare_windows(ch.comm, window, ch.digests, first, self.group_text,
                             blocking=ch is self._main)
@@ -571,8 +588,8 @@ class Communicator(PointToPoint):
                                   and out.dtype == x.dtype and out.flags.c_contiguous))
                 and x.flags.c_contiguous and x.dtype.kind in "iuf"):
             ch = self._main
-            alg = algorithm if algorithm in _REGISTRY else self.selector.choose(
-                "allreduce", x.nbytes)
+            alg = algorithm if algorithm in _REGISTRY else self._resolve(
+                "allreduce", algorithm, x.nbytes)
             check = self._check
             key = (name, x.shape, x.dtype.num, alg)  # short form of a sum's signature key
             ch.seq += 1

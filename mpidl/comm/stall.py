@@ -200,10 +200,14 @@ class Inspector:
 
     # -- questions and answers
     def state(self, comm):
-        """This rank's answer about ``comm``: per channel (seq, busy text or None), and
-        what it waits for on its other communicators."""
-        channels = {ch.role: (ch.seq, None if ch.busy is None else describe_busy(ch.busy))
-                    for ch in comm._channels}
+        """This rank's answer about ``comm``: per channel (calls started, what it waits
+        for or None, whether that is a collective), and what it waits for on its other
+        communicators."""
+        channels = {}
+        for ch in comm._channels:
+            seq, busy = ch.seq, ch.busy  # read once: the caller's thread changes them
+            channels[ch.role] = (seq, None if busy is None else describe_busy(busy),
+                                 busy is not None and not isinstance(busy, Wait))
         elsewhere = []
         for other in list(self._comms):
             if other is comm or other._closed:
@@ -254,13 +258,19 @@ class Inspector:
 
 
 class _Report:
-    """The line a stall prints, built from the peers' answers."""
+    """The line a stall prints, built from the peers' answers.
+
+    For a collective, each peer has either arrived (it waits in the same call, with the
+    same signature), is past it (it started this call and left it, or a later one: a
+    reduce's non-root, or a rank now in the signature check), or has not arrived (no
+    answer, or fewer calls started). A peer in the same call number with another
+    collective signature is a mismatch: MPI cannot finish that call."""
 
     def __init__(self, comm, ch, busy, seq, waited, peers, replies):
         me = describe_busy(busy)
         collective = not isinstance(busy, Wait)
         world = comm.world_ranks
-        absent, same, other = [], [], []
+        absent, past, same, other = [], [], [], []
         self.mismatch = None
         for r in peers:
             name = f"rank {world[r]}"
@@ -268,9 +278,18 @@ class _Report:
             if reply is None:
                 absent.append(f"{name} (no answer: stopped, exited, or holding Python's GIL)")
                 continue
-            their_seq, their_busy = reply["channels"].get(ch.role, (None, None))
-            doing = their_busy
-            if collective and their_seq == seq and their_busy is not None:
+            their_seq, their_busy, their_collective = reply["channels"].get(
+                ch.role, (None, None, False))
+            if their_busy is not None:
+                doing = f"waiting {their_busy}"
+            else:
+                elsewhere = reply.get("elsewhere") or []
+                doing = ("waiting " + " and ".join(elsewhere) if elsewhere
+                         else "not waiting in mpidl (computing, or between calls)")
+            if not collective:
+                other.append(f"{name} is {doing}")
+                continue
+            if their_seq == seq and their_collective:
                 if their_busy == me:
                     same.append(world[r])
                     continue
@@ -279,20 +298,13 @@ class _Report:
                                  "every rank must make the same collective calls in the "
                                  "same order, with the same name, shape, dtype, op and "
                                  "algorithm")
-            if doing is None:
-                elsewhere = reply.get("elsewhere") or []
-                doing = ("is waiting " + " and ".join(elsewhere) if elsewhere
-                         else "is not waiting in mpidl (computing, or between calls)")
-                if collective and their_seq is not None:
-                    doing = f"has started {their_seq} calls on this group and {doing}"
+                absent.append(f"{name} (in another call: {their_busy})")
+            elif their_seq is not None and their_seq >= seq:
+                past.append(f"{name} ({doing})")
             else:
-                where = f" (call {their_seq})" if collective and their_seq is not None else ""
-                doing = f"is waiting{where} {doing}"
-            if collective:
-                absent.append(f"{name} {doing}")
-            else:
-                other.append(f"{name} {doing}")
-        where = f" (call {seq} on group {comm.group_text})" if collective else \
+                absent.append(f"{name} (at call {their_seq}, {doing})")
+        thread = " (non-blocking, on the progress thread)" if ch.role == "progress" else ""
+        where = f" (call {seq} on group {comm.group_text}){thread}" if collective else \
             f" on group {comm.group_text}"
         parts = [f"rank {comm.world_rank} has waited {waited:.0f} s {me}{where}."]
         if collective:
@@ -300,8 +312,10 @@ class _Report:
                          else "Every rank has arrived.")
             if same:
                 parts.append(f"Waiting in the same call: {ranks_text(same)}.")
+            if past:
+                parts.append("Past this call: " + "; ".join(past) + ".")
         else:
-            parts.append(" ".join(f"{t};" for t in absent + other).rstrip(";") + ".")
+            parts.append("; ".join(other + absent) + ".")
         self.text = " ".join(parts)
 
 

@@ -463,10 +463,18 @@ class Trainer:
         if self.is_root:
             try:
                 ckpt.remove_stale_temporaries(directory)
-                path, state = ckpt.latest(directory, warn=self.log.warning,
+                skipped = []
+                path, state = ckpt.latest(directory, warn=skipped.append,
                                           check=self._usable)
+                for why in skipped:
+                    self.log.warning(why)
                 if path is not None:
                     self.check_compatible(path, state["config"])
+                elif skipped:  # starting over there would mix two runs in one folder
+                    raise ConfigError(
+                        f"--resume: none of the {len(skipped)} checkpoint(s) in {directory} "
+                        f"can continue this run (newest: {skipped[0].split(': ', 1)[-1]}); "
+                        "use another --out-dir or --checkpoint-dir, or move them away")
                 payload = ("ok", path, state)
             except ConfigError as e:
                 payload = ("error", str(e), None)
