@@ -16,7 +16,7 @@ from mpidl.ps.protocol import PSError
 from mpidl.ps.server import ParameterServer, _mean
 from mpidl.ps.sharding import shard_parameters
 from mpidl.runtime import build
-from mpidl.runtime.schedule import parse_straggler
+from mpidl.runtime.schedule import MicroBatches, Transient, parse_straggler
 from mpidl.runtime.sync.pushpull import summarize
 
 
@@ -84,6 +84,50 @@ def test_straggler_parsing():
             parse_straggler(bad)
     with pytest.raises(ConfigError, match=">= 1"):
         parse_straggler("2:0.5")
+
+
+def test_transient_straggler_parsing():
+    assert parse_straggler("transient:4:0.1") == Transient(4.0, 0.1, 0)
+    assert parse_straggler("transient:2:0.5:7") == Transient(2.0, 0.5, 7)
+    for bad, why in (("transient:4", "transient:FACTOR:Q"), ("transient:x:0.1", "FACTOR:Q"),
+                     ("transient:4:0.1:1:2", "FACTOR:Q"), ("transient:0.5:0.1", ">= 1"),
+                     ("transient:inf:0.1", ">= 1"), ("transient:4:1.5", "probability"),
+                     ("transient:4:nan", "probability"), ("transient:4:0.1:-1", "SEED")):
+        with pytest.raises(ConfigError, match=why):
+            parse_straggler(bad)
+
+
+def _slowed(transient, rank, steps=400):
+    """Which of ``steps`` steps a rank's schedule slowed (a tiny model, real sleeps)."""
+    from mpidl.engine.linear import Linear  # noqa: PLC0415
+    from mpidl.engine.losses import SoftmaxCrossEntropy  # noqa: PLC0415
+    from mpidl.engine.module import Sequential  # noqa: PLC0415
+
+    sched = MicroBatches(1, transient=transient, rank=rank)
+    model = Sequential(Linear(2, 2, rng=np.random.default_rng(0)))
+    x, y = np.ones((1, 2), np.float32), np.zeros(1, np.int64)
+    slowed = []
+    for step in range(steps):
+        before = sched.slowed_steps
+        sched.run(model, SoftmaxCrossEntropy(), x, y)
+        if sched.slowed_steps > before:
+            slowed.append(step)
+            assert sched.straggle_s > 0
+        else:
+            assert sched.straggle_s == 0.0
+    return slowed
+
+
+def test_transient_stragglers_are_seeded_per_rank():
+    """Each step a rank is slowed with probability Q, from (SEED, rank): the same steps
+    every run, other steps on another rank or with another seed."""
+    t = Transient(1.01, 0.1, seed=3)
+    first = _slowed(t, rank=1)
+    assert first == _slowed(t, rank=1)
+    assert first != _slowed(t, rank=2)
+    assert first != _slowed(Transient(1.01, 0.1, seed=4), rank=1)
+    assert 20 <= len(first) <= 65, len(first)  # 400 x 0.1 = 40 expected (binomial)
+    assert _slowed(Transient(1.01, 0.0), rank=0) == []
 
 
 class FakeComm:

@@ -91,6 +91,8 @@ def _names(options):
 
 def _schedule(accumulate, straggler, rank, trainers, what="training rank"):
     spec = schedule_part.parse_straggler(straggler)
+    if isinstance(spec, schedule_part.Transient):
+        return schedule_part.MicroBatches(accumulate, transient=spec, rank=rank)
     factor = 1.0
     if spec is not None:
         if spec[0] not in trainers:

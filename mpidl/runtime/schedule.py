@@ -12,7 +12,10 @@ The step's final backward pass is the one during which the syncs' grad-ready hoo
 
 ``straggler`` (experiments): this rank sleeps ``straggler - 1`` times its measured
 forward + backward time after each step's backward, so its steps take that factor as
-long (``--straggler RANK:FACTOR``).
+long (``--straggler RANK:FACTOR``, a persistent straggler). ``transient``: every step,
+every training rank is slowed by FACTOR with probability Q, independently, from a
+generator seeded by (SEED, rank), so a run's slow steps are the same every time
+(``--straggler transient:FACTOR:Q[:SEED]``; the transient stragglers of SSP's use case).
 
 Pipeline schedules (GPipe, 1F1B, ...) will be other classes with the same ``run``.
 """
@@ -30,14 +33,56 @@ OPTIONS = [
            "ranks)", "parallelism", metavar="K",
            check=lambda k: None if k >= 1 else "must be at least 1"),
     Option("straggler", str, None, "slow training rank RANK's compute by FACTOR "
-           "(experiments), e.g. 3:2", "parallelism", metavar="RANK:FACTOR"),
+           "(experiments), e.g. 3:2; or transient:FACTOR:Q[:SEED]: every step each training "
+           "rank is slowed by FACTOR with probability Q (seeded, the same every run)",
+           "parallelism", metavar="RANK:FACTOR"),
 ]
 
 
+class Transient:
+    """``--straggler transient:FACTOR:Q[:SEED]``: each step, each rank slowed by
+    ``factor`` with probability ``prob`` (seeded by ``seed`` and the rank)."""
+
+    def __init__(self, factor, prob, seed=0):
+        self.factor, self.prob, self.seed = float(factor), float(prob), int(seed)
+
+    def __eq__(self, other):
+        return isinstance(other, Transient) and (self.factor, self.prob, self.seed) == (
+            other.factor, other.prob, other.seed)
+
+    def __repr__(self):
+        return f"transient:{self.factor:g}:{self.prob:g}:{self.seed}"
+
+
+def _parse_transient(spec):
+    parts = str(spec).split(":")[1:]
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        factor, prob = float(parts[0]), float(parts[1])
+        seed = int(parts[2]) if len(parts) == 3 else 0
+    except ValueError:
+        raise ConfigError(f"--straggler {spec!r}: expected transient:FACTOR:Q[:SEED], e.g. "
+                          "transient:4:0.1 (each step, each rank 4x slower with "
+                          "probability 0.1)") from None
+    if not 1.0 <= factor < float("inf"):
+        raise ConfigError(f"--straggler {spec!r}: FACTOR must be >= 1 (a slowdown)")
+    if not 0.0 <= prob <= 1.0:
+        raise ConfigError(f"--straggler {spec!r}: Q must be a probability in [0, 1]")
+    if seed < 0:
+        raise ConfigError(f"--straggler {spec!r}: SEED must be >= 0")
+    return Transient(factor, prob, seed)
+
+
 def parse_straggler(spec):
-    """``"RANK:FACTOR"`` -> (rank, factor); None stays None."""
+    """``"RANK:FACTOR"`` -> (rank, factor); ``"transient:FACTOR:Q[:SEED]"`` -> a
+    ``Transient``; None stays None."""
     if spec is None or spec == "":
         return None
+    if isinstance(spec, Transient):
+        return spec
+    if isinstance(spec, str) and spec.startswith("transient:"):
+        return _parse_transient(spec)
     if isinstance(spec, (tuple, list)):
         rank, factor = spec
     else:
@@ -47,7 +92,7 @@ def parse_straggler(spec):
         except ValueError:
             raise ConfigError(f"--straggler {spec!r}: expected RANK:FACTOR, e.g. 3:2 "
                               "(rank 3 computes twice as slowly)") from None
-    if not factor >= 1.0:
+    if not 1.0 <= factor < float("inf"):
         raise ConfigError(f"--straggler {spec!r}: FACTOR must be >= 1 (a slowdown)")
     return int(rank), float(factor)
 
@@ -64,9 +109,16 @@ class MicroBatches:
 
     name = "micro-batches"
 
-    def __init__(self, k=1, straggler=1.0):
+    def __init__(self, k=1, straggler=1.0, transient=None, rank=0):
         self.k = check_accumulate(k)
         self.straggler = float(straggler)
+        self.transient = transient
+        self._rng = None
+        if transient is not None:
+            import numpy as np  # noqa: PLC0415
+
+            self._rng = np.random.default_rng([transient.seed, rank])
+        self.slowed_steps = 0  # steps this rank was slowed in (transient stragglers)
         self.forward_s = self.backward_s = self.straggle_s = 0.0
 
     def setup(self, model):
@@ -105,11 +157,21 @@ class MicroBatches:
             fwd += t1 - t0
             bwd += t2 - t1
         self.forward_s, self.backward_s = fwd, bwd
-        if self.straggler > 1.0:
+        slow = self.straggler
+        if self._rng is not None and self._rng.random() < self.transient.prob:
+            slow = max(slow, self.transient.factor)
+            self.slowed_steps += 1
+        self.straggle_s = 0.0
+        if slow > 1.0:
             t = _clock()
-            time.sleep((self.straggler - 1.0) * (fwd + bwd))
+            time.sleep((slow - 1.0) * (fwd + bwd))
             self.straggle_s = _clock() - t
         return total / k
 
     def describe(self):
-        return f"{self.k} micro-batch(es) per step" if self.k > 1 else "one pass per step"
+        text = f"{self.k} micro-batch(es) per step" if self.k > 1 else "one pass per step"
+        if self.transient is not None:
+            text += (f"; transient stragglers: {self.transient.factor:g}x slower with "
+                     f"probability {self.transient.prob:g} per step (seed "
+                     f"{self.transient.seed})")
+        return text
