@@ -3,7 +3,7 @@ in an error naming the call, the tensor and the ranks, under every algorithm —
 silent garbage, never in a silent hang (check="digest", the default; issue 12, point 3).
 
 The rank script (ranks/comm_later_mismatch.py) makes 1500 calls of two alternating
-tensors (the digests are compared before call 1025 and at close()); at call 301 rank 1 passes another dtype, op or shape, or skips a call, or it
+tensors (the digests are compared before calls 65, 193, 449, 961 and at close()); at call 301 rank 1 passes another dtype, op or shape, or skips a call, or it
 skips the very last one. The stall inspector runs with a 2 s warning and a 5 s timeout,
 so a rank stuck in MPI is named and the job ends.
 """
@@ -38,7 +38,7 @@ def launch(case, algorithm):
     ("skip", "rank 0: allreduce tensor='w'", "rank 1: allreduce tensor='v'"),
 ])
 def test_later_mismatch_raises_on_every_rank(case, rank0, rank1, algorithm):
-    """Caught by the digest comparison before call 1025, on both ranks, naming call 301."""
+    """Caught by the digest comparison before call 449, on both ranks, naming call 301."""
     output, _ = launch(case, algorithm)
     assert output.count("RAISED CollectiveMismatchError: ranks disagree on call 301 on "
                         "group world [ranks 0, 1]") == 2, output
@@ -73,6 +73,6 @@ def test_skipped_last_call_names_the_missing_rank(algorithm):
     assert ("mpidl: stall: rank 0 has waited 2 s in allreduce tensor='v' shape=(10,) "
             f"dtype=float32 op=sum algorithm={algorithm} (call 1500 on group world "
             "[ranks 0, 1]). Not arrived: rank 1 (at call 1499, waiting in the signature "
-            "check of calls 1025-1499).") in output, output
+            "check of calls 961-1499).") in output, output
     assert "mpidl: stall timeout (5 s, --stall-timeout)" in output, output
     assert elapsed < 30, elapsed

@@ -79,7 +79,8 @@ _NP_SUM = reduction(np, "sum")
 IN_PLACE, SUM = MPI.IN_PLACE, MPI.SUM
 CHECK_MODES = ("digest", "first", "always", "off")
 _OFF, _FIRST, _ALWAYS, _DIGEST = 0, 1, 2, 3
-DIGEST_PERIOD = 1024  # calls between two digest comparisons (check="digest")
+DIGEST_PERIOD = 4096  # most calls between two digest comparisons (check="digest")
+FIRST_PERIOD = 64  # the first comparison's; each next window is twice as long, up to it
 DEFAULT_SEGMENT_BYTES = 1024 * 1024
 
 _live = weakref.WeakSet()
@@ -121,7 +122,9 @@ class _Channel:
         # of each signature key seen (consistency.digest). Per channel: each channel's
         # calls are in the same order on every rank, the two channels' are not.
         self.window = []
-        self.compared = 0  # calls whose digests were compared
+        self.push = self.window.append
+        self.window_start = 1  # the call number of the window's first call
+        self.period = self.due = None  # calls per window now; the call that compares
         self.digests = {}
         self.digest_of = self.digests.get
         self.stats = counters.new_table()
@@ -242,6 +245,8 @@ class Communicator(PointToPoint):
         key = (label, tuple(self.world_ranks))
         _SERIALS[key] = self._serial = _SERIALS.get(key, 0) + 1
         self.check_period = int(check_period)
+        for ch in self._channels:
+            _open_window(ch, ch.seq + 1, min(FIRST_PERIOD, self.check_period))
         self._staging = _staging
         self.label = label
 
@@ -386,6 +391,11 @@ class Communicator(PointToPoint):
             raise ValueError(f"check={mode!r}: expected one of {', '.join(CHECK_MODES)}")
         if self._check == _DIGEST and mode != "digest":
             self.check_signatures()
+        if mode == "digest" and self._check != _DIGEST:
+            for ch in (self._main, self._bg):
+                ch.window = []
+                ch.push = ch.window.append
+                _open_window(ch, ch.seq + 1, min(FIRST_PERIOD, self.check_period))
         self.check = mode
         self._check = {"off": _OFF, "first": _FIRST, "always": _ALWAYS, "digest": _DIGEST}[mode]
 
@@ -396,9 +406,9 @@ class Communicator(PointToPoint):
             for ch in (self._main, self._bg):
                 if ch is self._bg and self._progress is not None \
                         and self._progress.mode == "thread":
-                    self._submit("digest", None, False, self._compare, ch).wait()
+                    self._submit("digest", None, False, self._compare, ch, False).wait()
                 else:
-                    self._compare(ch)
+                    self._compare(ch, before_call=False)
 
     def free_buffers(self):
         """Give the persistent scratch and staging memory back (they regrow on demand)."""
@@ -470,28 +480,33 @@ class Communicator(PointToPoint):
     def _digest(self, ch, key):
         """Remember the signature of the call about to run (as its digest: an int, which
         the garbage collector does not track; keeping the key tuples would make it run);
-        before it, compare the last ``check_period`` calls' digests if that many are due."""
-        window = ch.window
-        if len(window) >= self.check_period:
-            window = self._compare(ch)
-        window.append(digest(key, ch.digests))
+        before it, compare the window's digests if this call is the one due."""
+        if ch.seq >= ch.due:
+            self._compare(ch)
+        ch.push(digest(key, ch.digests))
 
-    def _compare(self, ch):
+    def _compare(self, ch, before_call=True):
         """Digest comparison of ``ch``'s calls since the last one (consistency.py);
         raises CollectiveMismatchError on every rank naming the first call that differs.
-        Returns the new (empty) window."""
-        window, ch.window = ch.window, []
-        first = ch.compared + 1
-        ch.compared += len(window)
+        ``before_call``: run at the start of call ``ch.seq`` (the window ends before it),
+        else after the channel's last call (close). Every rank compares at the same call
+        number: the first window is 64 calls, each next one twice as long up to
+        ``check_period``, so a mismatch early in a run is found early and a long run
+        compares rarely."""
+        window = ch.window
+        ch.window = []
+        ch.push = ch.window.append
+        first = ch.window_start
+        last = ch.seq - 1 if before_call else ch.seq
+        _open_window(ch, last + 1, min(ch.period * 2, self.check_period))
         busy = ch.busy
-        calls = f"calls {first}-{ch.compared}" if window else f"no calls since call {first - 1}"
+        calls = f"calls {first}-{last}" if last >= first else f"no calls since call {last}"
         ch.busy = stall.Wait(f"in the signature check of {calls}")
         try:
             compare_windows(ch.comm, window, ch.digests, first, self.group_text,
                             blocking=ch is self._main)
         finally:
             ch.busy = busy
-        return ch.window
 
     def _submit(self, kind, name, gpu, fn, *args):
         """Queue ``fn(*args)`` on the progress thread; returns its Handle."""
@@ -529,7 +544,7 @@ class Communicator(PointToPoint):
         try:
             if c.verify and self._check:
                 self._verify(ch, kind, c.name, c.x.shape, c.x.dtype, c.op, c.alg, c.root)
-            if self._check == _DIGEST and len(ch.window) >= self.check_period:
+            if self._check == _DIGEST and ch.seq >= ch.due:
                 self._compare(ch)
             tl = self._timeline
             start = tl.clock() if tl is not None else 0.0
@@ -544,7 +559,7 @@ class Communicator(PointToPoint):
         if self._check == _DIGEST:
             # after the call: one that raised on every rank (a mismatch found by its own
             # exchange, as allgatherv's) is not counted anywhere
-            ch.window.append(digest(key, ch.digests))
+            ch.push(digest(key, ch.digests))
         if c.op == "mean" and c.dst is not None:
             c.xp.divide(c.dst, self.size, out=c.dst)
         if c.back is not None:
@@ -592,7 +607,8 @@ class Communicator(PointToPoint):
                 "allreduce", algorithm, x.nbytes)
             check = self._check
             key = (name, x.shape, x.dtype.num, alg)  # short form of a sum's signature key
-            ch.seq += 1
+            seq = ch.seq + 1
+            ch.seq = seq
             ch.busy = key
             try:
                 if check == _DIGEST:
@@ -602,10 +618,9 @@ class Communicator(PointToPoint):
                         if name is None or name not in ch.seen_allreduce:
                             self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
                         d = digest(key, ch.digests)
-                    window = ch.window
-                    if len(window) >= self.check_period:
-                        window = self._compare(ch)
-                    window.append(d)
+                    if seq >= ch.due:
+                        self._compare(ch)
+                    ch.push(d)
                 elif check and (name is None or check == _ALWAYS
                                 or name not in ch.seen_allreduce):
                     self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
@@ -914,6 +929,13 @@ def _exchange_counts(comm, n, desc, kind, name):
     if not (descs == descs[0]).all():
         raise_mismatch(descs, kind, name)
     return [int(c) for c in np.ascontiguousarray(table[:, :8]).view(np.int64).reshape(-1)]
+
+
+def _open_window(ch, start, period):
+    """A digest window from call ``start``, compared before call ``start + period``."""
+    ch.window_start = start
+    ch.period = period
+    ch.due = start + period
 
 
 def _mpi_error(comm, key, error):
