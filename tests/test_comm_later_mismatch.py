@@ -33,8 +33,8 @@ def launch(case, algorithm):
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("case,rank0,rank1", [
-    ("dtype", "tensor='w' shape=(10,) dtype=float32", "tensor='w' shape=(10,) dtype=int32"),
-    ("op", "tensor='w' shape=(10,) dtype=float32 op=sum", "dtype=float32 op=max"),
+    ("dtype", "tensor='w' size=10 dtype=float32", "tensor='w' size=10 dtype=int32"),
+    ("op", "tensor='w' size=10 dtype=float32 op=sum", "dtype=float32 op=max"),
     ("skip", "rank 0: allreduce tensor='w'", "rank 1: allreduce tensor='v'"),
 ])
 def test_later_mismatch_raises_on_every_rank(case, rank0, rank1, algorithm):
@@ -57,7 +57,7 @@ def test_later_shape_mismatch_is_named(algorithm):
         # with fatal errors): its message names the ranks and sizes, not the tensor.
         assert "Message from rank 1" in output, output
         return
-    assert "RAISED CollectiveMismatchError: rank 0: in allreduce tensor='w' shape=(10,)" \
+    assert "RAISED CollectiveMismatchError: rank 0: in allreduce tensor='w' size=10" \
         in output, output
     assert "another rank sent more data than this call expects" in output, output
     # The raising rank exits non-zero, and `python -m mpi4py` aborts the job; without it
@@ -70,7 +70,7 @@ def test_skipped_last_call_names_the_missing_rank(algorithm):
     """Rank 1 skips the last call and goes on to close(): rank 0's stall warning names
     rank 1 and where it is instead; the stall timeout ends the job."""
     output, elapsed = launch("skip-last", algorithm)
-    assert ("mpidl: stall: rank 0 has waited 2 s in allreduce tensor='v' shape=(10,) "
+    assert ("mpidl: stall: rank 0 has waited 2 s in allreduce tensor='v' size=10 "
             f"dtype=float32 op=sum algorithm={algorithm} (call 1500 on group world "
             "[ranks 0, 1]). Not arrived: rank 1 (at call 1499, waiting in the signature "
             "check of calls 961-1499).") in output, output

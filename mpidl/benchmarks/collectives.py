@@ -220,7 +220,9 @@ def measure_check_cost(comm, sizes, algorithm="auto", repeats=21, target=0.01,
                        dtype=np.float32, modes=("off", "digest", "off-again")):
     """What the signature check costs per call: allreduce timed on one communicator whose
     ``check`` mode is switched between runs (``set_check``), so buffers, memory placement
-    and MPI state are the same for every mode; the runs are interleaved.
+    and MPI state are the same for every mode; the runs are interleaved. The digest
+    windows are first grown to their longest (``check_period`` calls): the steady state of
+    a run (its first ~2 x check_period calls compare more often).
 
     Returns one record per size with each mode's median time per call and
     ``overhead_<mode>`` = median over repeats of (that mode's run / the first mode's run)
@@ -245,6 +247,13 @@ def measure_check_cost(comm, sizes, algorithm="auto", repeats=21, target=0.01,
                 bench.set_check(m.split("-")[0])
                 for _ in range(3):
                     call()
+            # the steady state: digest windows grown to their longest (64, 128, ... calls)
+            bench.set_check("digest")
+            window = bench._main.period
+            while window < bench.check_period:
+                for _ in range(window):
+                    call()
+                window = bench._main.period
             bench.set_check("off")
             # The same number of calls for every mode, enough for a digest comparison.
             iters = max(_pick_iters(raw, call, nbytes, target),

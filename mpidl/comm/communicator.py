@@ -392,10 +392,10 @@ class Communicator(PointToPoint):
         if self._check == _DIGEST and mode != "digest":
             self.check_signatures()
         if mode == "digest" and self._check != _DIGEST:
-            for ch in (self._main, self._bg):
+            for ch in (self._main, self._bg):  # windows as long as they had grown
                 ch.window = []
                 ch.push = ch.window.append
-                _open_window(ch, ch.seq + 1, min(FIRST_PERIOD, self.check_period))
+                _open_window(ch, ch.seq + 1, ch.period)
         self.check = mode
         self._check = {"off": _OFF, "first": _FIRST, "always": _ALWAYS, "digest": _DIGEST}[mode]
 
@@ -537,8 +537,8 @@ class Communicator(PointToPoint):
         registry, ``op="mean"`` division, copy-back of a non-contiguous result)."""
         t = ch.transport(True) if c.gpu else ch.host
         kind = c.kind
-        key = (kind, c.name, None if kind == "allgatherv" else c.x.shape, c.x.dtype, c.op,
-               c.alg, c.root)
+        key = (kind, c.name, None if kind == "allgatherv" else
+               c.x.size if kind == "allreduce" else c.x.shape, c.x.dtype, c.op, c.alg, c.root)
         ch.seq += 1
         ch.busy = key
         try:
@@ -606,7 +606,7 @@ class Communicator(PointToPoint):
             alg = algorithm if algorithm in _REGISTRY else self._resolve(
                 "allreduce", algorithm, x.nbytes)
             check = self._check
-            key = (name, x.shape, x.dtype.num, alg)  # short form of a sum's signature key
+            key = (name, x.size, x.dtype.num, alg)  # short form of a sum's signature key
             seq = ch.seq + 1
             ch.seq = seq
             ch.busy = key

@@ -42,11 +42,14 @@ class CollectiveMismatchError(RuntimeError):
 
 
 def describe(kind, name, shape, dtype, op=None, algorithm=None, root=None):
-    """The text every rank must agree on (shape None: not compared, as in allgatherv)."""
+    """The text every rank must agree on (shape None: not compared, as in allgatherv; an
+    int: the element count, as the digests of all-reduce calls record it)."""
     if kind == "barrier":
         return "barrier"
     parts = [kind, f"tensor={name!r}" if name is not None else "tensor=<unnamed>"]
-    if shape is not None:
+    if isinstance(shape, (int, np.integer)):
+        parts.append(f"size={int(shape)}")
+    elif shape is not None:
         parts.append(f"shape={tuple(shape)}")
     if dtype is not None:
         parts.append(f"dtype={np.dtype(dtype).name}")
@@ -135,8 +138,10 @@ def raise_mismatch(table, kind, name, where=None):
 def full_key(key):
     """A signature key as ``describe``'s arguments: (kind, name, shape, dtype, op,
     algorithm, root). The all-reduce fast path records a sum's key in the short form
-    (name, shape, dtype number, algorithm), which costs less to build and to hash (a
-    dtype's hash is slow)."""
+    (name, element count, dtype number, algorithm), which costs less to build and to hash
+    (a dtype's hash is slow, a shape is a new tuple every call). All-reduce keys record
+    the element count instead of the shape on every path, so the two paths agree; the
+    first call of each name compares the full shapes."""
     if len(key) == 4:
         return ("allreduce", key[0], key[1], _DTYPES[key[2]], "sum", key[3], None)
     return key
