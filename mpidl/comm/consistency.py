@@ -12,11 +12,12 @@ the call, the tensor and which ranks passed what, instead of a hang or silent ga
   latency-bound collective per call.
 - The digest comparison (``compare_windows``, ``check="digest"``, the default): every
   call's signature key (a tuple) is looked up once in a dictionary of digests and the
-  digest (an int) remembered; every ``check_period`` calls (1024 by default) and at
-  ``close()`` ranks all-gather 24 bytes: the number of calls and a digest of their
-  digests. So a later call with another dtype, op, shape
-  or name, or a rank that skipped a call, is caught within ``check_period`` calls, at the
-  cost of one small all-gather per period. A call whose shapes differ may fail before
+  digest (an int) remembered; after windows of 64, 128, ... calls, up to
+  ``check_period`` (4096 by default), and at ``close()`` ranks all-gather 24 bytes: the
+  number of calls and a digest of their digests. So a later call with another dtype, op,
+  size or name, or a rank that skipped a call, is caught by the end of its window, at
+  the cost of one small all-gather per window (all-reduce keys hold the element count,
+  not the shape: cheaper, and what the data depends on). A call whose shapes differ may fail before
   that (MPI's "message truncated", reported as a mismatch of that call) or hang; a hang
   is named by the stall inspector (stall.py), which compares the signatures of the calls
   the ranks are stuck in.
