@@ -24,7 +24,6 @@ Reading it: points of test accuracy lost against bytes saved. Timings are not re
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -33,33 +32,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from mpidl.benchmarks.machine import describe as describe_machine  # noqa: E402
+from mpidl.benchmarks.machine import launch_env, mpiexec  # noqa: E402
 from mpidl.training.callbacks import Callback  # noqa: E402
-
-
-def mpi_env():
-    env = dict(os.environ)
-    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                "NUMBA_NUM_THREADS"):
-        env.setdefault(var, "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def mpiexec():
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.path.exists(beside) else "mpiexec"
-
-
-def machine():
-    import numpy as np
-    from mpi4py import MPI
-
-    from mpidl.benchmarks.machine import cpu_model
-
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "numpy": np.__version__,
-            "mpi": MPI.Get_library_version().splitlines()[0].strip()}
 
 
 class StepBytes(Callback):
@@ -148,7 +123,7 @@ def configurations(periods):
 def main_run(a):
     os.makedirs(a.work, exist_ok=True)
     periods = [int(h) for h in a.periods.split(",")]
-    results = {"machine": machine(), "settings": vars(a), "runs": {}}
+    results = {"machine": describe_machine(), "settings": vars(a), "runs": {}}
     for name, sync, h in configurations(periods):
         out = os.path.join(a.work, f"{name.replace(' ', '_').replace('=', '')}.json")
         cmd = [mpiexec(), "-n", str(a.ranks), sys.executable, "-m", "mpi4py",
@@ -161,7 +136,7 @@ def main_run(a):
             cmd += ["--data-dir", a.data_dir]
         t = time.time()
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=mpi_env(), timeout=a.timeout)
+                              text=True, env=launch_env(ROOT), timeout=a.timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}")
         with open(out) as f:

@@ -34,7 +34,6 @@ model's recipe (cosine schedule) over ``--epochs``; reports the final test accur
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -44,6 +43,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from mpidl.benchmarks.machine import describe as describe_machine  # noqa: E402
+from mpidl.benchmarks.machine import launch_env, mpiexec  # noqa: E402
 from mpidl.training.callbacks import Callback  # noqa: E402
 
 # name, runtime options (ps preset) or None (allreduce)
@@ -75,32 +76,6 @@ ACCURACY_CONFIGS = [
     ("ssp-4", ["--mode", "ssp", "--staleness", "4"] + ASYNC),
     ("backup", ["--mode", "backup"]),
 ]
-
-
-def mpi_env():
-    env = dict(os.environ)
-    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                "NUMBA_NUM_THREADS"):
-        env.setdefault(var, "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def mpiexec():
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.path.exists(beside) else "mpiexec"
-
-
-def machine():
-    import numpy as np
-    from mpi4py import MPI
-
-    from mpidl.benchmarks.machine import cpu_model
-
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "numpy": np.__version__,
-            "mpi": MPI.Get_library_version().splitlines()[0].strip()}
 
 
 # ----------------------------------------------------------------------------- one run
@@ -276,7 +251,7 @@ def poll(a):
                        ("sleeping", "1")):
         key = f"{how}-probe, MPIR_CVAR_ENABLE_HEAVY_YIELD={heavy}"
         out = os.path.join(a.work, f"poll-{how}-{heavy}.json")
-        env = mpi_env()
+        env = launch_env(ROOT)
         env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = heavy
         cmd = [mpiexec(), "-n", str(a.ranks), sys.executable, "-m", "mpi4py",
                os.path.abspath(__file__), "_poll", "--how", how, "--seconds",
@@ -309,7 +284,7 @@ def time_to(curve, target):
 def launch(n, args, timeout, log):
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py"] + [str(a) for a in args]
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=mpi_env(),
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=launch_env(ROOT),
                               timeout=timeout)
     if proc.returncode != 0:
         with open(log) as f:
@@ -319,7 +294,7 @@ def launch(n, args, timeout, log):
 
 def speed(a):
     os.makedirs(a.work, exist_ok=True)
-    results = {"machine": machine(), "settings": vars(a), "runs": {}}
+    results = {"machine": describe_machine(), "settings": vars(a), "runs": {}}
     if not a.no_anchor:
         results["waiting"] = poll(SimpleNamespace(work=a.work, ranks=a.workers + 1,
                                                   seconds=3.0))
@@ -489,7 +464,7 @@ def plot(results, path, target):
 def accuracy(a):
     os.makedirs(a.work, exist_ok=True)
     mpidl = os.path.join(os.path.dirname(sys.executable), "mpidl")
-    results = {"machine": machine(), "settings": vars(a), "runs": {}}
+    results = {"machine": describe_machine(), "settings": vars(a), "runs": {}}
     only = set(a.only.split(",")) if a.only else None
     if only and os.path.exists(a.out):  # re-run some: keep the others' results
         with open(a.out) as f:
@@ -511,7 +486,7 @@ def accuracy(a):
         t = time.time()
         log = os.path.join(a.work, f"acc-{name}.log")
         with open(log, "w") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=mpi_env(),
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=launch_env(ROOT),
                                   timeout=a.timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed; see {log}")

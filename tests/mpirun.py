@@ -121,3 +121,22 @@ def rank_pids(launcher_pid):
                 ranks[int(var.split(b"=", 1)[1])] = pid
                 break
     return ranks
+
+
+def model_arrays(path):
+    """The arrays of a saved model (.npz), without its metadata entries."""
+    import numpy as np  # noqa: PLC0415
+
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files if not k.startswith("__")}
+
+
+def assert_bitwise_equal(a, b):
+    """Two models' arrays (``model_arrays``) are the same bits, name by name."""
+    import numpy as np  # noqa: PLC0415
+
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert np.array_equal(a[k], b[k]), f"{k} differs (max |diff| "\
+            f"{np.max(np.abs(a[k].astype(float) - b[k].astype(float)))})"

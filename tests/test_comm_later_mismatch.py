@@ -3,7 +3,8 @@ in an error naming the call, the tensor and the ranks, under every algorithm —
 silent garbage, never in a silent hang (check="digest", the default; issue 12, point 3).
 
 The rank script (ranks/comm_later_mismatch.py) makes 1500 calls of two alternating
-tensors (the digests are compared before calls 65, 193, 449, 961 and at close()); at call 301 rank 1 passes another dtype, op or shape, or skips a call, or it
+tensors (the digests are compared before calls 65, 193, 449, 961 and at close());
+at call 301 rank 1 passes another dtype, op or shape, or skips a call, or it
 skips the very last one. The stall inspector runs with a 2 s warning and a 5 s timeout,
 so a rank stuck in MPI is named and the job ends.
 """

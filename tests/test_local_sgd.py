@@ -15,13 +15,12 @@ import json
 import os
 import sys
 
-import numpy as np
 import pytest
 
 from mpidl.errors import ConfigError
 from mpidl.runtime import build
 from mpidl.runtime.averaging import DiLoCo, ModelAveraging
-from mpirun import mpiexec_path, run_command, run_ranks
+from mpirun import model_arrays, mpiexec_path, run_command, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
@@ -122,9 +121,6 @@ def mpidl2(*args):
     return [mpiexec_path(), "-n", "2"] + MPIDL + ["train", "--no-progress"] + list(args)
 
 
-def model_arrays(path):
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files if not k.startswith("__")}
 
 
 def test_failure_mid_period_then_resume_is_bitwise_equal(tmp_path):

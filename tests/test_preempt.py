@@ -16,10 +16,9 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
-from mpirun import mpi_env, mpiexec_path, run_command
+from mpirun import assert_bitwise_equal, model_arrays, mpi_env, mpiexec_path, run_command
 
 STOPPED = 75
 MPIDL = [sys.executable, "-m", "mpidl.cli.main", "train", "--no-progress"]
@@ -40,16 +39,8 @@ def json_lines(text):
     return [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
 
 
-def model_arrays(path):
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files if not k.startswith("__")}
 
 
-def assert_bitwise_equal(a, b):
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert np.array_equal(a[k], b[k]), f"{k} differs"
 
 
 def signal_after(cmd, sig, ready=lambda line: line.startswith('{"epoch": 1,'), timeout=180):

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import mpiexec_path, run_command
+from mpirun import assert_bitwise_equal, model_arrays, mpiexec_path, run_command
 
 MPIDL = [sys.executable, "-m", "mpidl.cli.main", "train", "--no-progress"]
 FASHION = "/usr/share/datasets/fashion-mnist"
@@ -34,17 +34,8 @@ def json_lines(text):
     return out
 
 
-def model_arrays(path):
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files if not k.startswith("__")}
 
 
-def assert_bitwise_equal(a, b):
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert np.array_equal(a[k], b[k]), f"{k} differs (max |diff| "\
-            f"{np.max(np.abs(a[k].astype(float) - b[k].astype(float)))})"
 
 
 @needs_fashion

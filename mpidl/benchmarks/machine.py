@@ -13,3 +13,38 @@ def cpu_model():
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def describe():
+    """The machine and library versions, for a benchmark's JSON report."""
+    import os  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "mpi": MPI.Get_library_version().splitlines()[0].strip()}
+
+
+def mpiexec():
+    """The ``mpiexec`` beside this Python (the venv's MPICH), else the one on PATH."""
+    import os  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.path.exists(beside) else "mpiexec"
+
+
+def launch_env(root):
+    """The environment for ranks a benchmark launches: one thread per rank, MPICH
+    yielding the core while it waits (ranks may share cores), ``root`` importable."""
+    import os  # noqa: PLC0415
+
+    env = dict(os.environ)
+    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                "NUMBA_NUM_THREADS"):
+        env.setdefault(var, "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
