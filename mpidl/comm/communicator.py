@@ -79,6 +79,7 @@ _NP_SUM = reduction(np, "sum")
 IN_PLACE, SUM = MPI.IN_PLACE, MPI.SUM
 CHECK_MODES = ("digest", "first", "always", "off")
 _OFF, _FIRST, _ALWAYS, _DIGEST = 0, 1, 2, 3
+_MODES = {"off": _OFF, "first": _FIRST, "always": _ALWAYS, "digest": _DIGEST}
 DIGEST_PERIOD = 4096  # most calls between two digest comparisons (check="digest")
 FIRST_PERIOD = 64  # the first comparison's; each next window is twice as long, up to it
 DEFAULT_SEGMENT_BYTES = 1024 * 1024
@@ -203,8 +204,7 @@ class Communicator(PointToPoint):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.check = check
-        self._check = {"off": _OFF, "first": _FIRST, "always": _ALWAYS,
-                       "digest": _DIGEST}[check]
+        self._check = _MODES[check]
         if not int(check_period) >= 1:
             raise ValueError(f"check_period={check_period!r}: expected calls >= 1")
         self._owns = _owns
@@ -393,11 +393,10 @@ class Communicator(PointToPoint):
             self.check_signatures()
         if mode == "digest" and self._check != _DIGEST:
             for ch in (self._main, self._bg):  # windows as long as they had grown
-                ch.window = []
-                ch.push = ch.window.append
+                ch.window.clear()
                 _open_window(ch, ch.seq + 1, ch.period)
         self.check = mode
-        self._check = {"off": _OFF, "first": _FIRST, "always": _ALWAYS, "digest": _DIGEST}[mode]
+        self._check = _MODES[mode]
 
     def check_signatures(self):
         """Compare the signatures of the calls since the last comparison now
@@ -493,9 +492,8 @@ class Communicator(PointToPoint):
         number: the first window is 64 calls, each next one twice as long up to
         ``check_period``, so a mismatch early in a run is found early and a long run
         compares rarely."""
-        window = ch.window
-        ch.window = []
-        ch.push = ch.window.append
+        window = ch.window[:]
+        ch.window.clear()  # the same list: ch.push stays bound to it
         first = ch.window_start
         last = ch.seq - 1 if before_call else ch.seq
         _open_window(ch, last + 1, min(ch.period * 2, self.check_period))

@@ -68,6 +68,12 @@ def settings():
     return _settings["warning"], _settings["timeout"]
 
 
+def _interval():
+    """Seconds between the inspector's visits (and between its answers to questions)."""
+    warning, _ = settings()
+    return min(1.0, max(0.05, warning / 10))
+
+
 def _load():
     if not _settings:
         _settings["warning"] = env.number("MPIDL_STALL_WARNING")
@@ -147,8 +153,7 @@ class Inspector:
     # -- the loop
     def _run(self):
         while not self._stop.is_set():
-            warning, _ = settings()
-            self._stop.wait(min(1.0, max(0.05, warning / 10)))
+            self._stop.wait(_interval())
             if self._stop.is_set() or MPI.Is_finalized():
                 return
             try:
@@ -177,21 +182,24 @@ class Inspector:
                 continue
             waited = now - track.since
             collective = not isinstance(busy, Wait)
-            if collective and not track.mismatch_checked and waited > MISMATCH_AFTER:
-                track.mismatch_checked = True
-                report = self.inquire(comm, ch, busy, seq, waited)
-                if report is not None and report.mismatch:
-                    self._abort(f"mpidl: rank {comm.world_rank}: {report.mismatch}")
-            if timeout and waited > timeout:
-                report = self.inquire(comm, ch, busy, seq, waited)
-                if report is not None:
-                    self._abort(f"mpidl: stall timeout ({timeout:g} s, --stall-timeout): "
-                                f"{report.text} Ending the job.")
-            elif not track.warned and waited > warning:
+            mismatch = collective and not track.mismatch_checked and waited > MISMATCH_AFTER
+            expired = timeout and waited > timeout
+            warn = not track.warned and waited > warning
+            if not (mismatch or expired or warn):
+                continue
+            # one inquiry serves all three: every answer is checked for a mismatch
+            report = self.inquire(comm, ch, busy, seq, waited)
+            if report is None:  # the wait ended meanwhile
+                continue
+            track.mismatch_checked = True
+            if report.mismatch:
+                self._abort(f"mpidl: rank {comm.world_rank}: {report.mismatch}")
+            if expired:
+                self._abort(f"mpidl: stall timeout ({timeout:g} s, --stall-timeout): "
+                            f"{report.text} Ending the job.")
+            if warn:
                 track.warned = True
-                report = self.inquire(comm, ch, busy, seq, waited)
-                if report is not None:
-                    print(f"mpidl: stall: {report.text}", file=sys.stderr, flush=True)
+                print(f"mpidl: stall: {report.text}", file=sys.stderr, flush=True)
 
     def _abort(self, message):
         print(message, file=sys.stderr, flush=True)
@@ -239,9 +247,7 @@ class Inspector:
         qid = self._query_id
         for r in peers:
             self._sends.append(icomm.isend(qid, dest=r, tag=QUERY))
-        warning, _ = settings()
-        interval = min(1.0, max(0.05, warning / 10))
-        deadline = time.monotonic() + 2 * interval + 0.5
+        deadline = time.monotonic() + 2 * _interval() + 0.5
         replies = {}
         status = MPI.Status()
         while len(replies) < len(peers) and time.monotonic() < deadline:
