@@ -36,6 +36,7 @@ def test_identities_and_bytes_on_n_ranks(n):
     out = run_ranks(n, [os.path.join(HERE, "ranks", "local_sgd_check.py")],
                     timeout=240).check().output
     assert "local SGD checks passed" in out, out
+    assert f"local SGD H=3 == one process simulating {n} replicas" in out, out
 
 
 def test_sync_composes_with_the_allreduce_preset():

@@ -7,6 +7,8 @@ Checks, every one on every rank:
   its own momentum buffer (they differ by rank), and their mean is the all-reduce run's
   buffer within 1e-13 (momentum is linear in the gradient). With Adam it is not (the
   moments are not linear): the parameters differ by far more than rounding;
+* local SGD (H = 3) on N ranks is one process training the N replicas itself and
+  averaging them every H steps, within 1e-13 after every step;
 * DiLoCo with outer lr 1 and no outer momentum is local SGD bitwise (H = 3);
 * post-local SGD (4 warm-up steps) is all-reduce bitwise up to its switch;
 * after every averaging the replicas are bitwise equal (``verify_averaging``), DiLoCo's
@@ -177,6 +179,37 @@ def check_post_local_switch(comm, warmup=4, steps=10):
               "warm-up steps", flush=True)
 
 
+def check_is_one_process_simulation(comm, steps=9, period=3):
+    """Local SGD (H = 3, SGD with momentum) on N ranks equals one process that trains N
+    replicas itself, each on its shard with its own optimizer, and averages their
+    parameters every H steps (summed in rank order; the ring sums in another order, hence
+    within 1e-13). Every rank runs the simulation and compares after every step."""
+    n = comm.size
+    x, y = data(steps, n * B)
+    replicas = []
+    for _ in range(n):
+        model = mlp(3)  # the runtime starts every replica from rank 0's weights
+        rt = build("local", None)
+        rt.setup(model, sgd(model), SoftmaxCrossEntropy())
+        replicas.append((model, rt))
+    for s, m, _, _ in train(comm, steps, sync="local-sgd", period=period):
+        for r, (_, rt) in enumerate(replicas):
+            rt.train_step(x[s - 1][r * B:(r + 1) * B], y[s - 1][r * B:(r + 1) * B])
+        if s % period == 0:
+            named = [dict(model.named_parameters()) for model, _ in replicas]
+            for k in named[0]:
+                mean = sum(nm[k].data for nm in named) / n
+                for nm in named:
+                    nm[k].data[...] = mean
+        d = max_diff(params(m), params(replicas[comm.rank][0]))
+        if d > TOL:
+            raise AssertionError(f"local SGD step {s}: rank {comm.rank} is {d:.3g} from "
+                                 "its replica in the one-process simulation")
+    if comm.rank == 0:
+        print(f"[N={n}] local SGD H={period} == one process simulating {n} replicas "
+              f"(within {TOL}, every step)", flush=True)
+
+
 def check_bytes(comm, steps=12):
     for bucket_mb in (4.0, 0.0004):
         per_step = None
@@ -210,6 +243,7 @@ def check_bytes(comm, steps=12):
 def main():
     comm = Communicator()
     check_h1_is_allreduce(comm)
+    check_is_one_process_simulation(comm)
     check_diloco_lr1_is_local_sgd(comm)
     check_post_local_switch(comm)
     if comm.size > 1:
