@@ -1,6 +1,8 @@
 """``mpidl info``: versions, the MPI library, ranks, backend and GPUs.
 
 Under a launcher every rank reports its host, node-local rank and GPU; rank 0 prints.
+``mpidl info --memory --model M --zero S --ranks N`` prints instead what ZeRO's formula
+predicts each rank will hold (``mpidl.runtime.memory``), before any run.
 """
 
 import json
@@ -20,6 +22,22 @@ def register(subparsers):
                    help="also list the models and their recommended settings")
     p.add_argument("--device", choices=("cpu", "gpu"), default=None,
                    help="backend to report (default: $MPIDL_DEVICE or cpu)")
+    m = p.add_argument_group("memory prediction (--memory)")
+    m.add_argument("--memory", action="store_true",
+                   help="print the memory per rank ZeRO's formula predicts for a model, "
+                   "stage and number of ranks, instead of the facts above")
+    m.add_argument("--model", default="mlp", help="a model name or FILE.py:FUNC (default mlp)")
+    m.add_argument("--dataset", default="fashion-mnist",
+                   help="the dataset whose input shape the model is built for")
+    m.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO stage (default 0)")
+    m.add_argument("--ranks", type=int, default=1, help="data-parallel ranks N (default 1)")
+    m.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    m.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    m.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"))
+    m.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0: no slot)")
+    m.add_argument("--bucket-mb", type=float, default=None,
+                   help="fusion bucket size in MiB (default: the data-parallel default)")
     p.set_defaults(prepare=prepare)
     return p
 
@@ -49,6 +67,9 @@ def local_facts(world, device=None):
 
 def prepare(args, world):
     from mpidl.cli.train import _local_rank  # noqa: PLC0415
+
+    if args.memory:
+        return lambda: memory_report(args, world)
 
     mine = local_facts(world, args.device)
     mine["local_rank"] = _local_rank(world)
@@ -123,3 +144,58 @@ def _models():
     except ImportError as e:
         return {"unavailable": str(e)}
     return {name: dict(MODEL_DEFAULTS.get(name, {})) for name in MODELS}
+
+
+#: input shapes of the datasets, so a prediction needs no data on disk
+INPUT_SHAPES = {"fashion-mnist": (1, 28, 28), "mnist": (1, 28, 28), "cifar10": (3, 32, 32),
+                "digits": (1, 8, 8), "synthetic": (1, 28, 28)}
+
+
+def memory_report(args, world):
+    """``--memory``: the formula's bytes per rank for every rank of the layout."""
+    from mpidl.engine.models import build_model  # noqa: PLC0415
+    from mpidl.errors import ConfigError  # noqa: PLC0415
+    from mpidl.runtime import memory  # noqa: PLC0415
+    from mpidl.runtime.sync.fused import check_bucket_mb  # noqa: PLC0415
+
+    if world.rank != 0:
+        return 0
+    if args.ranks < 1:
+        raise ConfigError(f"--ranks must be >= 1, got {args.ranks}")
+    shape = INPUT_SHAPES.get(args.dataset)
+    if shape is None:
+        raise ConfigError(f"--dataset {args.dataset!r}: expected one of "
+                          f"{', '.join(INPUT_SHAPES)}")
+    try:
+        model = build_model(args.model, input_shape=shape, num_classes=10, dtype=args.dtype)
+    except ValueError as e:
+        raise ConfigError(f"--model {args.model}: {e}") from None
+    bucket_mb = check_bucket_mb(args.bucket_mb)
+    sizes = memory.bucket_sizes(model.named_parameters(), bucket_mb)
+    slots = memory.optimizer_slots(args.optimizer, args.momentum)
+    rows = [memory.predict(sizes, args.ranks, args.zero, slots=slots,
+                           precision=args.precision, dtype=args.dtype, rank=r)
+            for r in range(args.ranks)]
+    closed = memory.paper_formula(sum(sizes), args.ranks, args.zero, slots,
+                                  args.precision, args.dtype)
+    if args.json:
+        print(json.dumps({"model": args.model, "dataset": args.dataset, "zero": args.zero,
+                          "ranks": args.ranks, "precision": args.precision,
+                          "dtype": args.dtype, "optimizer": args.optimizer,
+                          "slots": slots, "bucket_elements": sizes,
+                          "paper_formula_bytes": closed,
+                          "per_rank": [r.as_dict() for r in rows]}))
+        return 0
+    mib = 1 << 20
+    print(f"{args.model} on {args.dataset}: {sum(sizes):,} parameters in {len(sizes)} "
+          f"bucket(s); ZeRO stage {args.zero}, {args.ranks} rank(s), precision "
+          f"{args.precision} ({args.dtype}), {args.optimizer} ({slots} slot(s))")
+    print(f"{'rank':>4}  {'params':>12}  {'grads':>12}  {'optimizer':>12}  {'total':>12}  "
+          "(bytes)")
+    for r in rows:
+        print(f"{r.rank:>4}  {r.mem_params:>12,}  {r.mem_grads:>12,}  {r.mem_optimizer:>12,}"
+              f"  {r.total:>12,}")
+    print(f"total per rank {rows[0].total / mib:.2f} MiB (rank 0); ZeRO's closed form "
+          f"(Psi/N) gives {closed / mib:.2f} MiB. Activations and communication buffers "
+          "come on top (the epoch line's mem_activations, mem_comm).")
+    return 0

@@ -1,0 +1,114 @@
+"""Memory per rank: what ZeRO's formula predicts, and what a running rank holds.
+
+Training state on a data-parallel rank is four things (Rajbhandari et al., SC20):
+
+* **parameters**, in the compute format (p bytes per element: 4 for fp32, 2 for
+  bf16/fp16, 8 for float64);
+* **gradients**, in the compute format (g = p bytes);
+* **optimizer state**: its slots (SGD with momentum: 1; Adam, AdamW: 2; plain SGD: 0)
+  in the master format (s bytes: 4 under mixed precision, else the compute format) and,
+  under mixed precision only, the fp32 **master weights** (4 bytes);
+* communication and activation buffers, which are not part of the formula.
+
+With Ψ elements and K = slots·s + master bytes, ZeRO stage 0 holds (p + g + K)·Ψ on
+every rank; stage 1 shards the optimizer state (p + g)·Ψ + K·Ψ/N; stage 2 also the
+gradients p·Ψ + (g + K)·Ψ/N; stage 3 also the parameters (p + g + K)·Ψ/N.
+
+mpidl shards each fused bucket (``mpidl.runtime.fusion``) with ``layout.even_split``:
+rank r holds ``counts[r]`` of a bucket's n elements, which is n/N rounded up or down.
+So the exact per-rank figure is the sum of its shards, not Ψ/N: ``predict`` computes
+that sum (the documented difference from Ψ/N is below one element per bucket; there
+is no padding).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpidl.comm.layout import even_split
+
+#: bytes of one element in each compute format
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+STAGES = (0, 1, 2, 3)
+#: the per-rank categories every ledger and prediction reports, in bytes
+CATEGORIES = ("mem_params", "mem_grads", "mem_optimizer")
+
+
+def optimizer_slots(optimizer, momentum=0.0):
+    """How many per-element arrays ``optimizer`` (a name) keeps."""
+    name = optimizer.lower()
+    if name == "sgd":
+        return 1 if momentum else 0
+    if name in ("adam", "adamw"):
+        return 2
+    raise ValueError(f"unknown optimizer {optimizer!r}: expected sgd, adam or adamw")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Bytes per rank of each category, for one rank of one layout."""
+
+    rank: int
+    mem_params: int
+    mem_grads: int
+    mem_optimizer: int
+    elements: int        # Ψ
+    shard: int           # elements this rank owns (the sum of its bucket shards)
+
+    @property
+    def total(self):
+        return self.mem_params + self.mem_grads + self.mem_optimizer
+
+    def as_dict(self):
+        return {"rank": self.rank, "mem_params": self.mem_params,
+                "mem_grads": self.mem_grads, "mem_optimizer": self.mem_optimizer,
+                "total": self.total, "elements": self.elements, "shard": self.shard}
+
+
+def element_bytes(precision="fp32", dtype="float32"):
+    """(p, s, master): bytes per element of the compute format, of an optimizer slot and
+    of the master copy (0 when the parameters themselves are the master)."""
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISION_BYTES)}, got "
+                         f"{precision!r}")
+    full = np.dtype(dtype).itemsize
+    if precision == "fp32":
+        return full, full, 0
+    return PRECISION_BYTES[precision], 4, 4
+
+
+def predict(bucket_sizes, ranks, stage, *, slots, precision="fp32", dtype="float32",
+            rank=0):
+    """The formula for rank ``rank`` of ``ranks``, at ZeRO ``stage``, for a model whose
+    fused buckets hold ``bucket_sizes`` elements each (``fusion.plan``)."""
+    if stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of 0, 1, 2, 3, got {stage!r}")
+    if not 0 <= rank < ranks:
+        raise ValueError(f"rank {rank} is not one of {ranks} ranks")
+    p, s, master = element_bytes(precision, dtype)
+    k = slots * s + master
+    psi = int(sum(bucket_sizes))
+    shard = sum(even_split(int(n), ranks)[0][rank] for n in bucket_sizes)
+    params = p * (shard if stage >= 3 else psi)
+    grads = p * (shard if stage >= 2 else psi)
+    optim = k * (shard if stage >= 1 else psi)
+    return Prediction(rank, params, grads, optim, psi, shard)
+
+
+def bucket_sizes(named_params, bucket_mb):
+    """Elements per fused bucket, as the data-parallel sync lays them out."""
+    from mpidl.runtime.fusion import MiB, plan  # noqa: PLC0415
+
+    return [sum(p.data.size for _, p in group)
+            for group in plan(named_params, int(bucket_mb * MiB))]
+
+
+def paper_formula(psi, ranks, stage, slots, precision="fp32", dtype="float32"):
+    """ZeRO's closed form with Ψ/N (fractional), for the README's table and checks."""
+    p, s, master = element_bytes(precision, dtype)
+    k = slots * s + master
+    share = psi / ranks
+    return {0: (p + p + k) * psi,
+            1: (p + p) * psi + k * share,
+            2: p * psi + (p + k) * share,
+            3: (p + p + k) * share}[stage]

@@ -1,0 +1,58 @@
+"""The memory formula (``mpidl.runtime.memory``) and ``mpidl info --memory``."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mpidl.runtime import memory
+
+
+@pytest.mark.parametrize("stage", memory.STAGES)
+@pytest.mark.parametrize("precision,dtype", [("fp32", "float32"), ("fp32", "float64"),
+                                             ("bf16", "float32"), ("fp16", "float32")])
+@pytest.mark.parametrize("slots", [0, 1, 2])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_shards_sum_to_the_closed_form(stage, precision, dtype, slots, ranks):
+    sizes = [1000003, 17, 4096, 5]  # uneven on purpose: shards differ by one element
+    rows = [memory.predict(sizes, ranks, stage, slots=slots, precision=precision,
+                           dtype=dtype, rank=r) for r in range(ranks)]
+    closed = memory.paper_formula(sum(sizes), ranks, stage, slots, precision, dtype)
+    # what all ranks hold together is the closed form times N, exactly
+    assert sum(r.total for r in rows) == pytest.approx(closed * ranks, rel=0, abs=1e-6)
+    # and no rank is further from Ψ/N than one element per bucket
+    p, s, master = memory.element_bytes(precision, dtype)
+    worst = len(sizes) * (2 * p + slots * s + master)
+    assert all(abs(r.total - closed) <= worst for r in rows)
+    assert sum(r.shard for r in rows) == sum(sizes)
+
+
+def test_the_papers_example():
+    """7.5 B parameters, mixed-precision Adam, 64 ranks: 120, 31.4, 16.6, 1.9 GB."""
+    psi, n = 7.5e9, 64
+    got = [memory.paper_formula(psi, n, s, slots=2, precision="fp16") / 1e9 for s in range(4)]
+    assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_info_memory_prints_the_prediction():
+    out = subprocess.run([sys.executable, "-m", "mpidl", "info", "--memory", "--model", "mlp",
+                          "--zero", "2", "--ranks", "3", "--optimizer", "adam", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    rows = info["per_rank"]
+    assert [r["rank"] for r in rows] == [0, 1, 2]
+    psi = rows[0]["elements"]
+    assert psi == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
+    assert rows[0]["mem_params"] == 4 * psi          # stage 2 keeps every parameter
+    assert sum(r["mem_grads"] for r in rows) == 4 * psi
+    assert sum(r["mem_optimizer"] for r in rows) == 8 * psi
+
+
+def test_info_memory_bad_model_is_one_line():
+    out = subprocess.run([sys.executable, "-m", "mpidl", "info", "--memory", "--model",
+                          "nope"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert "--model nope" in out.stderr and len(out.stderr.strip().splitlines()) == 1
