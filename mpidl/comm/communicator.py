@@ -379,7 +379,8 @@ class Communicator(PointToPoint):
             ch.busy = None
 
     def waiting(self, text, peers=None):
-        """A context in which this rank waits for ``text`` from ``peers`` (ranks of this
+        """A context in which this rank waits for ``text`` (a str, or a function making it
+        when a stall report needs it) from ``peers`` (ranks of this
         group; None: any) outside mpidl's own calls, e.g. a protocol's polling loop: the
         stall inspector (stall.py) names the peers that have not answered when it lasts."""
         return _Waiting(self._p2p, stall.Wait(text, peers))

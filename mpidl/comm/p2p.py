@@ -155,12 +155,16 @@ class PointToPoint:
                              f"(size {self.size})" + (" or ANY_SOURCE" if any_ok else ""))
 
     def _p2p_waiting(self, what, peer, tag):
-        """The stall inspector's mark for a point-to-point wait (stall.py)."""
+        """The stall inspector's mark for a point-to-point wait (stall.py). Its text is
+        made only if a stall report needs it: p2p calls are too cheap to format one each."""
         if peer == ANY_SOURCE:
-            return self.waiting(f"in {what} from any rank, tag {_tag_text(tag)}")
-        direction = "to" if what.startswith(("send", "isend")) else "from"
-        return self.waiting(f"in {what} {direction} rank {self.world_ranks[peer]}, tag "
-                            f"{_tag_text(tag)}", (peer,))
+            return self.waiting(lambda: f"in {what} from any rank, tag {_tag_text(tag)}")
+
+        def text():
+            direction = "to" if what.startswith(("send", "isend")) else "from"
+            return f"in {what} {direction} rank {self.world_ranks[peer]}, tag {_tag_text(tag)}"
+
+        return self.waiting(text, (peer,))
 
     def _p2p_record(self, kind, start, nbytes, **extra):
         tl = self._timeline

@@ -85,11 +85,18 @@ class Wait:
     after "has waited 10 s" (so it starts with "in" or "for"), and ``peers`` (group ranks
     it waits for; None: every other rank of the group)."""
 
-    __slots__ = ("text", "peers")
+    __slots__ = ("_text", "peers")
 
     def __init__(self, text, peers=None):
-        self.text = text
+        self._text = text  # a str, or a function that makes it: only a stall reads it
         self.peers = peers
+
+    @property
+    def text(self):
+        text = self._text
+        if not isinstance(text, str):
+            text = self._text = text()
+        return text
 
     def __repr__(self):
         return self.text
