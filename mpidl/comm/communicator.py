@@ -379,10 +379,10 @@ class Communicator(PointToPoint):
             ch.busy = None
 
     def waiting(self, text, peers=None):
-        """A context in which this rank waits for ``text`` (a str, or a function making it
-        when a stall report needs it) from ``peers`` (ranks of this
-        group; None: any) outside mpidl's own calls, e.g. a protocol's polling loop: the
-        stall inspector (stall.py) names the peers that have not answered when it lasts."""
+        """A context in which this rank waits for ``text`` (a str, or a function that makes
+        it when a stall report needs it) from ``peers`` (ranks of this group; None: any)
+        outside mpidl's own calls, e.g. a protocol's polling loop: the stall inspector
+        (stall.py) names the peers that have not answered when it lasts."""
         return _Waiting(self._p2p, stall.Wait(text, peers))
 
     def set_check(self, mode):
