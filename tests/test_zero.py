@@ -1,0 +1,151 @@
+"""ZeRO stages (``--zero 0|1|2|3``, ``mpidl.runtime.zero``).
+
+* Bitwise: every stage gives stage 0's parameters after every step, on real ranks
+  (tests/ranks/zero_check.py): SGD + momentum (and Nesterov), Adam, AdamW, float32 and
+  float64, p = 2, 3 (uneven shards) and 4, mlp and cnn, several buckets, with and without
+  overlap, with --accumulate, with every algorithm (those whose reduce-scatter sums in
+  another order all-reduce instead). The full grid (200 steps) is ``slow``; a slice runs
+  always.
+* Traffic with --algorithm ring, from the counters: per rank exactly stage 0's bytes for
+  stages 1-2, and summed over the ranks exactly 2(N-1)·Ψ·itemsize per step (3(N-1)·Ψ for
+  stage 3); ``bytes_sent_per_step`` equals the counters.
+* Reduce-scatter against all-reduce, algorithm by algorithm: the exactness table.
+* Bad input is one line and exit status 2 (CLI), or one ConfigError (Python).
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from mpidl.errors import ConfigError
+from mpidl.runtime import build
+from mpidl.runtime.zero import exact_reduce_scatter
+from mpirun import mpiexec_path, run_command, run_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECK = os.path.join(HERE, "ranks", "zero_check.py")
+MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
+FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "64", "--limit-test",
+        "32", "--epochs", "1", "--batch-size", "16"]
+
+
+def check(n, *args, timeout=240):
+    out = run_ranks(n, [CHECK] + [str(a) for a in args], timeout=timeout).check().output
+    assert "zero checks passed" in out, out
+    return out
+
+
+# -- the slice that always runs ---------------------------------------------------------------
+def test_stages_1_2_bitwise_on_3_ranks_uneven_shards_and_ring_bytes():
+    out = check(3, "--model", "mlp", "--optimizers", "adam", "--dtypes", "float32",
+                "--stages", "1,2", "--steps", "30", "--bucket-mb", "0.001")
+    assert "--zero 2 == --zero 0 bitwise over 30 steps" in out
+    assert "ring reduce-scatter for bucket(s) 0, 1, 2, 3" in out
+
+
+def test_sgd_float64_with_overlap_and_accumulation_on_2_ranks():
+    out = check(2, "--model", "mlp", "--optimizers", "sgd", "--dtypes", "float64",
+                "--stages", "1,2", "--steps", "15", "--overlap", "on", "--accumulate", "2")
+    assert "mlp sgd float64 --zero 1 == --zero 0" in out
+
+
+def test_cnn_adamw_on_2_ranks():
+    out = check(2, "--model", "cnn", "--optimizers", "adamw", "--stages", "1,2",
+                "--steps", "8")
+    assert "cnn adamw float32 --zero 2 == --zero 0" in out
+
+
+def test_auto_resolves_like_stage_0_and_stays_exact_on_4_ranks():
+    # auto's small buckets go to MPI's own collective, whose reduce-scatter does not
+    # match its all-reduce: those buckets are all-reduced, and the bits are stage 0's
+    out = check(4, "--model", "mlp", "--optimizers", "nesterov", "--stages", "1,2",
+                "--steps", "10", "--algorithm", "auto", "--bucket-mb", "0.001")
+    assert "all-reduce + own chunk" in out
+
+
+def test_exactness_table():
+    assert exact_reduce_scatter("ring", 4) and exact_reduce_scatter("tree", 5)
+    assert exact_reduce_scatter("recursive_doubling", 3)
+    assert not exact_reduce_scatter("recursive_doubling", 4)
+    assert not exact_reduce_scatter("mpi", 2)
+
+
+# -- the full grid of issue 15, point 1 ---------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_full_grid_200_steps(model, n):
+    check(n, "--model", model, "--optimizers", "sgd,adam,adamw", "--dtypes",
+          "float32,float64", "--stages", "1,2", "--steps", "200", "--bucket-mb", "0.001",
+          timeout=3000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm, n", [("tree", 3), ("recursive_doubling", 3),
+                                          ("recursive_doubling", 4), ("mpi", 3)])
+def test_every_algorithm_is_exact(algorithm, n):
+    check(n, "--model", "mlp", "--optimizers", "adam", "--stages", "1,2", "--steps", "20",
+          "--algorithm", algorithm, "--bucket-mb", "0.001", "--overlap", "on")
+
+
+# -- bad input ----------------------------------------------------------------------------------
+class FakeComm:
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+@pytest.mark.parametrize("strategy, options, message", [
+    ("allreduce", {"zero": 4}, "--zero must be 0, 1, 2 or 3"),
+    ("ps", {"zero": 1}, "--zero 1 shards the optimizer over the data-parallel group"),
+    ("allreduce", {"zero": 2, "sync": "local-sgd", "period": 2}, "--zero 2 cannot serve "
+     "--sync local-sgd"),
+    ("allreduce", {"zero": 1, "compression": "topk", "ratio": 0.1},
+     "--zero 1 cannot serve --compression topk"),
+])
+def test_build_refuses(strategy, options, message):
+    with pytest.raises(ConfigError, match=message):
+        build(strategy, FakeComm(0, 3), **options)
+
+
+def test_model_and_optimizer_checks():
+    from mpidl.engine import Embedding, Linear, Sequential
+    from mpidl.engine.optim import SGD
+
+    rng = np.random.default_rng(0)
+    model = Sequential(Embedding(10, 4, rng=rng), Linear(4, 2, rng=rng))
+    rt = build("allreduce", FakeComm(0, 2), zero=1)
+    with pytest.raises(ConfigError, match="row-sparse gradients.*--sparse-grads dense"):
+        rt.check(model, SGD(model.named_parameters(), lr=0.1))
+    build("allreduce", FakeComm(0, 2), zero=1, sparse_grads="dense").check(
+        model, SGD(model.named_parameters(), lr=0.1))
+
+    class Clipped(SGD):  # not known to be elementwise
+        pass
+    with pytest.raises(ConfigError, match="elementwise optimizers only"):
+        rt.check(model, Clipped(model.named_parameters(), lr=0.1))
+
+
+def _one_line(launch, *needles):
+    assert not launch.timed_out, launch.output
+    assert launch.returncode == 2, launch.output
+    lines = [ln for ln in launch.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mpidl: error: "), launch.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--zero", "5"], ["--zero must be 0, 1, 2 or 3"]),
+    (["--zero", "1", "--compression", "topk", "--ratio", "0.1"],
+     ["--zero 1 cannot serve --compression topk"]),
+])
+def test_cli_bad_input_is_one_line(args, needles, tmp_path):
+    _one_line(run_command(MPIDL + ["train"] + FAST + ["--out-dir", tmp_path] + args), *needles)
+
+
+def test_cli_ps_under_mpiexec_is_one_line(tmp_path):
+    cmd = [mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + FAST + ["--out-dir", tmp_path, "--strategy",
+                                                        "ps", "--zero", "2"]
+    _one_line(run_command(cmd), "--zero 2", "--strategy allreduce")
