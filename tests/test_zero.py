@@ -157,20 +157,29 @@ RESUME = os.path.join(HERE, "ranks", "zero_resume.py")
 
 def test_checkpoint_resumes_at_another_number_of_ranks_and_stage(tmp_path):
     """Saved at --zero 2 on 3 ranks (its optimizer state bitwise --zero 0's), resumed at
-    --zero 1 on 2 ranks and --zero 2 on 4: bitwise what --zero 0 does from its own
-    checkpoint at that N (the sums' order changes with N, so that is the reference)."""
+    --zero 1 on 2 ranks and --zero 3 on 4; saved at --zero 3 on 2 ranks, resumed at --zero
+    2 on 3: bitwise what --zero 0 does from its own checkpoint at that N (the sums' order
+    changes with N, so that is the reference)."""
     path = tmp_path / "ck.pkl"
     out = run_ranks(3, [RESUME, "save", path, 2, 7]).check().output
     assert "--zero 2 checkpoint after 7 steps == --zero 0's" in out, out
     out = run_ranks(2, [RESUME, "resume", path, 1, 6]).check().output
     assert "resumed at --zero 1: bitwise --zero 0" in out, out
-    out = run_ranks(4, [RESUME, "resume", path, 2, 4]).check().output
+    out = run_ranks(4, [RESUME, "resume", path, 3, 4]).check().output
+    assert "resumed at --zero 3: bitwise --zero 0" in out, out
+    path = tmp_path / "ck3.pkl"
+    out = run_ranks(2, [RESUME, "save", path, 3, 5]).check().output
+    assert "--zero 3 checkpoint after 5 steps == --zero 0's" in out, out
+    out = run_ranks(3, [RESUME, "resume", path, 2, 4]).check().output
     assert "resumed at --zero 2: bitwise --zero 0" in out, out
 
 
-def test_cli_run_stopped_at_zero_2_resumes_at_zero_1_as_if_never_stopped(tmp_path):
-    """mpidl train on 3 ranks with Adam: a --zero 2 run fails after its step-4 checkpoint
-    and resumes at --zero 1; the final model is bitwise the uninterrupted --zero 0 run's."""
+@pytest.mark.parametrize("first, then", [(2, 1), (3, 0)])
+def test_cli_run_stopped_and_resumed_at_another_stage_as_if_never_stopped(tmp_path, first,
+                                                                         then):
+    """mpidl train on 3 ranks with Adam: a --zero FIRST run fails after its step-4
+    checkpoint and resumes at --zero THEN; the final model is bitwise the uninterrupted
+    --zero 0 run's (evaluation and the saved model at --zero 3 gather the parameters)."""
     def train(args, env=None):
         cmd = [mpiexec_path(), "-n", "3"] + MPIDL + [
             "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "200",
@@ -183,9 +192,9 @@ def test_cli_run_stopped_at_zero_2_resumes_at_zero_1_as_if_never_stopped(tmp_pat
     train(["--out-dir", whole, "--zero", "0"]).check()
     ck = tmp_path / "ck"
     common = ["--out-dir", tmp_path / "z", "--checkpoint-dir", ck, "--checkpoint-every", "2"]
-    failed = train(common + ["--zero", "2"], env={"MPIDL_FAIL_AT": "0:5"})
+    failed = train(common + ["--zero", first], env={"MPIDL_FAIL_AT": "0:5"})
     assert failed.returncode != 0, failed.output
-    resumed = train(common + ["--zero", "1", "--resume"]).check()
+    resumed = train(common + ["--zero", then, "--resume"]).check()
     assert "resumed from" in resumed.output and "ckpt-000000004" in resumed.output, \
         resumed.output
     from mpirun import assert_bitwise_equal, model_arrays

@@ -48,7 +48,7 @@ import time
 from mpidl.backend import array_module, to_device, to_numpy
 from mpidl.comm.layout import even_split
 from mpidl.engine.module import Parameter
-from mpidl.errors import ConfigError
+from mpidl.errors import AgreedUserError, ConfigError
 from mpidl.options import Option
 from mpidl.runtime.sync.fused import FusedAllreduce
 
@@ -143,7 +143,7 @@ class Shard:
     __slots__ = ("bucket", "counts", "displs", "lo", "hi", "params", "param", "grad",
                  "algorithm", "exact_rs")
 
-    def __init__(self, bucket, rank, size, algorithm):
+    def __init__(self, bucket, rank, size, algorithm, own=False):
         self.bucket = bucket
         n = bucket.buffer.size
         self.counts, self.displs = even_split(n, size)
@@ -161,7 +161,10 @@ class Shard:
             view[...] = p.data
             p.data = view
             offset += k
-        self.param = Parameter(self.params[self.lo:self.hi])
+        # stage 3 (``own``): the chunk is this rank's own array, the full buffer comes and
+        # goes (``ParamGathers``); stages 1-2: a view, the buffer stays
+        chunk = self.params[self.lo:self.hi]
+        self.param = Parameter(chunk.copy() if own else chunk)
         self.grad = xp.zeros(self.hi - self.lo, dtype=bucket.dtype)
         self.param.grad = self.grad
 
@@ -189,7 +192,9 @@ class ZeroSync(FusedAllreduce):
             alg = self.algorithm
             if alg == "auto" and comm is not None:
                 alg = comm.selector.choose("allreduce", b.nbytes)  # as stage 0 would
-            self.shards.append(Shard(b, rank, size, alg))
+            self.shards.append(Shard(b, rank, size, alg, own=self.stage == 3))
+        self.micro = getattr(ctx.schedule, "k", 1)
+        self.gathers = ParamGathers(self, ctx.model) if self.stage == 3 else None
         placement = ctx.placement
         if not isinstance(placement, Sharded):
             raise TypeError("ZeroSync needs the Sharded optimizer placement")
@@ -227,7 +232,18 @@ class ZeroSync(FusedAllreduce):
         for p in b.params:  # the full gradient is not kept (only the shard is reduced)
             p.grad = None
 
+    def begin_step(self):
+        super().begin_step()
+        if self.gathers is not None:
+            self.gathers.unpin()
+
+    def prepare_eval(self):
+        if self.gathers is not None:
+            self.gathers.materialize()
+
     def finish(self):
+        if self.gathers is not None:
+            self.gathers.release_all()  # backward is over
         if self.comm is None or not self._shared:
             yield from super().finish()
             return
@@ -254,6 +270,9 @@ class ZeroSync(FusedAllreduce):
             op = "reduce-scatter" if exact else \
                 "all-reduce + own chunk (its reduce-scatter sums in another order)"
             parts.append(f"{alg} {op} for bucket(s) {_ranges(idx)}")
+        if self.stage == 3:
+            parts.append("parameters all-gathered bucket by bucket before each forward and "
+                         "backward (the next bucket prefetched), freed after")
         held = ("optimizer state" if self.stage == 1 else
                 "optimizer state and gradients" if self.stage == 2 else
                 "optimizer state, gradients and parameters")
@@ -263,7 +282,7 @@ class ZeroSync(FusedAllreduce):
                 f"{len(f)} bucket(s) of <= {self.bucket_mb:g} MiB ({f.nbytes / 2**20:.2f} "
                 f"MiB in all), this rank owns {self.shard_elements()} of "
                 f"{sum(b.buffer.size for b in f.buckets)} elements; "
-                f"{'; '.join(parts)}; then an all-gather of the updated shards; overlap "
+                f"{'; '.join(parts)}{'' if self.stage == 3 else '; then an all-gather of the updated shards'}; overlap "
                 f"{overlap}")
         return [head] + f.describe()
 
@@ -283,6 +302,8 @@ class ZeroSync(FusedAllreduce):
             sent = (n - c[r]) + (n - c[(r + 1) % p])        # reduce-scatter + all-gather
             if not sh.exact_rs:
                 sent += n - c[(r + 1) % p]                   # the all-reduce's second half
+            if self.stage == 3:  # gathered for every forward and backward, not after
+                sent += (2 * self.micro - 1) * (n - c[(r + 1) % p])
             total += sent * sh.bucket.dtype.itemsize
         return total
 
@@ -350,7 +371,7 @@ class Sharded:
         for b in buckets:
             sh = self.shards[b]
             self.inner.step([b])
-            if comm is not None:
+            if comm is not None and self.stage < 3:  # (stage 3 gathers before use)
                 comm.allgather_shards(sh.params, algorithm=sh.algorithm, name=f"{b}.params")
 
     # -- checkpoints: the stage-0 form (module doc)
@@ -358,6 +379,8 @@ class Sharded:
         """Collective over the trainers: the shards' optimizer state, gathered on the root
         into the trainer's optimizer as per-parameter state (what a replicated optimizer
         holds); the root drops it again at the next step."""
+        if self.sync.gathers is not None:
+            self.sync.gathers.materialize()  # the root saves the model's full parameters
         mine = {}
         for b, st in self.inner.state.items():
             mine[b] = {k: (v if isinstance(v, int) else to_numpy(v)) for k, v in st.items()}
@@ -420,3 +443,157 @@ class Sharded:
         self.inner.state = inner
         self.optimizer.state = {}
         self._exported = False
+
+
+class _Freed:
+    """A stage-3 parameter's ``data`` while its bucket is not gathered: any use is one
+    clear error instead of wrong numbers."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def _refuse(self):
+        # every rank runs the same model code and meets this at the same point: an error
+        # the ranks agree on (one line, exit 2 from the command line)
+        return AgreedUserError(f"--zero 3 cannot serve this model: parameter {self.name!r} "
+                               "was used while not gathered, outside its layer's own "
+                               "forward (layer(x)) and backprop, where stage 3 gathers it "
+                               "(a container calling child.forward directly?); use --zero 2 "
+                               "or call children as layer(x) and layer.backprop(dy)")
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise self._refuse()
+
+    def __array__(self, *args, **kwargs):
+        raise self._refuse()
+
+    def __repr__(self):
+        return f"<{self.name}: sharded by --zero 3, not gathered>"
+
+
+class ParamGathers:
+    """ZeRO stage 3: which buckets' full parameters are gathered now.
+
+    A pre-forward / pre-backward hook on every layer that holds parameters gathers the
+    buckets that layer needs (waiting for a prefetch when one is in flight) and starts
+    the non-blocking gather of the next bucket in the pass's order (forward walks the
+    buckets from the last index down, backward up), then frees the buckets the pass has
+    left behind. A change of pass (forward to backward, or the next micro-batch) frees
+    everything, so each bucket is gathered once per forward and once per backward. While
+    *pinned* (after set-up, for evaluation and checkpoints) every bucket is gathered and
+    the hooks do nothing; the next step takes each rank's chunk back and frees them.
+    """
+
+    def __init__(self, sync, model):
+        if not hasattr(model, "modules"):
+            raise ConfigError(f"--zero 3 gathers parameters layer by layer and needs an mpidl "
+                              f"Layer; got {type(model).__name__} (use --zero 2)")
+        self.comm = sync.comm
+        self.shards = sync.shards
+        index_of = {id(p): sh.bucket.index for sh in self.shards for p in sh.bucket.params}
+        self.needs = {}  # id(layer) -> indices of the buckets its own parameters are in
+        for _, m in model.modules():
+            own = sorted({index_of[id(p)] for p in m._params.values() if id(p) in index_of})
+            if own and id(m) not in self.needs:
+                self.needs[id(m)] = own
+                m.add_pre_hook(self._before)
+        # set-up leaves every bucket gathered: Shard built the full buffers
+        self.gathered = {sh.bucket.index: [sh.params, None] for sh in self.shards}
+        self.pinned = True
+        self.phase = None
+
+    # -- the hooks
+    def _before(self, layer, phase):
+        if self.pinned:
+            return
+        if phase != self.phase:
+            self.release_all()
+            self.phase = phase
+        need = self.needs.get(id(layer))
+        if not need:
+            return
+        lo, hi = need[0], need[-1]
+        for i in list(self.gathered):  # the buckets this pass has left behind
+            if (i > hi if phase == "forward" else i < lo):
+                self.release(i)
+        for i in need:
+            self.ensure(i)
+        nxt = lo - 1 if phase == "forward" else hi + 1
+        if 0 <= nxt < len(self.shards) and nxt not in self.gathered:
+            self._start(nxt, blocking=False)
+
+    # -- gather and free
+    def _start(self, i, blocking):
+        sh = self.shards[i]
+        xp = array_module(sh.param.data)
+        buf = xp.empty(sh.bucket.buffer.size, dtype=sh.bucket.dtype)
+        buf[sh.lo:sh.hi] = sh.param.data
+        handle = None
+        if self.comm is not None:
+            name = f"{sh.bucket.name}.params"
+            if blocking:
+                self.comm.allgather_shards(buf, algorithm=sh.algorithm, name=name)
+            else:
+                handle = self.comm.iallgather_shards(buf, algorithm=sh.algorithm, name=name)
+        self.gathered[i] = [buf, handle]
+        if handle is None:
+            self._bind(i, buf)
+
+    def _bind(self, i, buf):
+        sh = self.shards[i]
+        sh.params = buf
+        offset = 0
+        for p, view in zip(sh.bucket.params, sh.bucket.views):
+            k = view.size
+            p.data = buf[offset:offset + k].reshape(view.shape)
+            offset += k
+
+    def ensure(self, i):
+        """Bucket ``i``'s full parameters in place (gathered now, or its prefetch waited)."""
+        entry = self.gathered.get(i)
+        if entry is None:
+            self._start(i, blocking=True)
+            return
+        if entry[1] is not None:
+            entry[1].wait()
+            entry[1] = None
+            self._bind(i, entry[0])
+
+    def release(self, i):
+        entry = self.gathered.pop(i)
+        if entry[1] is not None:  # a prefetch nobody used: finish it before freeing
+            entry[1].wait()
+        sh = self.shards[i]
+        sh.params = None
+        for name, p in zip(sh.bucket.names, sh.bucket.params):
+            p.data = _Freed(name)
+
+    def release_all(self):
+        for i in sorted(self.gathered):
+            self.release(i)
+        self.phase = None
+
+    def materialize(self):
+        """Collective: every bucket gathered and kept until the next step (evaluation,
+        checkpoints, the end of training)."""
+        if self.pinned:
+            return
+        self.release_all()
+        for i in range(len(self.shards)):
+            self.ensure(i)
+        self.pinned = True
+
+    def unpin(self):
+        """The start of a step: each rank takes its chunk of the (possibly reloaded) full
+        parameters back, and every full buffer is freed."""
+        if not self.pinned:
+            return
+        for i, (buf, _) in self.gathered.items():
+            sh = self.shards[i]
+            sh.param.data[...] = buf[sh.lo:sh.hi]
+        self.release_all()
+        self.pinned = False

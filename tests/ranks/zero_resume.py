@@ -52,6 +52,7 @@ def train(comm, model, rt, start, steps):
     out = []
     for x, y in batches(start, steps):
         rt.train_step(x[r * per:(r + 1) * per], y[r * per:(r + 1) * per])
+        rt.prepare_eval()  # (--zero 3: the parameters gathered to be read)
         h = hashlib.sha256()
         for _, p in model.named_parameters():
             h.update(p.data.tobytes())
