@@ -38,29 +38,29 @@ def check(n, *args, timeout=240):
 
 
 # -- the slice that always runs ---------------------------------------------------------------
-def test_stages_1_2_bitwise_on_3_ranks_uneven_shards_and_ring_bytes():
+def test_stages_1_2_3_bitwise_on_3_ranks_uneven_shards_and_ring_bytes():
     out = check(3, "--model", "mlp", "--optimizers", "adam", "--dtypes", "float32",
-                "--stages", "1,2", "--steps", "30", "--bucket-mb", "0.001")
-    assert "--zero 2 == --zero 0 bitwise over 30 steps" in out
+                "--stages", "1,2,3", "--steps", "30", "--bucket-mb", "0.001")
+    assert "--zero 3 == --zero 0 bitwise over 30 steps" in out
     assert "ring reduce-scatter for bucket(s) 0, 1, 2, 3" in out
 
 
 def test_sgd_float64_with_overlap_and_accumulation_on_2_ranks():
     out = check(2, "--model", "mlp", "--optimizers", "sgd", "--dtypes", "float64",
-                "--stages", "1,2", "--steps", "15", "--overlap", "on", "--accumulate", "2")
-    assert "mlp sgd float64 --zero 1 == --zero 0" in out
+                "--stages", "1,2,3", "--steps", "15", "--overlap", "on", "--accumulate", "2")
+    assert "mlp sgd float64 --zero 3 == --zero 0" in out
 
 
 def test_cnn_adamw_on_2_ranks():
-    out = check(2, "--model", "cnn", "--optimizers", "adamw", "--stages", "1,2",
+    out = check(2, "--model", "cnn", "--optimizers", "adamw", "--stages", "1,2,3",
                 "--steps", "8")
-    assert "cnn adamw float32 --zero 2 == --zero 0" in out
+    assert "cnn adamw float32 --zero 3 == --zero 0" in out
 
 
 def test_auto_resolves_like_stage_0_and_stays_exact_on_4_ranks():
     # auto's small buckets go to MPI's own collective, whose reduce-scatter does not
     # match its all-reduce: those buckets are all-reduced, and the bits are stage 0's
-    out = check(4, "--model", "mlp", "--optimizers", "nesterov", "--stages", "1,2",
+    out = check(4, "--model", "mlp", "--optimizers", "nesterov", "--stages", "1,2,3",
                 "--steps", "10", "--algorithm", "auto", "--bucket-mb", "0.001")
     assert "all-reduce + own chunk" in out
 
@@ -78,7 +78,7 @@ def test_exactness_table():
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_full_grid_200_steps(model, n):
     check(n, "--model", model, "--optimizers", "sgd,adam,adamw", "--dtypes",
-          "float32,float64", "--stages", "1,2", "--steps", "200", "--bucket-mb", "0.001",
+          "float32,float64", "--stages", "1,2,3", "--steps", "200", "--bucket-mb", "0.001",
           timeout=3000)
 
 
@@ -86,7 +86,7 @@ def test_full_grid_200_steps(model, n):
 @pytest.mark.parametrize("algorithm, n", [("tree", 3), ("recursive_doubling", 3),
                                           ("recursive_doubling", 4), ("mpi", 3)])
 def test_every_algorithm_is_exact(algorithm, n):
-    check(n, "--model", "mlp", "--optimizers", "adam", "--stages", "1,2", "--steps", "20",
+    check(n, "--model", "mlp", "--optimizers", "adam", "--stages", "1,2,3", "--steps", "20",
           "--algorithm", algorithm, "--bucket-mb", "0.001", "--overlap", "on")
 
 
@@ -157,24 +157,27 @@ RESUME = os.path.join(HERE, "ranks", "zero_resume.py")
 
 def test_checkpoint_resumes_at_another_number_of_ranks_and_stage(tmp_path):
     """Saved at --zero 2 on 3 ranks (its optimizer state bitwise --zero 0's), resumed at
-    --zero 1 on 2 ranks and --zero 3 on 4; saved at --zero 3 on 2 ranks, resumed at --zero
-    2 on 3: bitwise what --zero 0 does from its own checkpoint at that N (the sums' order
-    changes with N, so that is the reference)."""
+    --zero 3 on 2 ranks: bitwise what --zero 0 does from its own checkpoint at that N
+    (the sums' order changes with N, so that is the reference)."""
     path = tmp_path / "ck.pkl"
     out = run_ranks(3, [RESUME, "save", path, 2, 7]).check().output
     assert "--zero 2 checkpoint after 7 steps == --zero 0's" in out, out
-    out = run_ranks(2, [RESUME, "resume", path, 1, 6]).check().output
-    assert "resumed at --zero 1: bitwise --zero 0" in out, out
-    out = run_ranks(4, [RESUME, "resume", path, 3, 4]).check().output
+    out = run_ranks(2, [RESUME, "resume", path, 3, 6]).check().output
     assert "resumed at --zero 3: bitwise --zero 0" in out, out
-    path = tmp_path / "ck3.pkl"
-    out = run_ranks(2, [RESUME, "save", path, 3, 5]).check().output
-    assert "--zero 3 checkpoint after 5 steps == --zero 0's" in out, out
-    out = run_ranks(3, [RESUME, "resume", path, 2, 4]).check().output
-    assert "resumed at --zero 2: bitwise --zero 0" in out, out
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (3, 0)])
+@pytest.mark.slow
+@pytest.mark.parametrize("save_n, save_stage, resume_n, resume_stage",
+                         [(3, 2, 2, 1), (3, 1, 4, 2), (2, 3, 3, 2), (4, 3, 3, 1)])
+def test_more_checkpoint_resumes(tmp_path, save_n, save_stage, resume_n, resume_stage):
+    path = tmp_path / "ck.pkl"
+    run_ranks(save_n, [RESUME, "save", path, save_stage, 5]).check()
+    out = run_ranks(resume_n, [RESUME, "resume", path, resume_stage, 4]).check().output
+    assert f"resumed at --zero {resume_stage}: bitwise --zero 0" in out, out
+
+
+@pytest.mark.parametrize("first, then", [pytest.param(2, 1, marks=pytest.mark.slow),
+                                         (3, 0)])
 def test_cli_run_stopped_and_resumed_at_another_stage_as_if_never_stopped(tmp_path, first,
                                                                          then):
     """mpidl train on 3 ranks with Adam: a --zero FIRST run fails after its step-4
@@ -201,3 +204,64 @@ def test_cli_run_stopped_and_resumed_at_another_stage_as_if_never_stopped(tmp_pa
 
     assert_bitwise_equal(model_arrays(tmp_path / "z" / "model.npz"),
                          model_arrays(whole / "model.npz"))
+
+
+# -- stage 3: the hooks, and a model it cannot serve ---------------------------------------------
+def test_pre_hooks_fire_before_forward_and_backprop_only_where_added():
+    from mpidl.engine import Linear, ReLU, Sequential
+
+    rng = np.random.default_rng(0)
+    first, second = Linear(3, 4, rng=rng), Linear(4, 2, rng=rng)
+    model = Sequential(first, ReLU(), second)
+    seen = []
+    second.add_pre_hook(lambda layer, phase: seen.append((layer is second, phase)))
+    y = model(np.ones((2, 3), np.float32))
+    assert seen == [(True, "forward")]
+    model.backprop(np.ones_like(y))
+    assert seen == [(True, "forward"), (True, "backward")]
+    assert Linear._pre_hooks == () and first._pre_hooks == ()  # nothing paid elsewhere
+
+
+DIRECT = """
+import math
+from mpidl.engine import Flatten, Linear, ReLU, Sequential
+from mpidl.engine.module import Layer
+
+
+class Direct(Layer):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def children(self):
+        return [("inner", self.inner)]
+
+    def forward(self, x):
+        return self.inner.forward(x)  # bypasses the child's hooks
+
+    def backward(self, dy):
+        return self.inner.backward(dy)
+
+
+def build(input_shape, num_classes, rng, dtype):
+    return Sequential(Flatten(), Direct(Linear(math.prod(input_shape), 8, rng=rng,
+                                               dtype=dtype)),
+                      ReLU(), Linear(8, num_classes, rng=rng, dtype=dtype))
+"""
+
+
+def test_cli_zero_3_with_a_layer_it_cannot_serve_is_one_line(tmp_path):
+    (tmp_path / "direct.py").write_text(DIRECT)
+    cmd = [mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + FAST + [
+        "--out-dir", tmp_path / "out", "--model", f"{tmp_path / 'direct.py'}:build",
+        "--zero", "3"]
+    launch = run_command(cmd)
+    assert launch.returncode == 2 and "Traceback" not in launch.output, launch.output
+    errors = [ln for ln in launch.output.splitlines() if ln.startswith("mpidl: error: ")]
+    assert len(errors) == 1 and "--zero 3 cannot serve this model" in errors[0], \
+        launch.output
+    assert "'1.inner.weight'" in errors[0] and "--zero 2" in errors[0]
+    # the same model at --zero 2 trains
+    cmd[-1] = "2"
+    run_command(cmd[:-4] + ["--out-dir", tmp_path / "out2"] + cmd[-4:-2] + ["--zero", "2"]
+                ).check()

@@ -259,6 +259,15 @@ class ZeroSync(FusedAllreduce):
             yield b.names
 
     # -- reporting
+    def metrics(self):
+        out = super().metrics()
+        out["zero"] = self.stage
+        g = self.gathers
+        if g is not None:  # stage 3: parameter gathers in training, how many prefetched
+            out["param_gathers"], out["param_prefetched"] = g.gathers, g.prefetched
+            g.gathers = g.prefetched = 0
+        return out
+
     def describe(self):
         f = self.fusion
         size = 1 if self.comm is None else self.comm.size
@@ -505,6 +514,7 @@ class ParamGathers:
         self.gathered = {sh.bucket.index: [sh.params, None] for sh in self.shards}
         self.pinned = True
         self.phase = None
+        self.gathers = self.prefetched = 0  # in training passes (reset by metrics)
 
     # -- the hooks
     def _before(self, layer, phase):
@@ -533,6 +543,9 @@ class ParamGathers:
         buf = xp.empty(sh.bucket.buffer.size, dtype=sh.bucket.dtype)
         buf[sh.lo:sh.hi] = sh.param.data
         handle = None
+        if not self.pinned:
+            self.gathers += 1
+            self.prefetched += not blocking
         if self.comm is not None:
             name = f"{sh.bucket.name}.params"
             if blocking:

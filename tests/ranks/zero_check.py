@@ -79,7 +79,10 @@ def run(comm, args, opt_name, dtype, stage):
         if stage == 3:  # the parameters are gathered only for evaluation (collective)
             rt.prepare_eval()
         out.append(digest(model))
-    metrics = rt.metrics().get("bytes_sent_per_step")
+    m = rt.metrics()
+    metrics = m.get("bytes_sent_per_step")
+    if stage == 3 and m["param_prefetched"] == 0 and len(rt.syncs[0][1].shards) > 1:
+        raise AssertionError(f"--zero 3: no gather was prefetched ({m})")
     rt.finish()
     psi = model.num_parameters()
     return out, sent / args.steps, metrics, psi, np.dtype(dtype).itemsize, rt.describe()
