@@ -121,6 +121,10 @@ def test_model_and_optimizer_checks():
     build("allreduce", FakeComm(0, 2), zero=1, sparse_grads="dense").check(
         model, SGD(model.named_parameters(), lr=0.1))
 
+    with pytest.raises(ConfigError, match="optimizer does not hold 1.weight"):
+        build("allreduce", FakeComm(0, 2), zero=1, sparse_grads="dense").check(
+            model, SGD([("0.weight", model.layers[0].weight)], lr=0.1))
+
     class Clipped(SGD):  # not known to be elementwise
         pass
     with pytest.raises(ConfigError, match="elementwise optimizers only"):

@@ -119,6 +119,13 @@ def check_setup(zero, model, optimizer, sparse_mode):
         raise ConfigError(f"--zero {zero} steps flat shards of the parameters, which is "
                           "exact for elementwise optimizers only (sgd, adam, adamw); got "
                           f"{type(optimizer).__name__} (use --zero 0)")
+    held = {id(p) for p in optimizer.params.values()}
+    missing = [n for n, p in model.named_parameters() if id(p) not in held]
+    if missing:
+        raise ConfigError(f"--zero {zero} steps every parameter of the model, but the "
+                          f"optimizer does not hold {', '.join(missing[:3])}"
+                          f"{' ...' if len(missing) > 3 else ''} (frozen parameters); give "
+                          "the optimizer all of them, or use --zero 0")
     if sparse_mode == "allgather":
         from mpidl.runtime.sync.rowsparse import sparse_param_names  # noqa: PLC0415
 
