@@ -72,6 +72,30 @@ def test_exactness_table():
     assert not exact_reduce_scatter("mpi", 2)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_process_without_a_communicator_is_the_local_preset(stage):
+    from mpidl.engine import SoftmaxCrossEntropy
+    from mpidl.engine.models import build_model
+    from mpidl.engine.optim import make_optimizer
+
+    def run(rt):
+        model = build_model("mlp", (1, 4, 4), 3, seed=1, hidden=(8,))
+        opt = make_optimizer("adam", model.named_parameters(), lr=1e-2)
+        rt.setup(model, opt, SoftmaxCrossEntropy())
+        rng = np.random.default_rng(2)
+        for _ in range(5):
+            rt.train_step(rng.standard_normal((6, 1, 4, 4)).astype(np.float32),
+                          rng.integers(0, 3, size=6))
+        rt.prepare_eval()
+        return [p.data.copy() for _, p in model.named_parameters()]
+
+    ref = run(build("local"))
+    got = run(build("allreduce", None, zero=stage, bucket_mb=0.0002))
+    assert all(np.array_equal(a, b) for a, b in zip(ref, got))
+    assert not np.array_equal(ref[0], build_model("mlp", (1, 4, 4), 3, seed=1,
+                                                  hidden=(8,)).layers[1].weight.data)
+
+
 # -- the full grid of issue 15, point 1 ---------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
@@ -99,8 +123,8 @@ class FakeComm:
 @pytest.mark.parametrize("strategy, options, message", [
     ("allreduce", {"zero": 4}, "--zero must be 0, 1, 2 or 3"),
     ("ps", {"zero": 1}, "--zero 1 shards the optimizer over the data-parallel group"),
-    ("allreduce", {"zero": 2, "sync": "local-sgd", "period": 2}, "--zero 2 cannot serve "
-     "--sync local-sgd"),
+    ("allreduce", {"zero": 2, "sync": "local-sgd", "period": 2},
+     "--zero 2 cannot serve --sync local-sgd"),
     ("allreduce", {"zero": 1, "compression": "topk", "ratio": 0.1},
      "--zero 1 cannot serve --compression topk"),
 ])
@@ -150,8 +174,8 @@ def test_cli_bad_input_is_one_line(args, needles, tmp_path):
 
 
 def test_cli_ps_under_mpiexec_is_one_line(tmp_path):
-    cmd = [mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + FAST + ["--out-dir", tmp_path, "--strategy",
-                                                        "ps", "--zero", "2"]
+    cmd = [mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + FAST + [
+        "--out-dir", tmp_path, "--strategy", "ps", "--zero", "2"]
     _one_line(run_command(cmd), "--zero 2", "--strategy allreduce")
 
 

@@ -184,7 +184,6 @@ class ZeroSync(FusedAllreduce):
     def __init__(self, stage, algorithm="auto", bucket_mb=None, overlap="auto"):
         super().__init__(algorithm, bucket_mb, "off" if stage >= 2 else overlap)
         self.stage = check_stage(stage)
-        self.requested_overlap = overlap
         self.shards = []
 
     def setup(self, ctx, named_params):
@@ -215,6 +214,9 @@ class ZeroSync(FusedAllreduce):
     # -- a step
     def _start(self, b, blocking):
         sh = self.shards[b.index]
+        if self.comm is None:  # one process without a communicator: the chunk is all
+            sh.grad[...] = b.buffer
+            return None
         if sh.exact_rs:
             if blocking:
                 self.comm.reduce_scatter(b.buffer, out=sh.grad, op="sum",
@@ -234,7 +236,7 @@ class ZeroSync(FusedAllreduce):
             b.handle.wait()
         b.handle = None
         sh = self.shards[b.index]
-        if not sh.exact_rs:
+        if not sh.exact_rs and self.comm is not None:
             sh.grad[...] = b.buffer[sh.lo:sh.hi]
         for p in b.params:  # the full gradient is not kept (only the shard is reduced)
             p.grad = None
@@ -251,10 +253,10 @@ class ZeroSync(FusedAllreduce):
     def finish(self):
         if self.gathers is not None:
             self.gathers.release_all()  # backward is over
-        if self.comm is None or not self._shared:
+        if self.comm is not None and not self._shared:
             yield from super().finish()
             return
-        # stage 2: bucket after bucket through the one shared buffer
+        # stages 2-3 (and one process): bucket after bucket, packed just before it goes
         fusion = self.fusion
         for b in fusion.buckets:
             for name in b.names:
@@ -294,12 +296,13 @@ class ZeroSync(FusedAllreduce):
                 "optimizer state, gradients and parameters")
         overlap = self.overlap_text() if self.stage == 1 else \
             "off (one shared communication buffer, packed after backward)"
+        if self.stage < 3:
+            parts.append("then an all-gather of the updated shards")
         head = (f"ZeRO stage {self.stage} over {size} rank(s): {held} sharded along "
                 f"{len(f)} bucket(s) of <= {self.bucket_mb:g} MiB ({f.nbytes / 2**20:.2f} "
                 f"MiB in all), this rank owns {self.shard_elements()} of "
-                f"{sum(b.buffer.size for b in f.buckets)} elements; "
-                f"{'; '.join(parts)}{'' if self.stage == 3 else '; then an all-gather of the updated shards'}; overlap "
-                f"{overlap}")
+                f"{sum(b.buffer.size for b in f.buckets)} elements; {'; '.join(parts)}; "
+                f"overlap {overlap}")
         return [head] + f.describe()
 
     def shard_elements(self):

@@ -6,8 +6,8 @@ asked for must give bitwise the same parameters after every step, on every rank.
 ``--algorithm ring`` the communicator's counters must also show, per step and rank,
 exactly stage 0's bytes for stages 1 and 2 (the ring reduce-scatter and all-gather send
 what the ring all-reduce sends), and summed over the ranks exactly 2(N-1)·Ψ·itemsize
-((2k+1)(N-1)·Ψ·itemsize for stage 3 with k micro-batches); ``metrics()["bytes_sent_per_step"]`` equals the
-counters.
+((2k+1)(N-1)·Ψ·itemsize for stage 3 with k micro-batches); the metrics'
+``bytes_sent_per_step`` equals the counters; at stage 3 some gathers are prefetched.
 
 Usage: mpiexec -n N python -m mpi4py tests/ranks/zero_check.py --model mlp
        --optimizers sgd,adam --dtypes float32 --stages 1,2 --steps 20

@@ -94,7 +94,7 @@ def save(comm, out, stage, steps):
 def resume(comm, path, stage, steps):
     with open(path, "rb") as f:
         states = pickle.load(f)
-    saved = [s for s in states if s][0] if len(states) > 1 else 0
+    saved = next((s for s in states if s), 0)
     start = None
     runs = {}
     for s, ckpt in ((stage, states[saved]), (0, states[0])):
