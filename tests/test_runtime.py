@@ -14,6 +14,7 @@ import pytest
 from mpidl.errors import ConfigError
 from mpidl.runtime import averaging, build, cli_options, presets
 from mpidl.runtime import schedule as schedule_part
+from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.sync import (FusedAllreduce, GradSync, PerTensorCompressed, PushPull,
                                 RowSparseAllgather, compressed, fused, pushpull, rowsparse)
@@ -46,6 +47,8 @@ def test_presets_are_compositions_of_parts():
     server = build("ps", FakeComm(0, 3))
     assert kinds(server) == [] and server.role == "server" and not server.trains_on_data
     assert build("allreduce", FakeComm(0, 2), accumulate=4).schedule.k == 4
+    zero = build("allreduce", FakeComm(0, 2), zero=2)  # ZeRO: its own sync and placement
+    assert kinds(zero) == [zero_part.ZeroSync] and zero.placement_cls.func is zero_part.Sharded
 
 
 def test_each_preset_takes_exactly_its_parts_options():
@@ -57,7 +60,8 @@ def test_each_preset_takes_exactly_its_parts_options():
                                                | names(rowsparse.OPTIONS)
                                                | names(compressed.OPTIONS) | {"sync_bn"}
                                                | names(averaging.OPTIONS)
-                                               | set(presets.AVERAGING_CHECK))
+                                               | set(presets.AVERAGING_CHECK)
+                                               | names(zero_part.OPTIONS))
     assert presets.PRESETS["ps"][1] == (common | names(pushpull.OPTIONS)
                                         | names(compressed.OPTIONS) | set(presets.PS_TUNING))
     # every flag is declared once, by one part

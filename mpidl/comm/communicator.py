@@ -803,6 +803,28 @@ class Communicator(PointToPoint):
                      verify=False, nbytes=0)
 
 
+    # ------------------------------------------------------------------ allgather of shards
+    def allgather_shards(self, buf, algorithm="auto", name=None):
+        """The inverse of ``reduce_scatter``, in place: ``buf`` (flat, contiguous, n
+        elements) holds this rank's chunk of ``layout.even_split(n, p)`` at its offset;
+        every other rank's chunk is filled in. No count exchange (the layout is known)
+        and no padding: a ring moves exactly the other ranks' chunks. Returns ``buf``."""
+        return self._blocking(self._prep_allgather_shards(buf, algorithm), name)
+
+    def iallgather_shards(self, buf, algorithm="auto", name=None):
+        return self._nonblocking(self._prep_allgather_shards(buf, algorithm), name)
+
+    def _prep_allgather_shards(self, buf, algorithm):
+        xp, gpu = _module(buf)
+        if buf.ndim != 1 or not buf.flags.c_contiguous:
+            raise ValueError(f"allgather_shards: buf must be a flat contiguous array, got "
+                             f"shape {buf.shape}")
+        counts, displs = even_split(buf.size, self.size)
+        alg = self._resolve("allgather", algorithm, buf.nbytes // self.size)
+        return _Call("allgather", _body_allgather_shards, buf, alg, None, xp, gpu, dst=buf,
+                     result=buf, counts=counts, displs=displs, nbytes=buf.nbytes)
+
+
 class _Waiting:
     """``Communicator.waiting``: marks a channel busy with a ``stall.Wait`` meanwhile."""
 
@@ -888,6 +910,13 @@ def _body_allgather(comm, t, c, stats):
         comm._fn(c.alg, "allgather", stats)(t, flat, (n,) * p, tuple(range(0, p * n, n)),
                                             comm._ctx)
     return out
+
+
+def _body_allgather_shards(comm, t, c, stats):
+    buf = c.dst
+    if comm.size > 1 and buf.size:
+        comm._fn(c.alg, "allgather", stats)(t, buf, c.counts, c.displs, comm._ctx)
+    return c.result
 
 
 def _body_allgatherv(comm, t, c, stats):

@@ -174,6 +174,11 @@ class Layer:
     computes correct gradients; only the hooks of that subtree stay silent.
     """
 
+    #: fn(layer, "forward" | "backward") called before this layer's forward (``__call__``)
+    #: and backward (``backprop``); ZeRO stage 3 gathers the layer's parameters there.
+    #: A class-level empty tuple until ``add_pre_hook``: nothing to pay when unused.
+    _pre_hooks = ()
+
     def __init__(self):
         self._params = OrderedDict()
         self._buffers = OrderedDict()
@@ -371,6 +376,17 @@ class Layer:
         now; see ``mpidl.engine.hooks`` for the limits. Returns the hook object."""
         return GradReadyHook(self, fn)
 
+    def add_pre_hook(self, fn):
+        """Call ``fn(self, "forward")`` before every forward of this layer through
+        ``layer(x)`` and ``fn(self, "backward")`` before every ``backprop`` (this layer
+        only, not its children). Returns ``fn``."""
+        if not callable(fn):
+            raise TypeError(f"add_pre_hook needs a callable fn(layer, phase), got {fn!r}")
+        if not self._pre_hooks:
+            self._pre_hooks = []
+        self._pre_hooks.append(fn)
+        return fn
+
     # -- computation
     def forward(self, x):
         raise NotImplementedError
@@ -379,13 +395,20 @@ class Layer:
         raise NotImplementedError
 
     def __call__(self, x):
-        """Run forward. The single entry point containers use: pre-forward hooks, when
-        they come, go here."""
+        """Run forward (after the pre-forward hooks): the single entry point containers
+        use."""
+        if self._pre_hooks:
+            for hook in self._pre_hooks:
+                hook(self, "forward")
         return self.forward(x)
 
     def backprop(self, dy):
-        """Run backward, then tell the grad-ready hooks this layer's own parameters are
-        done (children report their own from their ``backprop``)."""
+        """Run backward (after the pre-backward hooks), then tell the grad-ready hooks
+        this layer's own parameters are done (children report their own from their
+        ``backprop``)."""
+        if self._pre_hooks:
+            for hook in self._pre_hooks:
+                hook(self, "backward")
         dx = self.backward(dy)
         for hook in self._grad_hooks:
             hook.layer_done(self)

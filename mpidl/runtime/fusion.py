@@ -77,7 +77,7 @@ class FusionBuffers:
     earlier ones launched, this one complete), in index order.
     """
 
-    def __init__(self, named_params, bucket_bytes, scale=1.0):
+    def __init__(self, named_params, bucket_bytes, scale=1.0, shared=False):
         named_params = list(named_params)
         # gradients are multiplied by ``scale`` on their way in (1/N: the all-reduce then
         # sums, and the mean costs no extra pass over the buckets)
@@ -87,11 +87,24 @@ class FusionBuffers:
         self.bucket_bytes = int(bucket_bytes)
         self.buckets = []
         self.slot = {}  # name -> (bucket, view, parameter)
-        for index, group in enumerate(plan(named_params, bucket_bytes)):
+        groups = plan(named_params, bucket_bytes)
+        # shared: every bucket a prefix of one buffer, the largest bucket's size (ZeRO
+        # stage 2 packs and sends the buckets one after another through it)
+        # (one such buffer per dtype)
+        pools = {}
+        if shared:
+            for g in groups:
+                first = g[0][1].data
+                total = sum(p.data.size for _, p in g)
+                pools[first.dtype] = max(pools.get(first.dtype, 0), total)
+            pools = {dt: array_module(groups[0][0][1].data).zeros(n, dtype=dt)
+                     for dt, n in pools.items()}
+        for index, group in enumerate(groups):
             first = group[0][1].data
             xp = array_module(first)
             total = sum(p.data.size for _, p in group)
-            buffer = xp.zeros(total, dtype=first.dtype)
+            buffer = pools[first.dtype][:total] if shared else \
+                xp.zeros(total, dtype=first.dtype)
             views, offset = [], 0
             for _, p in group:
                 n = p.data.size
@@ -102,7 +115,9 @@ class FusionBuffers:
             self.buckets.append(bucket)
             for name, view, p in zip(bucket.names, views, bucket.params):
                 self.slot[name] = (bucket, view, p)
-        self.nbytes = sum(b.nbytes for b in self.buckets)
+        self.nbytes = sum(b.nbytes for b in self.buckets)  # of the layout
+        #: bytes allocated for the buffers (less than ``nbytes`` when shared)
+        self.buffer_nbytes = sum(b.nbytes for b in pools.values()) if shared else self.nbytes
         self._next = 0          # index of the next bucket to launch
         self.launched = 0       # buckets launched so far in this step
         self._packed = set()    # names packed in this step

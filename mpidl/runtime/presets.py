@@ -27,6 +27,7 @@ from mpidl.errors import ConfigError
 from mpidl.options import Option
 from mpidl.runtime import averaging as averaging_part
 from mpidl.runtime import schedule as schedule_part
+from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.runtime import Runtime
 from mpidl.runtime.sync import compressed, fused, pushpull, rowsparse
@@ -54,7 +55,8 @@ EPOCH_END_CHECKPOINTS = ("ps",)
 def cli_options():
     """Every part's settings, for ``mpidl.config`` and the command line."""
     return (OPTIONS + schedule_part.OPTIONS + fused.OPTIONS + rowsparse.OPTIONS
-            + compressed.OPTIONS + pushpull.OPTIONS + averaging_part.OPTIONS)
+            + compressed.OPTIONS + pushpull.OPTIONS + averaging_part.OPTIONS
+            + zero_part.OPTIONS)
 
 
 def names():
@@ -76,6 +78,7 @@ def build(name, comm=None, strict=True, **options):
     name = canonical(name)
     given = {k: v for k, v in options.items() if v is not None}
     averaging_part.check_options(name, given)
+    zero_part.check_options(name, given)
     preset, takes = PRESETS[name]
     unused = sorted(k for k in given if k not in takes)
     if unused and strict:
@@ -120,12 +123,16 @@ def local(comm, unused, accumulate=1, straggler=None):
 def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket_mb=None,
               overlap="auto", compression=None, ratio=None, sparse_grads=None, sync_bn=False,
               sync=None, period=None, warmup_steps=None, outer_lr=None, outer_momentum=None,
-              verify_averaging=False):
+              verify_averaging=False, zero=0):
     size = _size(comm)
     rank = 0 if comm is None else comm.rank
     sched = _schedule(accumulate, straggler, rank, list(range(size)))
     algorithm = fused.check_algorithm(algorithm)
     sparse_mode = rowsparse.check_sparse_mode(sparse_grads)
+    zero = zero_part.check_stage(zero or 0)
+    if zero:
+        return _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
+                     sync_bn)
     try:
         from mpidl.compress import build_compression  # noqa: PLC0415
 
@@ -149,6 +156,19 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
     rt = Runtime(comm, "allreduce" if averaging is None else f"allreduce+{averaging.name}",
                  sched, syncs, Replicated, sync_bn=sync_bn, unused=unused, averaging=averaging)
     rt.compressor = compressor
+    return rt
+
+
+def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode, sync_bn):
+    """The allreduce preset with ZeRO stage ``zero`` (``zero.py``): every dense
+    parameter in reduce-scattered buckets, the optimizer sharded."""
+    from functools import partial  # noqa: PLC0415
+
+    sync = zero_part.ZeroSync(zero, algorithm, bucket_mb, fused.check_overlap(overlap))
+    rt = Runtime(comm, f"allreduce+zero{zero}", sched, [(_everything, sync)],
+                 partial(zero_part.Sharded, stage=zero), sync_bn=sync_bn, unused=unused)
+    rt.checks.append(partial(zero_part.check_setup, zero, sparse_mode=sparse_mode))
+    rt.zero = zero
     return rt
 
 
@@ -216,7 +236,7 @@ PRESETS = {
     "local": (local, _COMMON),
     "allreduce": (allreduce, _COMMON | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
                   | _names(compressed.OPTIONS) | {"sync_bn"} | _names(averaging_part.OPTIONS)
-                  | set(AVERAGING_CHECK)),
+                  | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)),
     "ps": (ps, _COMMON | _names(pushpull.OPTIONS) | _names(compressed.OPTIONS)
            | set(PS_TUNING)),
 }

@@ -67,6 +67,7 @@ class Runtime:
         self.group = None                     # the data-parallel group of trainers
         self.steps = 0
         self.compressor = None                # set by the preset when --compression is on
+        self.checks = []                      # fn(model, optimizer): local, may raise
         self.reset_stats()
 
     # -- who am I
@@ -99,8 +100,17 @@ class Runtime:
         return trainers.index(self.rank), len(trainers)
 
     # -- set-up
+    def check(self, model, optimizer):
+        """ConfigError if a part of this step cannot serve ``model`` or ``optimizer``
+        (ZeRO: a non-elementwise optimizer, row-sparse gradients). Local work, no
+        communication: the command line runs it in its set-up phase, where the ranks
+        agree on errors; ``setup`` runs it again."""
+        for fn in self.checks:
+            fn(model, optimizer)
+
     def setup(self, model, optimizer, loss):
         """Collective: groups, parameter broadcast, the syncs' layouts, hooks."""
+        self.check(model, optimizer)
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.named_params = model.named_parameters()
         self.schedule.setup(model)
@@ -398,6 +408,9 @@ class Runtime:
         """The syncs' state, every training rank's gathered on the root (collective over
         the training ranks): error-feedback residuals, the servers' optimizer state, ..."""
         self.sync_buffers()
+        export = getattr(getattr(self, "placement", None), "export_state", None)
+        if export is not None and self.trains_on_data:
+            export(self)  # ZeRO: the shards' optimizer state, per parameter on the root
         mine = [s.state_dict() for _, s in self.syncs]
         per_rank = self.gather(mine)
         out = {"syncs": per_rank}
@@ -417,6 +430,9 @@ class Runtime:
             if servers is not None:
                 self.server.load_state_dict(servers)
             return
+        load = getattr(getattr(self, "placement", None), "import_state", None)
+        if load is not None:
+            load()  # ZeRO: the optimizer's per-parameter state, cut into this rank's shards
         index, count = self.shard()
         avg = self.averaging
         if avg is not None and (state or {}).get("averaging") is not None:

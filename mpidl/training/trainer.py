@@ -126,6 +126,8 @@ class Trainer:
             runtime = build("local")
         self.model, self.optimizer = model, optimizer
         self.runtime = runtime
+        if hasattr(runtime, "check"):  # before any communication (ConfigError)
+            runtime.check(model, optimizer)
         self.task = task if task is not None else ClassificationTask()
         self.dataset = dataset
         self.paths = dict(paths or {})

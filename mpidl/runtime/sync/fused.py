@@ -107,11 +107,15 @@ class FusedAllreduce(GradSync):
         self.comm = ctx.group
         size = 1 if self.comm is None else self.comm.size
         scale = 1.0 if self.hook is not None else 1.0 / size
-        self.fusion = FusionBuffers(named_params, int(self.bucket_mb * MiB), scale=scale)
+        self.fusion = self._fusion(named_params, int(self.bucket_mb * MiB), scale)
         if self.hook is not None and self.comm is not None:
             self.hook.bind(self.comm)
         if self.overlap_mode == "auto":
             self.overlap, self.overlap_reason = overlap_pays(self.comm, ctx.named_params)
+
+    def _fusion(self, named_params, bucket_bytes, scale):
+        """The buckets' layout and buffers (a subclass may share one buffer)."""
+        return FusionBuffers(named_params, bucket_bytes, scale=scale)
 
     # -- a step
     def begin_step(self):

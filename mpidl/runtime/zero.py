@@ -1,0 +1,622 @@
+"""ZeRO (``--zero 0|1|2|3``): optimizer state, gradients and parameters sharded over the
+data-parallel group, with every bit of stage 0's trajectory.
+
+Shards follow the fused-bucket layout (``fusion.plan``): bucket b of n elements is cut
+by ``layout.even_split(n, N)`` and rank r owns chunk r, the chunk ``reduce_scatter``
+returns. A step, per bucket:
+
+* the gradients are packed as for stage 0 (times 1/N) and **reduce-scattered** instead of
+  all-reduced: rank r receives the reduced chunk r (``Shard.grad``);
+* the **sharded placement** steps chunk r only, with an optimizer of the trainer's class
+  and hyper-parameters holding one flat parameter per bucket shard (``Sharded.inner``);
+  SGD (momentum, Nesterov, weight decay), Adam and AdamW are elementwise, so the flat
+  update is bitwise the per-parameter one;
+* an **all-gather** of the updated chunks refreshes every rank's full parameters (stages
+  1 and 2: the parameters are views of one flat buffer per bucket, ``Shard.params``, so
+  the gather lands in place).
+
+Stage 1 keeps the fused gradient buckets (a full gradient per rank, as stage 0 does);
+stage 2 keeps the gradient shards only: one communication buffer, the size of the
+largest bucket, is packed and reduce-scattered bucket after bucket once backward is done
+(no overlap with backward), and each parameter's gradient is dropped once packed.
+
+**Exactness.** The reduced chunk must be the bits stage 0's all-reduce gives. That holds
+for ``ring`` (its reduce-scatter is the first half of its all-reduce), ``tree`` (both
+reduce to rank 0 down the same tree) and ``recursive_doubling`` below 4 ranks (one
+pairwise round after the fold). Recursive halving at 4+ ranks adds in another order
+than recursive doubling, and MPI's own ``Reduce_scatter`` need not match its
+``Allreduce`` (it does not, measured with MPICH at 3 and 4 ranks): for those buckets
+the gradient is **all-reduced** with stage 0's algorithm and the chunk taken from it —
+exact, at the price of more bytes; ``describe()`` says which buckets do so. With
+``--algorithm auto`` each bucket's algorithm is resolved as stage 0 resolves it (the
+all-reduce table, by the bucket's bytes).
+
+**Traffic** with ``--algorithm ring``: rank r sends, per bucket of n elements,
+``n - c[r]`` (reduce-scatter) and ``n - c[r+1]`` (all-gather) elements, exactly what
+stage 0's ring all-reduce sends; averaged over the ranks that is 2(N-1)/N of the
+bucket, exactly.
+
+**Checkpoints** hold the stage-0 form: ``Runtime.state_dict`` (collective) gathers the
+shards' optimizer state into the trainer's optimizer on the root (per parameter, as a
+replicated optimizer keeps it) and ``load_state_dict`` cuts it into this run's shards,
+so a checkpoint resumes at any stage and any number of ranks.
+"""
+
+import copy
+import time
+
+from mpidl.backend import array_module, to_device, to_numpy
+from mpidl.comm.layout import even_split
+from mpidl.engine.module import Parameter
+from mpidl.errors import AgreedUserError, ConfigError
+from mpidl.options import Option
+from mpidl.runtime.sync.fused import FusedAllreduce
+
+STAGES = (0, 1, 2, 3)
+_clock = time.perf_counter
+
+OPTIONS = [
+    Option("zero", int, 0, "ZeRO stage over the data-parallel group: 0 replicated "
+           "optimizer (default), 1 shard the optimizer state, 2 also the gradients, 3 also "
+           "the parameters; bitwise the trajectory of stage 0", "parallelism",
+           metavar="STAGE", check=lambda v: None if v in STAGES else
+           "must be 0, 1, 2 or 3 (the ZeRO stage)"),
+]
+
+
+def check_stage(zero):
+    """The stage as an int, or one ConfigError."""
+    if isinstance(zero, bool) or zero not in STAGES:
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3 (the ZeRO stage), got {zero!r}")
+    return int(zero)
+
+
+def check_options(strategy, options):
+    """ConfigError for settings ZeRO cannot serve (local work; run for every preset)."""
+    if "zero" not in options:
+        return 0
+    zero = check_stage(options["zero"])
+    if zero == 0:
+        return 0
+    if strategy == "ps":
+        raise ConfigError(f"--zero {zero} shards the optimizer over the data-parallel group "
+                          "of --strategy allreduce; the parameter server keeps the optimizer "
+                          "on its servers already (use --strategy allreduce, or drop --zero)")
+    sync = options.get("sync")
+    if sync not in (None, "allreduce"):
+        raise ConfigError(f"--zero {zero} cannot serve --sync {sync}: each replica there "
+                          "steps its own optimizer alone; drop one of them")
+    if options.get("compression"):
+        raise ConfigError(f"--zero {zero} cannot serve --compression "
+                          f"{options['compression']}: compressed gradients are not "
+                          "reduce-scattered; drop one of them")
+    return zero
+
+
+def exact_reduce_scatter(algorithm, size):
+    """Whether ``algorithm``'s reduce-scatter gives bitwise chunk ``rank`` of its
+    all-reduce on ``size`` ranks (module doc)."""
+    if algorithm in ("ring", "tree"):
+        return True
+    if algorithm == "recursive_doubling":
+        return size < 4
+    return False
+
+
+#: optimizers whose update is elementwise (a flat shard's update is the per-parameter one)
+def _elementwise():
+    from mpidl.engine.optim import SGD, Adam, AdamW  # noqa: PLC0415
+
+    return (SGD, Adam, AdamW)
+
+
+def check_setup(zero, model, optimizer, sparse_mode):
+    """ConfigError (local, before any communication) for a model or optimizer ZeRO
+    cannot serve: a non-elementwise optimizer, row-sparse gradients exchanged apart."""
+    if not zero:
+        return
+    if type(optimizer) not in _elementwise():
+        raise ConfigError(f"--zero {zero} steps flat shards of the parameters, which is "
+                          "exact for elementwise optimizers only (sgd, adam, adamw); got "
+                          f"{type(optimizer).__name__} (use --zero 0)")
+    held = {id(p) for p in optimizer.params.values()}
+    missing = [n for n, p in model.named_parameters() if id(p) not in held]
+    if missing:
+        raise ConfigError(f"--zero {zero} steps every parameter of the model, but the "
+                          f"optimizer does not hold {', '.join(missing[:3])}"
+                          f"{' ...' if len(missing) > 3 else ''} (frozen parameters); give "
+                          "the optimizer all of them, or use --zero 0")
+    if sparse_mode == "allgather":
+        from mpidl.runtime.sync.rowsparse import sparse_param_names  # noqa: PLC0415
+
+        sparse = sorted(sparse_param_names(model))
+        if sparse:
+            raise ConfigError(f"--zero {zero}: {', '.join(sparse[:3])} ha"
+                              f"{'s' if len(sparse) == 1 else 've'} row-sparse gradients, "
+                              "which --sparse-grads allgather exchanges outside the buckets "
+                              "ZeRO shards; add --sparse-grads dense")
+
+
+class Shard:
+    """One bucket's shard on this rank: where chunk ``rank`` lies and what is held.
+
+    ``lo:hi``: this rank's chunk of the bucket's flat layout; ``params``: the bucket's
+    parameters as one flat buffer (their ``data`` are views of it); ``param``: the flat
+    ``Parameter`` the inner optimizer steps (a view of ``params[lo:hi]``); ``grad``: the
+    reduced gradient chunk; ``algorithm``: the collective algorithm (stage 0's for this
+    bucket); ``exact_rs``: whether its reduce-scatter is used (else all-reduce + slice).
+    """
+
+    __slots__ = ("bucket", "counts", "displs", "lo", "hi", "params", "param", "grad",
+                 "algorithm", "exact_rs")
+
+    def __init__(self, bucket, rank, size, algorithm, own=False):
+        self.bucket = bucket
+        n = bucket.buffer.size
+        self.counts, self.displs = even_split(n, size)
+        self.lo = self.displs[rank]
+        self.hi = self.lo + self.counts[rank]
+        self.algorithm = algorithm
+        self.exact_rs = exact_reduce_scatter(algorithm, size)
+        xp = array_module(bucket.buffer)
+        # the parameters move into one flat buffer (the all-gather's target)
+        self.params = xp.empty(n, dtype=bucket.dtype)
+        offset = 0
+        for p in bucket.params:
+            k = p.data.size
+            view = self.params[offset:offset + k].reshape(p.data.shape)
+            view[...] = p.data
+            p.data = view
+            offset += k
+        # stage 3 (``own``): the chunk is this rank's own array, the full buffer comes and
+        # goes (``ParamGathers``); stages 1-2: a view, the buffer stays
+        chunk = self.params[self.lo:self.hi]
+        self.param = Parameter(chunk.copy() if own else chunk)
+        self.grad = xp.zeros(self.hi - self.lo, dtype=bucket.dtype)
+        self.param.grad = self.grad
+
+
+class ZeroSync(FusedAllreduce):
+    """The gradient part of ZeRO: fused buckets reduce-scattered into ``Shard.grad``."""
+
+    name = "zero-reduce-scatter"
+
+    def __init__(self, stage, algorithm="auto", bucket_mb=None, overlap="auto"):
+        super().__init__(algorithm, bucket_mb, "off" if stage >= 2 else overlap)
+        self.stage = check_stage(stage)
+        self.shards = []
+
+    def setup(self, ctx, named_params):
+        # stage 2 packs every bucket into one shared communication buffer
+        self._shared = self.stage >= 2
+        super().setup(ctx, named_params)
+        comm = self.comm
+        size = 1 if comm is None else comm.size
+        rank = 0 if comm is None else comm.rank
+        self.shards = []
+        for b in self.fusion.buckets:
+            alg = self.algorithm
+            if alg == "auto" and comm is not None:
+                alg = comm.selector.choose("allreduce", b.nbytes)  # as stage 0 would
+            self.shards.append(Shard(b, rank, size, alg, own=self.stage == 3))
+        self.micro = getattr(ctx.schedule, "k", 1)
+        self.gathers = ParamGathers(self, ctx.model) if self.stage == 3 else None
+        placement = ctx.placement
+        if not isinstance(placement, Sharded):
+            raise TypeError("ZeroSync needs the Sharded optimizer placement")
+        placement.bind(self)
+
+    def _fusion(self, named_params, bucket_bytes, scale):
+        from mpidl.runtime.fusion import FusionBuffers  # noqa: PLC0415
+
+        return FusionBuffers(named_params, bucket_bytes, scale=scale, shared=self._shared)
+
+    # -- a step
+    def _start(self, b, blocking):
+        sh = self.shards[b.index]
+        if self.comm is None:  # one process without a communicator: the chunk is all
+            sh.grad[...] = b.buffer
+            return None
+        if sh.exact_rs:
+            if blocking:
+                self.comm.reduce_scatter(b.buffer, out=sh.grad, op="sum",
+                                         algorithm=sh.algorithm, name=b.name)
+                return None
+            return self.comm.ireduce_scatter(b.buffer, out=sh.grad, op="sum",
+                                             algorithm=sh.algorithm, name=b.name)
+        if blocking:
+            self.comm.allreduce(b.buffer, out=b.buffer, op="sum", algorithm=sh.algorithm,
+                                name=b.name)
+            return None
+        return self.comm.iallreduce(b.buffer, out=b.buffer, op="sum",
+                                    algorithm=sh.algorithm, name=b.name)
+
+    def _complete(self, b):
+        if b.handle is not None:
+            b.handle.wait()
+        b.handle = None
+        sh = self.shards[b.index]
+        if not sh.exact_rs and self.comm is not None:
+            sh.grad[...] = b.buffer[sh.lo:sh.hi]
+        for p in b.params:  # the full gradient is not kept (only the shard is reduced)
+            p.grad = None
+
+    def begin_step(self):
+        super().begin_step()
+        if self.gathers is not None:
+            self.gathers.unpin()
+
+    def prepare_eval(self):
+        if self.gathers is not None:
+            self.gathers.materialize()
+
+    def finish(self):
+        if self.gathers is not None:
+            self.gathers.release_all()  # backward is over
+        if self.comm is not None and not self._shared:
+            yield from super().finish()
+            return
+        # stages 2-3 (and one process): bucket after bucket, packed just before it goes
+        fusion = self.fusion
+        for b in fusion.buckets:
+            for name in b.names:
+                fusion.pack(name)
+            t = _clock()
+            b.handle = self._start(b, blocking=True)
+            self._complete(b)
+            self._wait += _clock() - t
+            yield b.names
+
+    # -- reporting
+    def metrics(self):
+        out = super().metrics()
+        out["zero"] = self.stage
+        g = self.gathers
+        if g is not None:  # stage 3: parameter gathers in training, how many prefetched
+            out["param_gathers"], out["param_prefetched"] = g.gathers, g.prefetched
+            g.gathers = g.prefetched = 0
+        return out
+
+    def describe(self):
+        f = self.fusion
+        size = 1 if self.comm is None else self.comm.size
+        how = {}
+        for sh in self.shards:
+            how.setdefault((sh.algorithm, sh.exact_rs), []).append(sh.bucket.index)
+        parts = []
+        for (alg, exact), idx in how.items():
+            op = "reduce-scatter" if exact else \
+                "all-reduce + own chunk (its reduce-scatter sums in another order)"
+            parts.append(f"{alg} {op} for bucket(s) {_ranges(idx)}")
+        if self.stage == 3:
+            parts.append("parameters all-gathered bucket by bucket before each forward and "
+                         "backward (the next bucket prefetched), freed after")
+        held = ("optimizer state" if self.stage == 1 else
+                "optimizer state and gradients" if self.stage == 2 else
+                "optimizer state, gradients and parameters")
+        overlap = self.overlap_text() if self.stage == 1 else \
+            "off (one shared communication buffer, packed after backward)"
+        if self.stage < 3:
+            parts.append("then an all-gather of the updated shards")
+        head = (f"ZeRO stage {self.stage} over {size} rank(s): {held} sharded along "
+                f"{len(f)} bucket(s) of <= {self.bucket_mb:g} MiB ({f.nbytes / 2**20:.2f} "
+                f"MiB in all), this rank owns {self.shard_elements()} of "
+                f"{sum(b.buffer.size for b in f.buckets)} elements; {'; '.join(parts)}; "
+                f"overlap {overlap}")
+        return [head] + f.describe()
+
+    def shard_elements(self):
+        return sum(sh.hi - sh.lo for sh in self.shards)
+
+    def bytes_per_step(self):
+        """Bytes this rank sends per step through a home-made algorithm's ring: the
+        reduce-scatter (or all-reduce) and the all-gather of every bucket."""
+        p = 1 if self.comm is None else self.comm.size
+        if p == 1:
+            return 0
+        r = self.comm.rank
+        total = 0
+        for sh in self.shards:
+            n, c = sh.bucket.buffer.size, sh.counts
+            sent = (n - c[r]) + (n - c[(r + 1) % p])        # reduce-scatter + all-gather
+            if not sh.exact_rs:
+                sent += n - c[(r + 1) % p]                   # the all-reduce's second half
+            if self.stage == 3:  # gathered for every forward and backward, not after
+                sent += (2 * self.micro - 1) * (n - c[(r + 1) % p])
+            total += sent * sh.bucket.dtype.itemsize
+        return total
+
+
+def _ranges(idx):
+    return ", ".join(str(i) for i in idx) if len(idx) <= 4 else f"{idx[0]}..{idx[-1]}"
+
+
+class Sharded:
+    """Optimizer placement of ZeRO: each rank steps its shards, then all-gathers them.
+
+    ``inner`` is an optimizer of the trainer's optimizer's class and hyper-parameters over
+    one flat ``Parameter`` per bucket shard (named like the bucket); the trainer's
+    optimizer keeps no state of its own but its learning rate (schedules set it) and
+    hyper-parameters, copied into ``inner`` before every update.
+    """
+
+    def __init__(self, optimizer, stage=1):
+        self.optimizer = optimizer
+        self.stage = check_stage(stage)
+        self.name = f"zero-{self.stage} sharded"
+        self.sync = None
+        self.inner = None
+        self.shards = {}        # bucket name -> Shard
+        self.of_param = {}      # parameter name -> bucket name
+        self._exported = False  # the root's optimizer holds a checkpoint's gathered state
+
+    def bind(self, sync):
+        self.sync = sync
+        self.shards = {sh.bucket.name: sh for sh in sync.shards}
+        self.of_param = {n: sh.bucket.name for sh in sync.shards for n in sh.bucket.names}
+        opt = self.optimizer
+        inner = copy.copy(opt)  # the same class and hyper-parameters, none of the state
+        inner.params = {name: sh.param for name, sh in self.shards.items()}
+        inner.state = {}
+        inner._scratch = {}
+        self.inner = inner
+        if opt.state:  # state loaded before set-up (a resume through the Python API)
+            self.import_state()
+
+    def zero_grad(self, model):
+        self.optimizer.zero_grad()
+        model.zero_grad()
+        if self._exported:  # a checkpoint was written: the root lets go of its copy
+            self.optimizer.state = {}
+            self._exported = False
+
+    def _refresh(self):
+        opt, inner = self.optimizer, self.inner
+        inner._lr = opt.lr
+        for h in opt.hyper:
+            setattr(inner, h, getattr(opt, h))
+        inner.fused = opt.fused
+
+    def step(self, names):
+        buckets = []
+        for n in names:
+            b = self.of_param.get(n)
+            if b is not None and (not buckets or buckets[-1] != b) and b not in buckets:
+                buckets.append(b)
+        if not buckets:
+            return
+        self._refresh()
+        comm = self.sync.comm
+        for b in buckets:
+            sh = self.shards[b]
+            self.inner.step([b])
+            if comm is not None and self.stage < 3:  # (stage 3 gathers before use)
+                comm.allgather_shards(sh.params, algorithm=sh.algorithm, name=f"{b}.params")
+
+    # -- checkpoints: the stage-0 form (module doc)
+    def export_state(self, runtime):
+        """Collective over the trainers: the shards' optimizer state, gathered on the root
+        into the trainer's optimizer as per-parameter state (what a replicated optimizer
+        holds); the root drops it again at the next step."""
+        if self.sync.gathers is not None:
+            self.sync.gathers.materialize()  # the root saves the model's full parameters
+        mine = {}
+        for b, st in self.inner.state.items():
+            mine[b] = {k: (v if isinstance(v, int) else to_numpy(v)) for k, v in st.items()}
+        per_rank = runtime.gather(mine)
+        if not runtime.is_root:
+            return
+        full = {}
+        for b, sh in self.shards.items():
+            states = [r.get(b) for r in per_rank]
+            if all(s is None for s in states):
+                continue
+            if any(s is None for s in states):
+                raise RuntimeError(f"ZeRO checkpoint: bucket {b} has optimizer state on some "
+                                   "ranks only")
+            import numpy as np  # noqa: PLC0415
+
+            step = states[0]["step"]
+            slots = {k: np.concatenate([s[k] for s in states]) for k in states[0]
+                     if k != "step"}
+            offset = 0
+            for name, p in zip(sh.bucket.names, sh.bucket.params):
+                k = p.data.size
+                st = {"step": step}
+                for slot, flat in slots.items():
+                    st[slot] = to_device(flat[offset:offset + k].reshape(p.data.shape),
+                                         dtype=p.data.dtype).copy()
+                full[name] = st
+                offset += k
+        self.optimizer.state = full
+        self._exported = True
+
+    def import_state(self):
+        """Cut the per-parameter state the trainer's optimizer loaded (a checkpoint of any
+        stage and number of ranks) into this rank's shards; the optimizer lets it go."""
+        full = self.optimizer.state
+        inner = {}
+        for b, sh in self.shards.items():
+            have = [n for n in sh.bucket.names if n in full]
+            if not have:
+                continue
+            if len(have) != len(sh.bucket.names):
+                missing = [n for n in sh.bucket.names if n not in full]
+                raise ConfigError(f"--zero {self.stage}: the checkpoint has optimizer state "
+                                  f"for some parameters of {b} but not for {missing[:3]}; "
+                                  "resume it with --zero 0")
+            steps = {int(full[n]["step"]) for n in have}
+            if len(steps) != 1:
+                raise ConfigError(f"--zero {self.stage}: the checkpoint's parameters "
+                                  f"{have[:3]} were updated different numbers of times "
+                                  f"({sorted(steps)}); one shard needs one step count: "
+                                  "resume it with --zero 0")
+            xp = array_module(sh.params)
+            st = {"step": steps.pop()}
+            for slot in full[have[0]]:
+                if slot == "step":
+                    continue
+                flat = xp.concatenate([xp.asarray(full[n][slot]).reshape(-1) for n in have])
+                st[slot] = flat[sh.lo:sh.hi].copy()
+            inner[b] = st
+        self.inner.state = inner
+        self.optimizer.state = {}
+        self._exported = False
+
+
+class _Freed:
+    """A stage-3 parameter's ``data`` while its bucket is not gathered: any use is one
+    clear error instead of wrong numbers."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def _refuse(self):
+        # every rank runs the same model code and meets this at the same point: an error
+        # the ranks agree on (one line, exit 2 from the command line)
+        return AgreedUserError(f"--zero 3 cannot serve this model: parameter {self.name!r} "
+                               "was used while not gathered, outside its layer's own "
+                               "forward (layer(x)) and backprop, where stage 3 gathers it "
+                               "(a container calling child.forward directly?); use --zero 2 "
+                               "or call children as layer(x) and layer.backprop(dy)")
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise self._refuse()
+
+    def __array__(self, *args, **kwargs):
+        raise self._refuse()
+
+    def __repr__(self):
+        return f"<{self.name}: sharded by --zero 3, not gathered>"
+
+
+class ParamGathers:
+    """ZeRO stage 3: which buckets' full parameters are gathered now.
+
+    A pre-forward / pre-backward hook on every layer that holds parameters gathers the
+    buckets that layer needs (waiting for a prefetch when one is in flight) and starts
+    the non-blocking gather of the next bucket in the pass's order (forward walks the
+    buckets from the last index down, backward up), then frees the buckets the pass has
+    left behind. A change of pass (forward to backward, or the next micro-batch) frees
+    everything, so each bucket is gathered once per forward and once per backward. While
+    *pinned* (after set-up, for evaluation and checkpoints) every bucket is gathered and
+    the hooks do nothing; the next step takes each rank's chunk back and frees them.
+    """
+
+    def __init__(self, sync, model):
+        if not hasattr(model, "modules"):
+            raise ConfigError(f"--zero 3 gathers parameters layer by layer and needs an mpidl "
+                              f"Layer; got {type(model).__name__} (use --zero 2)")
+        self.comm = sync.comm
+        self.shards = sync.shards
+        index_of = {id(p): sh.bucket.index for sh in self.shards for p in sh.bucket.params}
+        self.needs = {}  # id(layer) -> indices of the buckets its own parameters are in
+        for _, m in model.modules():
+            own = sorted({index_of[id(p)] for p in m._params.values() if id(p) in index_of})
+            if own and id(m) not in self.needs:
+                self.needs[id(m)] = own
+                m.add_pre_hook(self._before)
+        # set-up leaves every bucket gathered: Shard built the full buffers
+        self.gathered = {sh.bucket.index: [sh.params, None] for sh in self.shards}
+        self.pinned = True
+        self.phase = None
+        self.gathers = self.prefetched = 0  # in training passes (reset by metrics)
+
+    # -- the hooks
+    def _before(self, layer, phase):
+        if self.pinned:
+            return
+        if phase != self.phase:
+            self.release_all()
+            self.phase = phase
+        need = self.needs.get(id(layer))
+        if not need:
+            return
+        lo, hi = need[0], need[-1]
+        for i in list(self.gathered):  # the buckets this pass has left behind
+            if (i > hi if phase == "forward" else i < lo):
+                self.release(i)
+        for i in need:
+            self.ensure(i)
+        nxt = lo - 1 if phase == "forward" else hi + 1
+        if 0 <= nxt < len(self.shards) and nxt not in self.gathered:
+            self._start(nxt, blocking=False)
+
+    # -- gather and free
+    def _start(self, i, blocking):
+        sh = self.shards[i]
+        xp = array_module(sh.param.data)
+        buf = xp.empty(sh.bucket.buffer.size, dtype=sh.bucket.dtype)
+        buf[sh.lo:sh.hi] = sh.param.data
+        handle = None
+        if not self.pinned:
+            self.gathers += 1
+            self.prefetched += not blocking
+        if self.comm is not None:
+            name = f"{sh.bucket.name}.params"
+            if blocking:
+                self.comm.allgather_shards(buf, algorithm=sh.algorithm, name=name)
+            else:
+                handle = self.comm.iallgather_shards(buf, algorithm=sh.algorithm, name=name)
+        self.gathered[i] = [buf, handle]
+        if handle is None:
+            self._bind(i, buf)
+
+    def _bind(self, i, buf):
+        sh = self.shards[i]
+        sh.params = buf
+        offset = 0
+        for p, view in zip(sh.bucket.params, sh.bucket.views):
+            k = view.size
+            p.data = buf[offset:offset + k].reshape(view.shape)
+            offset += k
+
+    def ensure(self, i):
+        """Bucket ``i``'s full parameters in place (gathered now, or its prefetch waited)."""
+        entry = self.gathered.get(i)
+        if entry is None:
+            self._start(i, blocking=True)
+            return
+        if entry[1] is not None:
+            entry[1].wait()
+            entry[1] = None
+            self._bind(i, entry[0])
+
+    def release(self, i):
+        entry = self.gathered.pop(i)
+        if entry[1] is not None:  # a prefetch nobody used: finish it before freeing
+            entry[1].wait()
+        sh = self.shards[i]
+        sh.params = None
+        for name, p in zip(sh.bucket.names, sh.bucket.params):
+            p.data = _Freed(name)
+
+    def release_all(self):
+        for i in sorted(self.gathered):
+            self.release(i)
+        self.phase = None
+
+    def materialize(self):
+        """Collective: every bucket gathered and kept until the next step (evaluation,
+        checkpoints, the end of training)."""
+        if self.pinned:
+            return
+        self.release_all()
+        for i in range(len(self.shards)):
+            self.ensure(i)
+        self.pinned = True
+
+    def unpin(self):
+        """The start of a step: each rank takes its chunk of the (possibly reloaded) full
+        parameters back, and every full buffer is freed."""
+        if not self.pinned:
+            return
+        for i, (buf, _) in self.gathered.items():
+            sh = self.shards[i]
+            sh.param.data[...] = buf[sh.lo:sh.hi]
+        self.release_all()
+        self.pinned = False

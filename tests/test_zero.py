@@ -1,0 +1,295 @@
+"""ZeRO stages (``--zero 0|1|2|3``, ``mpidl.runtime.zero``).
+
+* Bitwise: every stage gives stage 0's parameters after every step, on real ranks
+  (tests/ranks/zero_check.py): SGD + momentum (and Nesterov), Adam, AdamW, float32 and
+  float64, p = 2, 3 (uneven shards) and 4, mlp and cnn, several buckets, with and without
+  overlap, with --accumulate, with every algorithm (those whose reduce-scatter sums in
+  another order all-reduce instead). The full grid (200 steps) is ``slow``; a slice runs
+  always.
+* Traffic with --algorithm ring, from the counters: per rank exactly stage 0's bytes for
+  stages 1-2, and summed over the ranks exactly 2(N-1)·Ψ·itemsize per step (3(N-1)·Ψ for
+  stage 3); ``bytes_sent_per_step`` equals the counters.
+* Reduce-scatter against all-reduce, algorithm by algorithm: the exactness table.
+* Bad input is one line and exit status 2 (CLI), or one ConfigError (Python).
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from mpidl.errors import ConfigError
+from mpidl.runtime import build
+from mpidl.runtime.zero import exact_reduce_scatter
+from mpirun import mpiexec_path, run_command, run_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECK = os.path.join(HERE, "ranks", "zero_check.py")
+MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
+FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "64", "--limit-test",
+        "32", "--epochs", "1", "--batch-size", "16"]
+
+
+def check(n, *args, timeout=240):
+    out = run_ranks(n, [CHECK] + [str(a) for a in args], timeout=timeout).check().output
+    assert "zero checks passed" in out, out
+    return out
+
+
+# -- the slice that always runs ---------------------------------------------------------------
+def test_stages_1_2_3_bitwise_on_3_ranks_uneven_shards_and_ring_bytes():
+    out = check(3, "--model", "mlp", "--optimizers", "adam", "--dtypes", "float32",
+                "--stages", "1,2,3", "--steps", "30", "--bucket-mb", "0.001")
+    assert "--zero 3 == --zero 0 bitwise over 30 steps" in out
+    assert "ring reduce-scatter for bucket(s) 0, 1, 2, 3" in out
+
+
+def test_sgd_float64_with_overlap_and_accumulation_on_2_ranks():
+    out = check(2, "--model", "mlp", "--optimizers", "sgd", "--dtypes", "float64",
+                "--stages", "1,2,3", "--steps", "15", "--overlap", "on", "--accumulate", "2")
+    assert "mlp sgd float64 --zero 3 == --zero 0" in out
+
+
+def test_cnn_adamw_on_2_ranks():
+    out = check(2, "--model", "cnn", "--optimizers", "adamw", "--stages", "1,2,3",
+                "--steps", "8")
+    assert "cnn adamw float32 --zero 3 == --zero 0" in out
+
+
+def test_auto_resolves_like_stage_0_and_stays_exact_on_4_ranks():
+    # auto's small buckets go to MPI's own collective, whose reduce-scatter does not
+    # match its all-reduce: those buckets are all-reduced, and the bits are stage 0's
+    out = check(4, "--model", "mlp", "--optimizers", "nesterov", "--stages", "1,2,3",
+                "--steps", "10", "--algorithm", "auto", "--bucket-mb", "0.001")
+    assert "all-reduce + own chunk" in out
+
+
+def test_exactness_table():
+    assert exact_reduce_scatter("ring", 4) and exact_reduce_scatter("tree", 5)
+    assert exact_reduce_scatter("recursive_doubling", 3)
+    assert not exact_reduce_scatter("recursive_doubling", 4)
+    assert not exact_reduce_scatter("mpi", 2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_process_without_a_communicator_is_the_local_preset(stage):
+    from mpidl.engine import SoftmaxCrossEntropy
+    from mpidl.engine.models import build_model
+    from mpidl.engine.optim import make_optimizer
+
+    def run(rt):
+        model = build_model("mlp", (1, 4, 4), 3, seed=1, hidden=(8,))
+        opt = make_optimizer("adam", model.named_parameters(), lr=1e-2)
+        rt.setup(model, opt, SoftmaxCrossEntropy())
+        rng = np.random.default_rng(2)
+        for _ in range(5):
+            rt.train_step(rng.standard_normal((6, 1, 4, 4)).astype(np.float32),
+                          rng.integers(0, 3, size=6))
+        rt.prepare_eval()
+        return [p.data.copy() for _, p in model.named_parameters()]
+
+    ref = run(build("local"))
+    got = run(build("allreduce", None, zero=stage, bucket_mb=0.0002))
+    assert all(np.array_equal(a, b) for a, b in zip(ref, got))
+    assert not np.array_equal(ref[0], build_model("mlp", (1, 4, 4), 3, seed=1,
+                                                  hidden=(8,)).layers[1].weight.data)
+
+
+# -- the full grid of issue 15, point 1 ---------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_full_grid_200_steps(model, n):
+    check(n, "--model", model, "--optimizers", "sgd,adam,adamw", "--dtypes",
+          "float32,float64", "--stages", "1,2,3", "--steps", "200", "--bucket-mb", "0.001",
+          timeout=3000)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm, n", [("tree", 3), ("recursive_doubling", 3),
+                                          ("recursive_doubling", 4), ("mpi", 3)])
+def test_every_algorithm_is_exact(algorithm, n):
+    check(n, "--model", "mlp", "--optimizers", "adam", "--stages", "1,2,3", "--steps", "20",
+          "--algorithm", algorithm, "--bucket-mb", "0.001", "--overlap", "on")
+
+
+# -- bad input ----------------------------------------------------------------------------------
+class FakeComm:
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+@pytest.mark.parametrize("strategy, options, message", [
+    ("allreduce", {"zero": 4}, "--zero must be 0, 1, 2 or 3"),
+    ("ps", {"zero": 1}, "--zero 1 shards the optimizer over the data-parallel group"),
+    ("allreduce", {"zero": 2, "sync": "local-sgd", "period": 2},
+     "--zero 2 cannot serve --sync local-sgd"),
+    ("allreduce", {"zero": 1, "compression": "topk", "ratio": 0.1},
+     "--zero 1 cannot serve --compression topk"),
+])
+def test_build_refuses(strategy, options, message):
+    with pytest.raises(ConfigError, match=message):
+        build(strategy, FakeComm(0, 3), **options)
+
+
+def test_model_and_optimizer_checks():
+    from mpidl.engine import Embedding, Linear, Sequential
+    from mpidl.engine.optim import SGD
+
+    rng = np.random.default_rng(0)
+    model = Sequential(Embedding(10, 4, rng=rng), Linear(4, 2, rng=rng))
+    rt = build("allreduce", FakeComm(0, 2), zero=1)
+    with pytest.raises(ConfigError, match="row-sparse gradients.*--sparse-grads dense"):
+        rt.check(model, SGD(model.named_parameters(), lr=0.1))
+    build("allreduce", FakeComm(0, 2), zero=1, sparse_grads="dense").check(
+        model, SGD(model.named_parameters(), lr=0.1))
+
+    with pytest.raises(ConfigError, match="optimizer does not hold 1.weight"):
+        build("allreduce", FakeComm(0, 2), zero=1, sparse_grads="dense").check(
+            model, SGD([("0.weight", model.layers[0].weight)], lr=0.1))
+
+    class Clipped(SGD):  # not known to be elementwise
+        pass
+    with pytest.raises(ConfigError, match="elementwise optimizers only"):
+        rt.check(model, Clipped(model.named_parameters(), lr=0.1))
+
+
+def _one_line(launch, *needles):
+    assert not launch.timed_out, launch.output
+    assert launch.returncode == 2, launch.output
+    lines = [ln for ln in launch.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mpidl: error: "), launch.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--zero", "5"], ["--zero must be 0, 1, 2 or 3"]),
+    (["--zero", "1", "--compression", "topk", "--ratio", "0.1"],
+     ["--zero 1 cannot serve --compression topk"]),
+])
+def test_cli_bad_input_is_one_line(args, needles, tmp_path):
+    _one_line(run_command(MPIDL + ["train"] + FAST + ["--out-dir", tmp_path] + args), *needles)
+
+
+def test_cli_ps_under_mpiexec_is_one_line(tmp_path):
+    cmd = [mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + FAST + [
+        "--out-dir", tmp_path, "--strategy", "ps", "--zero", "2"]
+    _one_line(run_command(cmd), "--zero 2", "--strategy allreduce")
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+RESUME = os.path.join(HERE, "ranks", "zero_resume.py")
+
+
+def test_checkpoint_resumes_at_another_number_of_ranks_and_stage(tmp_path):
+    """Saved at --zero 2 on 3 ranks (its optimizer state bitwise --zero 0's), resumed at
+    --zero 3 on 2 ranks: bitwise what --zero 0 does from its own checkpoint at that N
+    (the sums' order changes with N, so that is the reference)."""
+    path = tmp_path / "ck.pkl"
+    out = run_ranks(3, [RESUME, "save", path, 2, 7]).check().output
+    assert "--zero 2 checkpoint after 7 steps == --zero 0's" in out, out
+    out = run_ranks(2, [RESUME, "resume", path, 3, 6]).check().output
+    assert "resumed at --zero 3: bitwise --zero 0" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_n, save_stage, resume_n, resume_stage",
+                         [(3, 2, 2, 1), (3, 1, 4, 2), (2, 3, 3, 2), (4, 3, 3, 1)])
+def test_more_checkpoint_resumes(tmp_path, save_n, save_stage, resume_n, resume_stage):
+    path = tmp_path / "ck.pkl"
+    run_ranks(save_n, [RESUME, "save", path, save_stage, 5]).check()
+    out = run_ranks(resume_n, [RESUME, "resume", path, resume_stage, 4]).check().output
+    assert f"resumed at --zero {resume_stage}: bitwise --zero 0" in out, out
+
+
+@pytest.mark.parametrize("first, then", [pytest.param(2, 1, marks=pytest.mark.slow),
+                                         (3, 0)])
+def test_cli_run_stopped_and_resumed_at_another_stage_as_if_never_stopped(tmp_path, first,
+                                                                         then):
+    """mpidl train on 3 ranks with Adam: a --zero FIRST run fails after its step-4
+    checkpoint and resumes at --zero THEN; the final model is bitwise the uninterrupted
+    --zero 0 run's (evaluation and the saved model at --zero 3 gather the parameters)."""
+    def train(args, env=None):
+        cmd = [mpiexec_path(), "-n", "3"] + MPIDL + [
+            "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "200",
+            "--limit-test", "32", "--epochs", "2", "--batch-size", "16", "--model", "mlp",
+            "--optimizer", "adam", "--lr", "0.001", "--algorithm", "ring",
+            "--bucket-mb", "0.5"] + [str(a) for a in args]
+        return run_command(cmd, env=env, timeout=240)
+
+    whole = tmp_path / "whole"
+    train(["--out-dir", whole, "--zero", "0"]).check()
+    ck = tmp_path / "ck"
+    common = ["--out-dir", tmp_path / "z", "--checkpoint-dir", ck, "--checkpoint-every", "2"]
+    failed = train(common + ["--zero", first], env={"MPIDL_FAIL_AT": "0:5"})
+    assert failed.returncode != 0, failed.output
+    resumed = train(common + ["--zero", then, "--resume"]).check()
+    assert "resumed from" in resumed.output and "ckpt-000000004" in resumed.output, \
+        resumed.output
+    from mpirun import assert_bitwise_equal, model_arrays
+
+    assert_bitwise_equal(model_arrays(tmp_path / "z" / "model.npz"),
+                         model_arrays(whole / "model.npz"))
+
+
+# -- stage 3: the hooks, and a model it cannot serve ---------------------------------------------
+def test_pre_hooks_fire_before_forward_and_backprop_only_where_added():
+    from mpidl.engine import Linear, ReLU, Sequential
+
+    rng = np.random.default_rng(0)
+    first, second = Linear(3, 4, rng=rng), Linear(4, 2, rng=rng)
+    model = Sequential(first, ReLU(), second)
+    seen = []
+    second.add_pre_hook(lambda layer, phase: seen.append((layer is second, phase)))
+    y = model(np.ones((2, 3), np.float32))
+    assert seen == [(True, "forward")]
+    model.backprop(np.ones_like(y))
+    assert seen == [(True, "forward"), (True, "backward")]
+    assert Linear._pre_hooks == () and first._pre_hooks == ()  # nothing paid elsewhere
+
+
+DIRECT = """
+import math
+from mpidl.engine import Flatten, Linear, ReLU, Sequential
+from mpidl.engine.module import Layer
+
+
+class Direct(Layer):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def children(self):
+        return [("inner", self.inner)]
+
+    def forward(self, x):
+        return self.inner.forward(x)  # bypasses the child's hooks
+
+    def backward(self, dy):
+        return self.inner.backward(dy)
+
+
+def build(input_shape, num_classes, rng, dtype):
+    return Sequential(Flatten(), Direct(Linear(math.prod(input_shape), 8, rng=rng,
+                                               dtype=dtype)),
+                      ReLU(), Linear(8, num_classes, rng=rng, dtype=dtype))
+"""
+
+
+def test_cli_zero_3_with_a_layer_it_cannot_serve_is_one_line(tmp_path):
+    (tmp_path / "direct.py").write_text(DIRECT)
+    cmd = [mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + FAST + [
+        "--out-dir", tmp_path / "out", "--model", f"{tmp_path / 'direct.py'}:build",
+        "--zero", "3"]
+    launch = run_command(cmd)
+    assert launch.returncode == 2 and "Traceback" not in launch.output, launch.output
+    errors = [ln for ln in launch.output.splitlines() if ln.startswith("mpidl: error: ")]
+    assert len(errors) == 1 and "--zero 3 cannot serve this model" in errors[0], \
+        launch.output
+    assert "'1.inner.weight'" in errors[0] and "--zero 2" in errors[0]
+    # the same model at --zero 2 trains
+    cmd[-1] = "2"
+    run_command(cmd[:-4] + ["--out-dir", tmp_path / "out2"] + cmd[-4:-2] + ["--zero", "2"]
+                ).check()
