@@ -410,6 +410,11 @@ class Communicator(PointToPoint):
                 else:
                     self._compare(ch, before_call=False)
 
+    def buffer_nbytes(self):
+        """Bytes of the persistent scratch the algorithms keep (ring chunks, reduce-scatter
+        work memory), over this communicator's channels: the memory ledger's mem_comm."""
+        return sum(t.scratch.nbytes() for ch in self._channels for t in ch.transports())
+
     def free_buffers(self):
         """Give the persistent scratch and staging memory back (they regrow on demand)."""
         for ch in self._channels:

@@ -12,7 +12,12 @@ Training state on a data-parallel rank is four things (Rajbhandari et al., SC20)
 
 With Ψ elements and K = slots·s + master bytes, ZeRO stage 0 holds (p + g + K)·Ψ on
 every rank; stage 1 shards the optimizer state (p + g)·Ψ + K·Ψ/N; stage 2 also the
-gradients p·Ψ + (g + K)·Ψ/N; stage 3 also the parameters (p + g + K)·Ψ/N.
+gradients p·Ψ + (g + K)·Ψ/N; stage 3 also the parameters (p + g + K)·Ψ/N
+(``paper_formula``). mpidl's stage 1 holds g·Ψ/N more than the paper's: the reduced
+gradient chunk beside the packed buckets (which let the reduce-scatter overlap
+backward); ``predict`` says so. Communication buffers (stage 2-3's shared packing
+buffer, gathered parameters, the algorithms' scratch) and activations are reported
+apart (``mem_comm``, ``mem_activations``).
 
 mpidl shards each fused bucket (``mpidl.runtime.fusion``) with ``layout.even_split``:
 rank r holds ``counts[r]`` of a bucket's n elements, which is n/N rounded up or down.
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpidl.backend import is_gpu_array
 from mpidl.comm.layout import even_split
 
 #: bytes of one element in each compute format
@@ -90,7 +96,9 @@ def predict(bucket_sizes, ranks, stage, *, slots, precision="fp32", dtype="float
     psi = int(sum(bucket_sizes))
     shard = sum(even_split(int(n), ranks)[0][rank] for n in bucket_sizes)
     params = p * (shard if stage >= 3 else psi)
-    grads = p * (shard if stage >= 2 else psi)
+    # stage 1 keeps the packed buckets (a full gradient, which lets the reduce-scatter
+    # overlap backward) and the reduced chunk beside them
+    grads = p * (shard if stage >= 2 else psi + shard if stage == 1 else psi)
     optim = k * (shard if stage >= 1 else psi)
     return Prediction(rank, params, grads, optim, psi, shard)
 
@@ -112,3 +120,62 @@ def paper_formula(psi, ranks, stage, slots, precision="fp32", dtype="float32"):
             1: (p + p) * psi + k * share,
             2: p * psi + (p + k) * share,
             3: (p + p + k) * share}[stage]
+
+
+# -- the ledger: what a running rank holds -------------------------------------------------
+
+#: every category an epoch line reports, in the order arrays are attributed: memory that
+#: two categories reach (stage 0's gradients are views of the fused buckets) counts once,
+#: in the first
+LEDGER = ("mem_params", "mem_grads", "mem_optimizer", "mem_comm")
+
+
+def _root(a):
+    """The array that owns ``a``'s memory (a view's base, followed to the end)."""
+    while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+        a = a.base
+    return a
+
+
+def _address(a):
+    data = getattr(a, "data", None)
+    ptr = getattr(data, "ptr", None)  # CuPy
+    if ptr is not None:
+        return ("gpu", int(ptr))
+    return ("cpu", int(a.__array_interface__["data"][0]))
+
+
+class Ledger:
+    """Bytes held per category, each distinct piece of memory counted once.
+
+    ``add(category, arrays)`` attributes arrays (views count at the size of the memory
+    they keep alive, once, in the first category that reaches them); ``extra`` adds bytes
+    that are not arrays of this process's Python objects (communication scratch)."""
+
+    def __init__(self):
+        self.bytes = dict.fromkeys(LEDGER, 0)
+        self._seen = set()
+
+    def add(self, category, arrays):
+        if category not in self.bytes:
+            raise KeyError(f"unknown ledger category {category!r}: expected one of "
+                           f"{', '.join(LEDGER)}")
+        for a in arrays:
+            # (by type: a ZeRO-3 parameter that is not gathered is a placeholder that
+            # refuses every attribute)
+            if not (isinstance(a, np.ndarray) or is_gpu_array(a)):
+                continue
+            root = _root(a)
+            key = _address(root) + (int(root.nbytes),)
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            self.bytes[category] += int(root.nbytes)
+        return self
+
+    def extra(self, category, nbytes):
+        self.bytes[category] += int(nbytes)
+        return self
+
+    def as_dict(self):
+        return dict(self.bytes)

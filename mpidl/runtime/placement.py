@@ -27,6 +27,10 @@ class Replicated:
         held = self.optimizer.params
         self.optimizer.step([n for n in names if n in held])
 
+    def memory(self, ledger):
+        """The optimizer's state arrays, for the memory ledger."""
+        ledger.add("mem_optimizer", state_arrays(self.optimizer))
+
 
 class OnServers:
     """The optimizer lives on the parameter servers: nothing to step here."""
@@ -39,6 +43,15 @@ class OnServers:
     def zero_grad(self, model):
         model.zero_grad()
 
+    def memory(self, ledger):
+        pass  # the optimizer state lives on the servers
+
     def step(self, names):
         raise RuntimeError(f"parameters {list(names)[:3]} are updated by the parameter "
                            "servers, not on this worker")
+
+
+def state_arrays(optimizer):
+    """Every array of an optimizer's per-parameter state."""
+    return [v for st in optimizer.state.values() for v in st.values()
+            if hasattr(v, "nbytes")]

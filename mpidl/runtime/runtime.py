@@ -68,6 +68,7 @@ class Runtime:
         self.steps = 0
         self.compressor = None                # set by the preset when --compression is on
         self.checks = []                      # fn(model, optimizer): local, may raise
+        self.ledger = None                    # the memory figures of the epoch's first step
         self.reset_stats()
 
     # -- who am I
@@ -214,7 +215,11 @@ class Runtime:
 
     def finish_step(self, forward_s=0.0, backward_s=0.0):
         """After backward: every sync makes its gradients ready, the optimizer placement
-        applies them; the step's times go to the counters."""
+        applies them; the step's times go to the counters. The first step after
+        ``reset_stats`` also takes the memory ledger (outside the timed part)."""
+        measure = self.schedule.measure_activations
+        if measure:
+            held_after_backward = self.memory()
         t2 = _clock()
         wait = 0.0
         for _, s in self._step_syncs:
@@ -231,6 +236,8 @@ class Runtime:
         stats["update"] += (t4 - t2) - wait
         stats["steps"] += 1
         self.steps += 1
+        if measure:
+            self._take_ledger(held_after_backward)
         tl = self.timeline
         if tl is not None:
             t0 = t2 - backward_s - forward_s
@@ -284,16 +291,57 @@ class Runtime:
             if out is not buf:
                 self.model.set_buffer(name, out)
 
+    # -- memory
+    def memory(self):
+        """The memory ledger now: bytes of parameters, gradients, optimizer state and
+        communication buffers this rank holds, each piece of memory once
+        (``mpidl.runtime.memory``)."""
+        from mpidl.engine.module import SparseGrad  # noqa: PLC0415
+        from mpidl.runtime.memory import Ledger  # noqa: PLC0415
+
+        ledger = Ledger()
+        params = [p for _, p in self.named_params]
+        ledger.add("mem_params", [p.data for p in params])
+        ledger.add("mem_grads", [p.grad for p in params if not isinstance(p.grad, SparseGrad)])
+        ledger.add("mem_grads", [g for p in params if isinstance(p.grad, SparseGrad)
+                                 for g in (p.grad.indices, p.grad.values)])
+        placement = getattr(self, "placement", None)
+        if placement is not None:
+            placement.memory(ledger)
+        for _, sync in self.syncs:
+            sync.memory(ledger)
+        if self.group is not None:
+            ledger.extra("mem_comm", self.group.buffer_nbytes())
+        return ledger.as_dict()
+
+    def _take_ledger(self, held_after_backward):
+        """The epoch line's memory figures, from the ledger after this step and the one
+        taken when its backward ended (when backward's fresh gradients and the buckets
+        they are packed into exist together)."""
+        sched = self.schedule
+        sched.measure_activations = False
+        held = self.memory()
+        activations = sched.activation_bytes
+        # an upper bound of the step's high-water mark: the activations peak at the end of
+        # forward, before backward made any gradient
+        peak = max(sum(held.values()), sum(held_after_backward.values())) + activations
+        self.ledger = {**held, "mem_activations": activations, "mem_peak": peak}
+
     # -- metrics
     def reset_stats(self):
-        """Zero the per-step time counters (seconds, summed over steps)."""
+        """Zero the per-step time counters (seconds, summed over steps); the next step
+        takes the memory ledger."""
         self.stats = {"steps": 0, "forward": 0.0, "backward": 0.0, "wait": 0.0,
                       "update": 0.0}
+        if self.schedule is not None and self.trains_on_data:
+            self.schedule.measure_activations = True
+            self.schedule.activation_bytes = 0
 
     def metrics(self):
         """This rank's mean per-step times (ms) since the previous epoch and the syncs'
         counters (bytes sent per step, parameter-server counts, ...)."""
-        out = {}
+        out = dict(self.ledger or {})
+        self.ledger = None
         if self.trains_on_data and self.comm is not None and self.size > 1:
             s = self.stats
             n = max(s["steps"], 1)

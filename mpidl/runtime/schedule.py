@@ -119,6 +119,10 @@ class MicroBatches:
 
             self._rng = np.random.default_rng([transient.seed, rank])
         self.slowed_steps = 0  # steps this rank was slowed in (transient stragglers)
+        # set by the runtime for one step: the most bytes a forward pass keeps for
+        # backward (the memory ledger's mem_activations); measuring walks the model
+        self.measure_activations = False
+        self.activation_bytes = 0
         self.forward_s = self.backward_s = self.straggle_s = 0.0
 
     def setup(self, model):
@@ -142,6 +146,8 @@ class MicroBatches:
             xs, ys = (x, y) if k == 1 else (x[i * m:(i + 1) * m], y[i * m:(i + 1) * m])
             out = model(xs)
             total += float(loss.forward(out, ys))
+            if self.measure_activations:
+                self.activation_bytes = max(self.activation_bytes, model.activation_nbytes())
             dy = loss.backward()
             if k > 1:
                 dy *= 1.0 / k

@@ -308,6 +308,20 @@ class ZeroSync(FusedAllreduce):
     def shard_elements(self):
         return sum(sh.hi - sh.lo for sh in self.shards)
 
+    def memory(self, ledger):
+        # the full flat parameters (stages 1-2; stage 3 while gathered) and this rank's
+        # chunks; the reduced gradient chunks; stage 1's packed buckets are a full gradient
+        # (as stage 0's), stage 2-3's one shared buffer is a communication buffer
+        ledger.add("mem_params", [sh.params for sh in self.shards if sh.params is not None])
+        ledger.add("mem_params", [sh.param.data for sh in self.shards])
+        buckets = [b.buffer for b in self.fusion.buckets]
+        if self.stage == 1:
+            ledger.add("mem_grads", buckets)
+        ledger.add("mem_grads", [sh.grad for sh in self.shards])
+        ledger.add("mem_comm", buckets)
+        if self.gathers is not None:
+            ledger.add("mem_comm", [buf for buf, _ in self.gathers.gathered.values()])
+
     def bytes_per_step(self):
         """Bytes this rank sends per step through a home-made algorithm's ring: the
         reduce-scatter (or all-reduce) and the all-gather of every bucket."""
@@ -349,6 +363,15 @@ class Sharded:
         self.shards = {}        # bucket name -> Shard
         self.of_param = {}      # parameter name -> bucket name
         self._exported = False  # the root's optimizer holds a checkpoint's gathered state
+
+    def memory(self, ledger):
+        """This rank's shards' optimizer state (and, on the root between a checkpoint and
+        the next step, the gathered per-parameter state it wrote)."""
+        from mpidl.runtime.placement import state_arrays  # noqa: PLC0415
+
+        if self.inner is not None:
+            ledger.add("mem_optimizer", state_arrays(self.inner))
+        ledger.add("mem_optimizer", state_arrays(self.optimizer))
 
     def bind(self, sync):
         self.sync = sync

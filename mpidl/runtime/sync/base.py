@@ -68,6 +68,10 @@ class GradSync:
         """Lines for the log."""
         return []
 
+    def memory(self, ledger):
+        """Add the arrays this sync holds to ``ledger`` (``mpidl.runtime.memory.Ledger``;
+        the model's parameters and gradients are added by the runtime before)."""
+
     def state_dict(self):
         """Extra state to checkpoint; collective over the training ranks."""
         return {}

@@ -214,6 +214,11 @@ class FusedAllreduce(GradSync):
             out.update(self.hook.metrics())
         return out
 
+    def memory(self, ledger):
+        # the buckets: the gradients themselves once reduced (the parameters' grad are
+        # views of them, counted as gradients first), else communication buffers
+        ledger.add("mem_comm", [b.buffer for b in self.fusion.buckets])
+
     def bytes_per_step(self):
         """What a ring all-reduce of the buckets moves per rank and step."""
         p = 1 if self.comm is None else self.comm.size
