@@ -68,3 +68,30 @@ def test_the_ledger_equals_the_formula_on_real_ranks(ranks):
 
     launch = run_ranks(ranks, [f"{HERE}/ranks/memory_check.py"], timeout=300).check()
     assert launch.output.count("= formula") == ranks * 4 * 2
+
+
+def test_one_process_reports_the_ledger_and_leaves_no_probe_behind():
+    """The first step after each metrics() takes the ledger with a probe before every
+    layer's passes; the probes are gone afterwards (unhooked layers pay nothing)."""
+    import numpy as np
+
+    from mpidl.engine import SoftmaxCrossEntropy
+    from mpidl.engine.models import build_model
+    from mpidl.engine.optim import make_optimizer
+    from mpidl.runtime import build
+
+    model = build_model("mlp", (1, 8, 8), 5, seed=0, hidden=(16,))
+    opt = make_optimizer("adam", model.named_parameters(), lr=1e-3)
+    rt = build("local")
+    rt.setup(model, opt, SoftmaxCrossEntropy())
+    x = np.random.default_rng(0).standard_normal((6, 1, 8, 8)).astype(np.float32)
+    y = np.arange(6) % 5
+    for _ in range(2):
+        rt.train_step(x, y)
+    m = rt.metrics()
+    psi = sum(p.data.size for _, p in model.named_parameters())
+    assert m["mem_params"] == m["mem_grads"] == 4 * psi
+    assert m["mem_optimizer"] == 8 * psi
+    assert 0 < m["mem_activations"] and m["mem_peak"] >= 16 * psi
+    assert all(layer._pre_hooks == () for _, layer in model.modules())
+    assert "mem_params" not in rt.metrics()  # no step since: nothing measured

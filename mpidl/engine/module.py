@@ -387,6 +387,15 @@ class Layer:
         self._pre_hooks.append(fn)
         return fn
 
+    def remove_pre_hook(self, fn):
+        """Undo ``add_pre_hook(fn)``."""
+        hooks = self._pre_hooks
+        if fn not in hooks:
+            raise ValueError(f"{fn!r} is not a pre-hook of this {type(self).__name__}")
+        hooks.remove(fn)
+        if not hooks:
+            del self._pre_hooks  # back to the class's empty tuple: nothing to pay
+
     # -- computation
     def forward(self, x):
         raise NotImplementedError

@@ -205,6 +205,8 @@ class Runtime:
 
     def begin_step(self):
         """Clear the gradients and open the syncs' step (before the first forward)."""
+        if self.schedule.measure_activations:
+            self._start_ledger()
         self.placement.zero_grad(self.model)
         avg = self.averaging
         if avg is not None:
@@ -219,7 +221,7 @@ class Runtime:
         ``reset_stats`` also takes the memory ledger (outside the timed part)."""
         measure = self.schedule.measure_activations
         if measure:
-            held_after_backward = self.memory()
+            self._probe_memory(None, "end of backward")
         t2 = _clock()
         wait = 0.0
         for _, s in self._step_syncs:
@@ -237,7 +239,7 @@ class Runtime:
         stats["steps"] += 1
         self.steps += 1
         if measure:
-            self._take_ledger(held_after_backward)
+            self._take_ledger()
         tl = self.timeline
         if tl is not None:
             t0 = t2 - backward_s - forward_s
@@ -314,18 +316,31 @@ class Runtime:
             ledger.extra("mem_comm", self.group.buffer_nbytes())
         return ledger.as_dict()
 
-    def _take_ledger(self, held_after_backward):
-        """The epoch line's memory figures, from the ledger after this step and the one
-        taken when its backward ended (when backward's fresh gradients and the buckets
-        they are packed into exist together)."""
+    def _start_ledger(self):
+        """The step that takes the ledger: a probe before every layer's forward and
+        backward follows the held memory and the activations through the passes."""
+        self._peak = 0
+        self._probes = [m for _, m in self.model.modules()]
+        for m in self._probes:
+            m.add_pre_hook(self._probe_memory)
+
+    def _probe_memory(self, layer, phase):
+        total = sum(self.memory().values()) + self.model.activation_nbytes()
+        self._peak = max(self._peak, total)
+
+    def _take_ledger(self):
+        """The epoch line's memory figures: the ledger after this step, the most
+        activations a forward kept, and ``mem_peak``, the most the ledger and the
+        activations held together at any layer boundary of the step (layers' own
+        temporaries, such as a GEMM's output before it is kept, are not in it)."""
+        for m in self._probes:
+            m.remove_pre_hook(self._probe_memory)
+        self._probes = []
         sched = self.schedule
         sched.measure_activations = False
         held = self.memory()
-        activations = sched.activation_bytes
-        # an upper bound of the step's high-water mark: the activations peak at the end of
-        # forward, before backward made any gradient
-        peak = max(sum(held.values()), sum(held_after_backward.values())) + activations
-        self.ledger = {**held, "mem_activations": activations, "mem_peak": peak}
+        peak = max(self._peak, sum(held.values()))
+        self.ledger = {**held, "mem_activations": sched.activation_bytes, "mem_peak": peak}
 
     # -- metrics
     def reset_stats(self):
