@@ -39,12 +39,11 @@ class SumTree:
             raise ValueError("priorities must be finite and >= 0")
         node = idx + self.leaves
         self.tree[node] = pr
-        node = np.unique(node >> 1)
-        while node.size and node[0] >= 1:
+        for _ in range(self.depth):
+            node = node >> 1
+            if node.size > 1:
+                node = np.unique(node)
             self.tree[node] = self.tree[2 * node] + self.tree[2 * node + 1]
-            if node[0] == 1:
-                break
-            node = np.unique(node >> 1)
 
     def find(self, values):
         """Leaf index for each prefix value (clamped into ``[0, total)``)."""
