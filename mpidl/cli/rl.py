@@ -45,6 +45,8 @@ HELP = {
                 "i/(N-1))",
     "apex_eps_alpha": "see --apex-eps",
     "actor_steps": "actors send their transitions and pull parameters every K steps",
+    "max_owed": "async back-pressure: an actor's pull waits while the learner owes more "
+                "updates than this to the replay ratio",
     "actors": "actors (0: every rank left over)",
     "replay_shards": "apex: replay shard ranks (default 1)",
     "learners": "gorila: learner ranks",

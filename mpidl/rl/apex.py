@@ -274,19 +274,27 @@ class ApexLearner:
             for a in roles.actors:
                 self.answer(*self.box.recv(a, TAG_REQ, f"done from actor rank {a}"))
         else:
+            # back-pressure: a pull is answered only while the learner owes at most
+            # max_owed updates, so actors cannot run ahead of the replay ratio
+            held = []
             while True:
                 got = self.box.poll(ANY_SOURCE, TAG_REQ)
                 while got is not None:
-                    self.answer(*got)
+                    held.append(got)
                     got = self.box.poll(ANY_SOURCE, TAG_REQ)
                 frames = self.total_frames
-                if updates_due(cfg, frames, frames, self.version) > 0:
+                owed = updates_due(cfg, frames, frames, self.version)
+                if owed <= cfg.max_owed:
+                    for msg, src in held:
+                        self.answer(msg, src)
+                    held = []
+                if owed > 0:
                     self.update(frames)
                     self.tracker.maybe_eval(frames, self.version, **self.metrics())
                 elif len(self.done) == A:
                     break
                 else:
-                    self.answer(*self.box.recv(ANY_SOURCE, TAG_REQ, "pulls from the actors"))
+                    held.append(self.box.recv(ANY_SOURCE, TAG_REQ, "pulls from the actors"))
         frames = self.total_frames
         stats = []
         for s in roles.shards:

@@ -33,6 +33,7 @@ class RLConfig:
     apex_eps: float = 0.4          # apex/gorila: actor i of N explores with
     apex_eps_alpha: float = 7.0    # apex_eps^(1 + apex_eps_alpha i / (N - 1))
     actor_steps: int = 50          # actors send transitions and pull parameters every K steps
+    max_owed: int = 100            # async: actors wait while the learner owes more updates
     actors: int = 0                # 0: from the rank count
     replay_shards: int = -1        # -1: apex 1, gorila 0 (replay inside the learner)
     learners: int = 1

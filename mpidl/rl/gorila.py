@@ -67,8 +67,7 @@ def actor_main(cfg, roles, comm, obs_shape, n_actions):
     pulls = []
     for j in range(rounds):
         check_fail(rank, fails, j)
-        if cfg.deterministic:
-            box.recv(learner, TAG_GO, "the learner's go")
+        box.recv(learner, TAG_GO, "the learner's go")
         ps.pull()
         pulls.append(ps.versions[roles.servers[0]])
         batch = actor.run(dqn.online, min(cfg.actor_steps, each - actor.frames))
@@ -145,19 +144,35 @@ class GorilaLearner:
             for a in self.actors:
                 self.take(*self.box.recv(a, TAG_REQ, f"done from actor rank {a}"))
         else:
+            # back-pressure: the "go" that lets an actor pull again is sent only while the
+            # learner owes at most max_owed updates
+            _, rounds = schedule(cfg, self.roles, self.rank)
+            for a in self.actors:
+                self.box.send(a, TAG_GO, kind="go")
+            waiting = []
             while True:
                 got = self.box.poll(ANY_SOURCE, TAG_REQ)
                 while got is not None:
                     self.take(*got)
+                    if got[0]["kind"] == "insert" and got[0]["seq"] + 1 < rounds:
+                        waiting.append(got[1])
                     got = self.box.poll(ANY_SOURCE, TAG_REQ)
                 frames = sum(self.frames.values())
-                if updates_due(cfg, frames, self.shard.size, self.updates) > 0:
+                owed = updates_due(cfg, frames, self.shard.size, self.updates)
+                if owed <= cfg.max_owed:
+                    for a in waiting:
+                        self.box.send(a, TAG_GO, kind="go")
+                    waiting = []
+                if owed > 0:
                     self.update(frames)
                     self.tracker.maybe_eval(frames, self.updates, replay_size=self.shard.size)
                 elif len(self.done) == len(self.actors):
                     break
                 else:
-                    self.take(*self.box.recv(ANY_SOURCE, TAG_REQ, "inserts from the actors"))
+                    msg, src = self.box.recv(ANY_SOURCE, TAG_REQ, "inserts from the actors")
+                    self.take(msg, src)
+                    if msg["kind"] == "insert" and msg["seq"] + 1 < rounds:
+                        waiting.append(src)
         self.box.flush()
         frames = sum(self.frames.values())
         self.ps.finish()
