@@ -31,6 +31,8 @@ setup(
         "mpich": ["mpich"],
         "gpu": ["cupy-cuda12x"],
         "plot": ["matplotlib"],
+        # mpidl rl: the environments (CartPole...), scipy for the replay's chi-squared test
+        "rl": ["gymnasium>=0.29", "scipy"],
         "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "matplotlib"],
     },
     entry_points={"console_scripts": ["mpidl=mpidl.cli.main:main"]},
