@@ -3,6 +3,7 @@ input (one line, status 2, no traceback, on every rank count) and an actor that 
 (its traceback, every rank ended, never a hang)."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -87,3 +88,23 @@ def test_an_actor_that_dies_ends_the_job_with_its_traceback(algo):
     assert out.returncode != 0, out.output
     assert "[rank 3] Traceback" in out.output
     assert "InjectedFailure: actor rank 3: failure injected before round 2" in out.output
+
+
+def test_bench_script_writes_curves_and_plot(tmp_path):
+    import subprocess
+
+    from mpirun import HERE, mpi_env
+
+    root = os.path.dirname(HERE)
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "rl.py"), "learn",
+                           "--runs", "dqn", "--frames", "600", "--out-dir", tmp_path,
+                           "--extra", "--learn-start 200 --hidden 16 --eval-every 300 "
+                           "--eval-episodes 2 --final-episodes 2"],
+                          capture_output=True, text=True, env=mpi_env(), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads((tmp_path / "rl_cartpole.json").read_text())
+    run = out["runs"][0]
+    assert [e["frames"] for e in run["evals"]] == [300, 600]
+    assert run["final"]["final"] and run["command"].startswith("mpidl rl --algo dqn")
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "rl_cartpole.png").stat().st_size > 1000
