@@ -14,6 +14,10 @@ import numpy as np
 from mpidl.rl.actor import evaluate
 from mpidl.rl.dqn import load_arrays, param_arrays
 
+#: the final evaluation's episodes are seeded FINAL_SEED + k: none of them is one of the
+#: periodic evaluations' (seeded 10^6 + 1000 e + k) that chose the best parameters
+FINAL_SEED = 2 * 10**6
+
 
 class Tracker:
     def __init__(self, cfg, net, out=None):
@@ -87,14 +91,15 @@ class Tracker:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        final_mean, _ = evaluate(self.net, self.cfg.env, self.cfg.final_episodes)
+        final_mean, _ = evaluate(self.net, self.cfg.env, self.cfg.final_episodes,
+                                 seed=FINAL_SEED)
         rec = {"final": True, "frames": frames, "updates": updates,
                "wall_s": round(self.wall(), 3), "final_eval_100": final_mean, **extra}
         if self.best is not None:
             keep = param_arrays(self.net)
             load_arrays(self.net, self.best[2])
             rec["best_eval_100"], _ = evaluate(self.net, self.cfg.env,
-                                               self.cfg.final_episodes)
+                                               self.cfg.final_episodes, seed=FINAL_SEED)
             rec["best_at_frames"] = self.best[1]
             load_arrays(self.net, keep)
         rec["episodes"] = len(self.returns)
