@@ -16,7 +16,6 @@ tolerance, and check that a reordered log gives different bits (so the test can 
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest

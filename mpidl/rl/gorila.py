@@ -13,14 +13,13 @@ pull lands between two rounds.
 
 import time
 
-import numpy as np
 
 from mpidl.comm import ANY_SOURCE
 from mpidl.engine.optim import Adam
 from mpidl.ps import ModeConfig, ParameterServer, PSWorker, shard_parameters
 from mpidl.rl.apex import (check_fail, fail_steps, initial_priorities, make_actor,
                            write_json, write_npz)
-from mpidl.rl.dqn import build_q_network, param_arrays
+from mpidl.rl.dqn import build_q_network
 from mpidl.rl.learner import Learner, updates_due
 from mpidl.rl.metrics import Tracker
 from mpidl.rl.protocol import TAG_GO, TAG_REQ, Mailbox
