@@ -15,7 +15,9 @@ bench/results/rl_cartpole.png (evaluation return against frames and against wall
 negligible replay ratio (the learner hardly works), 1 and 2 actors. Learner scaling: the
 learner's compute replaced by a sleep (``--sleep-update``) and a tiny network, because 1 to
 6 actors + shards + learner oversubscribe the 2 cores: the question is whether serving
-more actors slows the learner's loop, not how fast its arithmetic is.
+more actors slows the learner's loop, not how fast its arithmetic is. There the replay
+ratio is 1 update per frame with no back-pressure, so the learner always has work: its
+updates/s is its loop's rate (sleep + sampling over the shards + serving pulls).
 """
 
 import argparse
@@ -108,7 +110,7 @@ def throughput(args):
         shards = max(1, actors // 2)
         r = mpidl_rl(1 + shards + actors,
                      ["--algo", "apex", "--replay-shards", shards, "--frames",
-                      args.learner_frames * actors, "--replay-ratio", "1000",
+                      args.learner_frames * actors, "--replay-ratio", "1",
                       "--learn-start", "100", "--batch-size", "32", "--sleep-update",
                       args.sleep, "--max-owed", "1000000000"] + base, args.timeout)
         f = r["final"]
@@ -156,7 +158,7 @@ def main(argv=None):
     tp = sub.add_parser("throughput")
     tp.add_argument("--env", default="CartPole-v1")
     tp.add_argument("--actor-frames", type=int, default=40_000)
-    tp.add_argument("--learner-frames", type=int, default=2_000,
+    tp.add_argument("--learner-frames", type=int, default=1_000,
                     help="frames per actor in the learner-scaling runs")
     tp.add_argument("--sleep", type=float, default=0.01)
     for q in (lp, tp):
