@@ -16,8 +16,10 @@ negligible replay ratio (the learner hardly works), 1 and 2 actors. Learner scal
 learner's compute replaced by a sleep (``--sleep-update``) and a tiny network, because 1 to
 6 actors + shards + learner oversubscribe the 2 cores: the question is whether serving
 more actors slows the learner's loop, not how fast its arithmetic is. There the replay
-ratio is 1 update per frame with no back-pressure, so the learner always has work: its
-updates/s is its loop's rate (sleep + sampling over the shards + serving pulls).
+ratio is 1 update per frame and actors wait (back-pressure) only while the learner owes more
+than 200 updates, so the learner always has work while every actor keeps pulling and
+inserting: its updates/s is its loop's rate (sleep + sampling over the shards + serving
+the actors' pulls).
 """
 
 import argparse
@@ -112,7 +114,7 @@ def throughput(args):
                      ["--algo", "apex", "--replay-shards", shards, "--frames",
                       args.learner_frames * actors, "--replay-ratio", "1",
                       "--learn-start", "100", "--batch-size", "32", "--sleep-update",
-                      args.sleep, "--max-owed", "1000000000"] + base, args.timeout)
+                      args.sleep, "--max-owed", args.max_owed] + base, args.timeout)
         f = r["final"]
         out["learner_scaling"].append({"actors": actors, "shards": shards,
                                        "ranks": 1 + shards + actors,
@@ -158,7 +160,9 @@ def main(argv=None):
     tp = sub.add_parser("throughput")
     tp.add_argument("--env", default="CartPole-v1")
     tp.add_argument("--actor-frames", type=int, default=40_000)
-    tp.add_argument("--learner-frames", type=int, default=1_000,
+    tp.add_argument("--max-owed", type=int, default=200,
+                    help="learner scaling: actors wait while the learner owes more updates")
+    tp.add_argument("--learner-frames", type=int, default=500,
                     help="frames per actor in the learner-scaling runs")
     tp.add_argument("--sleep", type=float, default=0.01)
     for q in (lp, tp):
