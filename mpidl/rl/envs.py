@@ -23,10 +23,12 @@ def make_env(name, seed=None):
     gym = gymnasium_or_error()
     if name.startswith("MinAtar/"):
         try:
-            import minatar  # noqa: F401, PLC0415 - registers the MinAtar/ environments
+            import minatar.gym  # noqa: PLC0415
         except ImportError:
             raise UserError(f"--env {name}: MinAtar is not installed (pip install minatar)") \
                 from None
+        if name not in gym.registry:
+            minatar.gym.register_envs()  # MinAtar registers its games only when asked
     try:
         env = gym.make(name)
     except Exception as e:  # noqa: BLE001 - gymnasium raises several kinds for a bad name
