@@ -124,3 +124,13 @@ def test_cartpole_reaches_475(request, algo, ranks):
     assert out.returncode == 0, out.output
     final = json_lines(out.output)[-1]
     assert final["best_eval_100"] >= 475, out.output
+
+
+def test_minatar_with_the_conv_network():
+    pytest.importorskip("minatar", reason="pip install 'mpidl[rl]'")
+    out = run(["--env", "MinAtar/Breakout-v1", "--network", "conv", "--frames", "300",
+               "--learn-start", "200", "--batch-size", "8", "--eval-every", "0",
+               "--final-episodes", "1", "--no-progress"])
+    assert out.returncode == 0, out.output
+    assert "obs (10, 10, 4), 3 actions" in out.output
+    assert json_lines(out.output)[-1]["updates"] == 25
