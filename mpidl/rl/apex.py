@@ -309,4 +309,5 @@ class ApexLearner:
             frames, self.version, actor_frames_per_s=frames / wall,
             updates_per_s=self.version / wall,
             inserted=sum(s["inserted"] for s in stats), sampled=sum(s["sampled"] for s in stats),
-            **self.metrics())
+            insert_per_s=sum(s["inserted"] for s in stats) / wall,
+            sample_per_s=sum(s["sampled"] for s in stats) / wall, **self.metrics())
