@@ -31,6 +31,9 @@ setup(
         "mpich": ["mpich"],
         "gpu": ["cupy-cuda12x"],
         "plot": ["matplotlib"],
+        # mpidl rl: the environments (CartPole..., MinAtar), scipy for the replay's
+        # chi-squared test
+        "rl": ["gymnasium>=0.29", "minatar", "scipy"],
         "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "matplotlib"],
     },
     entry_points={"console_scripts": ["mpidl=mpidl.cli.main:main"]},

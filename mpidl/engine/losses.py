@@ -90,3 +90,45 @@ class MSELoss(Loss):
         return diff
 
     _diff = None
+
+
+class HuberLoss(Loss):
+    """Huber loss ``0.5 d^2`` for ``|d| <= delta``, ``delta (|d| - delta/2)`` beyond, with
+    ``d = output - target``, averaged over elements with optional per-element ``weights``
+    (prioritised replay's importance weights). DQN uses it so that one large TD error
+    cannot produce a large gradient: the gradient is ``clip(d, -delta, delta)``."""
+
+    def __init__(self, delta=1.0):
+        if not delta > 0:
+            raise ValueError(f"HuberLoss delta must be > 0, got {delta}")
+        self.delta = float(delta)
+
+    def forward(self, output, target, weights=None):
+        xp = array_module(output)
+        target = xp.asarray(target)
+        if output.shape != target.shape:
+            raise ShapeError(f"HuberLoss expects a target of the output's shape "
+                             f"{shape_str(output)}, got {shape_str(target)}")
+        d = output - target.astype(output.dtype, copy=False)
+        a = xp.abs(d)
+        k = self.delta
+        per = xp.where(a <= k, 0.5 * d * d, k * (a - 0.5 * k))
+        grad = xp.clip(d, -k, k)
+        if weights is not None:
+            weights = xp.asarray(weights, dtype=output.dtype)
+            per = per * weights
+            grad = grad * weights
+        self._grad = grad / d.size
+        return float(per.mean())
+
+    def backward(self):
+        grad = self._grad
+        if grad is None:
+            raise RuntimeError("HuberLoss.backward called before forward")
+        self._grad = None
+        return grad
+
+    def __repr__(self):
+        return f"HuberLoss(delta={self.delta})"
+
+    _grad = None
