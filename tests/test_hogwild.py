@@ -31,8 +31,8 @@ def test_an_owner_that_computes_still_receives_updates():
     assert without.returncode != 0 and "never reached the owner's memory" in without.output
 
 
-def _sparse(*extra):
-    launch = run_ranks(3, [SPARSE, *extra], timeout=240).check()
+def _sparse(*extra, ranks=3):
+    launch = run_ranks(ranks, [SPARSE, *extra], timeout=240).check()
     line = next(x for x in launch.output.splitlines() if x.startswith("HOGWILD "))
     return json.loads(line[len("HOGWILD "):])
 
@@ -49,6 +49,14 @@ def test_sparse_logistic_regression_matches_serial_sgd(locks):
     assert hist.sum() == r["updates"]
     if locks:
         assert hist.tolist() == [r["updates"]]
+
+
+def test_one_worker_is_serial_sgd_bitwise():
+    """With one worker nothing races: its reads and MPI_SUM adds are serial SGD's own
+    ``w[cols] += delta``, bit for bit."""
+    r = _sparse(ranks=2)
+    assert r["max_abs_diff_serial"] == 0.0, r
+    assert r["staleness_hist"] == [r["updates"]]
 
 
 def _train(tmp_path, n, *args):

@@ -52,6 +52,7 @@ if rank == 0:
            "updates": int(sum(e["updates"] for e in ws)),
            "loss_hogwild": problem.loss(w), "loss_serial": problem.loss(w_serial),
            "loss_start": problem.loss(np.zeros(args.dim)),
+           "max_abs_diff_serial": float(np.max(np.abs(w - w_serial))),
            "updates_per_s": sum(e["updates"] / e["seconds"] for e in ws),
            "staleness_hist": hist.tolist(), "staleness_mean": float(stale.mean())}
     print("HOGWILD " + json.dumps(out), flush=True)
