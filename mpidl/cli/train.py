@@ -175,6 +175,7 @@ def prepare(args, world):
     lr_schedule = schedule_factory(cfg.schedule)
 
     name = runtimes.canonical(cfg.strategy or default_strategy(world.size))
+    runtimes.presets.check_optimizer(name, optimizer)
     if cfg.checkpoint_every and name in runtimes.presets.EPOCH_END_CHECKPOINTS:
         from mpidl.training.trainer import epoch_end_checkpoints_only  # noqa: PLC0415
 

@@ -1,4 +1,4 @@
-"""``--strategy local|allreduce|ps``: presets that put a step's parts together.
+"""``--strategy local|allreduce|ps|hogwild``: presets that put a step's parts together.
 
 =========  ========================  =====================================  ============
 preset     schedule                  gradient syncs                         optimizer
@@ -9,6 +9,8 @@ allreduce  micro-batches             fused buckets (dense; a compressor     repl
                                      hook) + row-sparse all-gather
                                      (Embedding); or per-tensor compressed
 ps         micro-batches (workers)   push to / pull from parameter servers  on servers
+hogwild    micro-batches (workers)   read / add to MPI windows on the       none (-lr*g
+                                     servers, lock-free (``hogwild``)       added there)
 =========  ========================  =====================================  ============
 
 ``--sync local-sgd|diloco --period H`` composes with ``allreduce`` (``averaging``): the
@@ -26,6 +28,7 @@ the log saying it has no effect here (one command line runs on 1 rank and on N).
 from mpidl.errors import ConfigError
 from mpidl.options import Option
 from mpidl.runtime import averaging as averaging_part
+from mpidl.runtime import hogwild as hogwild_part
 from mpidl.runtime import schedule as schedule_part
 from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
@@ -49,14 +52,14 @@ PS_TUNING = ("trace", "poll_max_ms")
 AVERAGING_CHECK = ("verify_averaging",)  # a digest exchange after every averaging
 #: presets whose ranks agree on the parameters only between epochs: checkpoints are
 #: written at every epoch's end, never every K steps
-EPOCH_END_CHECKPOINTS = ("ps",)
+EPOCH_END_CHECKPOINTS = ("ps", "hogwild")
 
 
 def cli_options():
     """Every part's settings, for ``mpidl.config`` and the command line."""
     return (OPTIONS + schedule_part.OPTIONS + fused.OPTIONS + rowsparse.OPTIONS
             + compressed.OPTIONS + pushpull.OPTIONS + averaging_part.OPTIONS
-            + zero_part.OPTIONS)
+            + zero_part.OPTIONS + hogwild_part.OPTIONS)
 
 
 def names():
@@ -86,6 +89,13 @@ def build(name, comm=None, strict=True, **options):
                           f"it takes {', '.join(sorted(takes)) or 'none'}")
     mine = {k: v for k, v in given.items() if k in takes}
     return preset(comm, unused, **mine)
+
+
+def check_optimizer(name, optimizer):
+    """A ``ConfigError`` when preset ``name`` cannot run ``optimizer`` (before any rank
+    communicates; the runtime checks again at setup for the Python API)."""
+    if canonical(name) == "hogwild":
+        hogwild_part.check_optimizer(optimizer)
 
 
 def _names(options):
@@ -210,6 +220,25 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
     return rt
 
 
+def hogwild(comm, unused, accumulate=1, straggler=None, servers=None, locks=False):
+    size = _size(comm)
+    num = pushpull.check_servers(servers, size, "hogwild")
+    server_ranks, worker_ranks = list(range(num)), list(range(num, size))
+    rank = comm.rank
+    sched = _schedule(accumulate, straggler, rank, worker_ranks, "worker")
+    roles = {"server": server_ranks, "trainer": worker_ranks}
+    if rank in server_ranks:
+        server = hogwild_part.HogwildServer(server_ranks, worker_ranks, locks=locks)
+        rt = Runtime(comm, "hogwild", sched, [], OnServers, role="server", server=server,
+                     roles=roles, unused=unused)
+    else:
+        sync = hogwild_part.HogwildSync(server_ranks, worker_ranks, locks=locks)
+        rt = Runtime(comm, "hogwild", sched, [(_everything, sync)], OnServers, roles=roles,
+                     unused=unused)
+    rt.checkpoint_at_epoch_end = True
+    return rt
+
+
 def _everything(name):
     return True
 
@@ -239,4 +268,5 @@ PRESETS = {
                   | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)),
     "ps": (ps, _COMMON | _names(pushpull.OPTIONS) | _names(compressed.OPTIONS)
            | set(PS_TUNING)),
+    "hogwild": (hogwild, _COMMON | {"servers"} | _names(hogwild_part.OPTIONS)),
 }

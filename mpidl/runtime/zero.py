@@ -82,6 +82,10 @@ def check_options(strategy, options):
         raise ConfigError(f"--zero {zero} shards the optimizer over the data-parallel group "
                           "of --strategy allreduce; the parameter server keeps the optimizer "
                           "on its servers already (use --strategy allreduce, or drop --zero)")
+    if strategy == "hogwild":
+        raise ConfigError(f"--zero {zero} shards the optimizer over the data-parallel group "
+                          "of --strategy allreduce; hogwild keeps one copy of the weights on "
+                          "its servers and no optimizer state (drop --zero)")
     sync = options.get("sync")
     if sync not in (None, "allreduce"):
         raise ConfigError(f"--zero {zero} cannot serve --sync {sync}: each replica there "

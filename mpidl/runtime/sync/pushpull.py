@@ -36,8 +36,8 @@ from mpidl.ps.modes import MODES, ModeConfig
 from mpidl.runtime.sync.base import GradSync
 
 OPTIONS = [
-    Option("servers", int, None, "--strategy ps: number of server ranks (ranks 0..S-1; "
-           "parameters sharded over them by size); default 1", "parallelism", metavar="S",
+    Option("servers", int, None, "--strategy ps or hogwild: number of server ranks (ranks "
+           "0..S-1; parameters sharded over them); default 1", "parallelism", metavar="S",
            check=lambda v: None if v >= 1 else "must be at least 1"),
     Option("mode", str, None, "--strategy ps: sync, async (Downpour), ssp (bounded "
            "staleness) or backup (first k of n gradients); default sync", "parallelism",
@@ -67,14 +67,14 @@ def mode_config(num_workers, mode=None, staleness=None, wait=None, staleness_awa
                       epoch_quorum=int(epoch_quorum or 0)).check(num_workers)
 
 
-def check_servers(servers, size):
+def check_servers(servers, size, strategy="ps"):
     num = 1 if servers is None else int(servers)
     if num < 1:
         raise ConfigError(f"--servers must be at least 1, got {num}")
     if size < num + 1:
         raise ConfigError(
-            f"--strategy ps with {num} server(s) needs at least {num + 1} ranks (servers + "
-            f"at least one worker), but {size} were started: run under mpiexec -n "
+            f"--strategy {strategy} with {num} server(s) needs at least {num + 1} ranks "
+            f"(servers + at least one worker), but {size} were started: run under mpiexec -n "
             f"{num + 1} or more")
     return num
 
