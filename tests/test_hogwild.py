@@ -96,3 +96,12 @@ def test_cli_hogwild_on_one_rank_is_one_line():
                          timeout=60)
     assert launch.returncode == 2, launch.output
     assert "needs at least 2 ranks" in launch.output and "Traceback" not in launch.output
+
+
+def test_cli_hogwild_with_zero_is_one_line():
+    launch = run_command([sys.executable, "-m", "mpidl", "train", "--strategy", "hogwild",
+                          "--momentum", "0", "--zero", "2", "--dataset", "synthetic",
+                          "--epochs", "1"], timeout=60)
+    assert launch.returncode == 2, launch.output
+    assert "--zero 2" in launch.output and "hogwild" in launch.output
+    assert "Traceback" not in launch.output
