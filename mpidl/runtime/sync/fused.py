@@ -107,7 +107,9 @@ class FusedAllreduce(GradSync):
         self.comm = ctx.group
         size = 1 if self.comm is None else self.comm.size
         scale = 1.0 if self.hook is not None else 1.0 / size
-        self.fusion = FusionBuffers(named_params, int(self.bucket_mb * MiB), scale=scale)
+        precision = getattr(ctx, "precision", None)  # mixed precision: 2-byte buckets
+        self.fusion = FusionBuffers(named_params, int(self.bucket_mb * MiB), scale=scale,
+                                    wire=None if precision is None else precision.wire)
         if self.hook is not None and self.comm is not None:
             self.hook.bind(self.comm)
         if self.overlap_mode == "auto":
@@ -135,10 +137,10 @@ class FusedAllreduce(GradSync):
         if self.hook is not None:
             return self.hook.start(b.buffer, b.name)
         if blocking:
-            self.comm.allreduce(b.buffer, out=b.buffer, op="sum", algorithm=self.algorithm,
+            self.comm.allreduce(b.wire, out=b.wire, op="sum", algorithm=self.algorithm,
                                 name=b.name)
             return None
-        return self.comm.iallreduce(b.buffer, out=b.buffer, op="sum",
+        return self.comm.iallreduce(b.wire, out=b.wire, op="sum",
                                     algorithm=self.algorithm, name=b.name)
 
     def _complete(self, b):
