@@ -64,7 +64,8 @@ OPTIONS = [
 def _round_fp16(x):
     """``x`` (float32) rounded in place to float16 values (nearest even; beyond 65504:
     inf)."""
-    x[...] = x.astype(np.float16)
+    with np.errstate(over="ignore"):  # overflowing to inf is float16's (and the point)
+        x[...] = x.astype(np.float16)
     return x
 
 
