@@ -22,6 +22,10 @@ pass; after it the bucket's views become the parameters' ``grad`` (no copy out).
   a whole bucket (``Compressor.granularity == "bucket"``: fp16, none) replace the
   all-reduce of each bucket by their own exchange; packing then does not scale, the
   hook returns the mean.
+* **Mixed precision** (``--precision bf16|fp16``, the runtime's ``precision``): the
+  buckets hold 2-byte gradients (float16, or bfloat16 words), half the bytes, reduced by
+  mpidl's own algorithms (each addition rounded once to the format; never an MPI
+  float16 datatype, see ``mpidl.comm.ops``).
 """
 
 import os
