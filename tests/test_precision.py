@@ -369,3 +369,31 @@ def test_ten_epochs_within_half_a_point_of_fp32(request, model, tmp_path):
         with open(out / "metrics.jsonl") as f:
             acc[fmt] = [json.loads(line) for line in f][-1]["test_acc"]
     assert abs(acc["bf16"] - acc["fp32"]) <= 0.005 and abs(acc["fp16"] - acc["fp32"]) <= 0.005
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+def test_fp16_resume_after_failure_is_bitwise_equal(tmp_path):
+    """Masters, the loss scale and its counters come back with the checkpoint: a run
+    killed mid-epoch and resumed ends bitwise where an uninterrupted one does (the
+    working copies alone would lose the masters' float32 bits)."""
+    pytest.importorskip("sklearn")
+    from mpirun import assert_bitwise_equal, model_arrays  # noqa: PLC0415
+
+    args = ["train", "--no-progress", "--precision", "fp16", "--loss-scale-window", "3",
+            "--model", "cnn", "--dataset", "digits", "--limit-train", "256",
+            "--limit-test", "64", "--epochs", "2", "--batch-size", "32", "--seed", "7",
+            "--checkpoint-every", "3"]
+    full = run_command(MPIDL + args + ["--out-dir", tmp_path / "full"], timeout=120)
+    assert full.returncode == 0, full.output
+    run = tmp_path / "run"
+    failed = run_command(MPIDL + args + ["--out-dir", run], timeout=120,
+                         env={"MPIDL_FAIL_AT": "0:11"})
+    assert failed.returncode != 0 and not failed.timed_out, failed.output
+    resumed = run_command(MPIDL + args + ["--out-dir", run, "--resume"], timeout=120)
+    assert resumed.returncode == 0 and "step 9" in resumed.output, resumed.output
+    assert_bitwise_equal(model_arrays(run / "model.npz"),
+                         model_arrays(tmp_path / "full" / "model.npz"))
+    last = [json.loads(ln) for ln in resumed.output.splitlines() if ln.startswith("{")][-1]
+    first = [json.loads(ln) for ln in full.output.splitlines() if ln.startswith("{")][-1]
+    for key in ("test_acc", "train_loss", "loss_scale", "skipped_steps_total"):
+        assert last[key] == first[key], (key, last, first)
