@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import fashion_available, run_command, run_ranks
+from mpirun import (assert_bitwise_equal, fashion_available, model_arrays, run_command,
+                    run_ranks)
 from mpidl import bfloat16
 from mpidl.engine import (SGD, Adam, Embedding, Flatten, Layer, Linear, ReLU, Sequential,
                           SoftmaxCrossEntropy)
@@ -377,8 +378,6 @@ def test_fp16_resume_after_failure_is_bitwise_equal(tmp_path):
     killed mid-epoch and resumed ends bitwise where an uninterrupted one does (the
     working copies alone would lose the masters' float32 bits)."""
     pytest.importorskip("sklearn")
-    from mpirun import assert_bitwise_equal, model_arrays  # noqa: PLC0415
-
     args = ["train", "--no-progress", "--precision", "fp16", "--loss-scale-window", "3",
             "--model", "cnn", "--dataset", "digits", "--limit-train", "256",
             "--limit-test", "64", "--epochs", "2", "--batch-size", "32", "--seed", "7",

@@ -196,14 +196,14 @@ def section_replicas(comm):
                 rt.train_step(x[s, rank * b:(rank + 1) * b], y[s, rank * b:(rank + 1) * b])
             mine = {n: q.data.copy() for n, q in model.named_parameters()}
             masters = {n: m.data.copy() for n, m in rt.precision.masters.items()}
-            ref, ref_masters = simulate(fmt, p, b, x, y, steps, comm)
+            ref, ref_masters = simulate(fmt, p, b, x, y, steps)
             check(same(mine, ref) and same(masters, ref_masters),
                   f"{fmt} {alg}: p={p} ranks differ from the simulated replicas")
     if rank == 0:
         print(f"section replicas: p={p} bf16 and fp16 equal the simulated replicas bitwise")
 
 
-def simulate(fmt, p, b, x, y, steps, comm):
+def simulate(fmt, p, b, x, y, steps):
     """One process, p = 2 replicas: each one's gradient rounded to the format, times 1/p
     into the wire format, the two contributions added once (``ring_sum``), the float32
     masters stepped by ``Precision.step`` as a rank does."""
@@ -235,7 +235,7 @@ def simulate(fmt, p, b, x, y, steps, comm):
             contributions.append(mine)
         total = {}
         for n in names:
-            total[n] = ring_sum(fmt, [c[n] for c in contributions], comm)
+            total[n] = ring_sum(fmt, [c[n] for c in contributions])
         opt.zero_grad()
         for n, q in models[0].named_parameters():
             q.grad = total[n]
@@ -247,7 +247,7 @@ def simulate(fmt, p, b, x, y, steps, comm):
             {n: m.data.copy() for n, m in precs[0].masters.items()})
 
 
-def ring_sum(fmt, parts, comm):
+def ring_sum(fmt, parts):
     """The sum of 2 contributions as any all-reduce computes it on 2 ranks: one addition
     in float32 rounded once (commutative, so the order does not matter)."""
     if len(parts) != 2:
