@@ -1,8 +1,8 @@
 """bfloat16 without a bfloat16 dtype: rounding to its grid, its 2-byte words, their sum.
 
-NumPy has no bfloat16 and CuPy has none either (it offers float16 only), so both are
-emulated here with integer operations on the float32 bit pattern, on NumPy or CuPy
-arrays alike. bfloat16 is the upper half of a float32: the same sign and 8-bit exponent
+NumPy has no bfloat16 (CuPy 13 neither; later CuPy versions add one, experimentally, when
+the optional ml_dtypes package is installed), so it is emulated here with integer
+operations on the float32 bit pattern, on NumPy or CuPy arrays alike. bfloat16 is the upper half of a float32: the same sign and 8-bit exponent
 (so the same range, subnormals included), 8 bits of significand precision counting the
 implicit bit (7 stored). Rounding a float32 to it is round-to-nearest, ties to even, on
 those 16 bits: add ``0x7FFF`` plus the lowest kept bit, then clear the low 16 bits. The
