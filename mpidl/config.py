@@ -139,12 +139,12 @@ NOT_STRATEGY = ("strategy", "stall_warning", "stall_timeout")
 def strategy_kwargs(cfg):
     """The parallelism settings that differ from their defaults, for the strategy."""
     return {o.name: getattr(cfg, o.name) for o in OPTIONS
-            if o.group == "parallelism" and o.name not in NOT_STRATEGY
+            if o.group in ("parallelism", "precision") and o.name not in NOT_STRATEGY
             and getattr(cfg, o.name, o.default) != o.default}
 #: settings that change which samples a step sees: a checkpoint only resumes if they match
 RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "accumulate",
                "seed", "dtype", "optimizer", "dropout", "strategy", "sync", "period",
-               "warmup_steps")
+               "warmup_steps", "precision")
 
 
 class TrainConfig(SimpleNamespace):
@@ -270,4 +270,9 @@ def validate(cfg):
         bad("dropout", "must be in [0, 1)")
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum == 0):
         bad("nesterov", "needs --optimizer sgd with --momentum > 0")
+    precision = getattr(cfg, "precision", "fp32")
+    if precision not in (None, "fp32") and cfg.dtype != "float32":
+        raise ConfigError(f"--precision {precision} computes in {precision} with float32 "
+                          f"master weights, so --dtype {cfg.dtype} has no meaning with it: "
+                          "drop --dtype (or use --precision fp32)")
     return cfg

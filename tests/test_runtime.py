@@ -13,6 +13,7 @@ import pytest
 
 from mpidl.errors import ConfigError
 from mpidl.runtime import averaging, build, cli_options, presets
+from mpidl.runtime import precision as precision_part
 from mpidl.runtime import schedule as schedule_part
 from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
@@ -54,7 +55,7 @@ def test_presets_are_compositions_of_parts():
 def test_each_preset_takes_exactly_its_parts_options():
     def names(opts):
         return {o.name for o in opts}
-    common = names(schedule_part.OPTIONS)
+    common = names(schedule_part.OPTIONS) | names(precision_part.OPTIONS)
     assert presets.PRESETS["local"][1] == common
     assert presets.PRESETS["allreduce"][1] == (common | names(fused.OPTIONS)
                                                | names(rowsparse.OPTIONS)

@@ -22,7 +22,7 @@ from mpidl.errors import AgreedUserError, ConfigError, UserError
 from mpidl.threads import blas_threads_note
 from mpidl.training.preempt import STOPPED_STATUS
 
-GROUPS = ["model and data", "training", "parallelism", "outputs"]
+GROUPS = ["model and data", "training", "precision", "parallelism", "outputs"]
 
 
 def register_options():
@@ -170,6 +170,9 @@ def prepare(args, world):
         dataset = dataset.limit(cfg.limit_train, cfg.limit_test)
 
     model, optimizer = build_model_and_optimizer(cfg, dataset, init)
+    from mpidl.runtime.precision import check_model  # noqa: PLC0415
+
+    check_model(model, getattr(cfg, "precision", "fp32"))
     from mpidl.training.trainer import schedule_factory  # noqa: PLC0415
 
     lr_schedule = schedule_factory(cfg.schedule)

@@ -16,7 +16,9 @@ Buffer rules:
 - ``allgather`` returns the ``(p * n,)`` concatenation in rank order; ``allgatherv``
   returns ``(concatenation, counts)`` after exchanging the counts (zero is allowed).
 - float16 sums round to float16 at each addition (see ``ops.py``); integer sums wrap like
-  MPI's; ``op="mean"`` needs floats.
+  MPI's; ``op="mean"`` needs floats. float16 and bfloat16 words (``mpidl.bfloat16``) are
+  always reduced by mpidl's own algorithms, never by MPI (``algorithm="mpi"`` runs the
+  ring for them): MPI may lack a float16 datatype and has no bfloat16.
 
 Algorithms come from one registry (``algorithms.py``): every collective runs the same
 generic path (consistency check, counters, timeline span, dispatch to the algorithm
@@ -67,7 +69,7 @@ from . import algorithms, auto, counters, stall
 from .consistency import DESC_BYTES, compare_windows, describe, digest, encode, raise_mismatch
 from .consistency import check as _consistency_check
 from .layout import even_split
-from .ops import check_op, mpi_datatype, reduction
+from .ops import check_op, mpi_datatype, own_reduction, reduction
 from .p2p import PointToPoint
 from .progress import EagerProgress, Handle, ProgressThread
 from .timeline import TID_CALLER, TID_PROGRESS, Timeline
@@ -76,6 +78,8 @@ from .transport import DeviceTransport, HostTransport, PoliteHostTransport, Stag
 ALGORITHMS = ("auto",) + algorithms.names()
 _REGISTRY = algorithms.REGISTRY  # live: algorithms registered later are found too
 _NP_SUM = reduction(np, "sum")
+_F16 = np.dtype(np.float16)
+_REDUCTIONS = ("allreduce", "reduce_scatter", "reduce")
 IN_PLACE, SUM = MPI.IN_PLACE, MPI.SUM
 CHECK_MODES = ("digest", "first", "always", "off")
 _OFF, _FIRST, _ALWAYS, _DIGEST = 0, 1, 2, 3
@@ -454,10 +458,14 @@ class Communicator(PointToPoint):
             self.mpi.Free()
 
     # ------------------------------------------------------------------ helpers
-    def _resolve(self, kind, algorithm, nbytes):
+    def _resolve(self, kind, algorithm, nbytes, dtype=None):
         """The algorithm to run (``auto`` chosen by size); a clear error if it is unknown
-        or does not implement ``kind``."""
+        or does not implement ``kind``. Reductions of float16 and bfloat16 words never go
+        to MPI (``ops.own_reduction``): "mpi" becomes the ring for them."""
         alg = self.selector.choose(kind, nbytes) if algorithm == "auto" else algorithm
+        if alg == "mpi" and dtype is not None and kind in _REDUCTIONS \
+                and own_reduction(dtype):
+            alg = "ring"
         algorithms.get(alg, kind)
         return alg
 
@@ -607,8 +615,9 @@ class Communicator(PointToPoint):
                                   and out.dtype == x.dtype and out.flags.c_contiguous))
                 and x.flags.c_contiguous and x.dtype.kind in "iuf"):
             ch = self._main
-            alg = algorithm if algorithm in _REGISTRY else self._resolve(
-                "allreduce", algorithm, x.nbytes)
+            alg = algorithm
+            if alg not in _REGISTRY or (alg == "mpi" and x.dtype == _F16):
+                alg = self._resolve("allreduce", algorithm, x.nbytes, x.dtype)
             check = self._check
             key = (name, x.size, x.dtype.num, alg)  # short form of a sum's signature key
             seq = ch.seq + 1
@@ -667,7 +676,7 @@ class Communicator(PointToPoint):
         dtype = x.dtype
         if op != "sum" or dtype.kind not in "iuf":
             check_op(op, dtype)
-        alg = self._resolve("allreduce", algorithm, x.nbytes)
+        alg = self._resolve("allreduce", algorithm, x.nbytes, dtype)
         back = None
         if x.flags.c_contiguous:
             src = x if x.ndim == 1 else x.reshape(-1)
@@ -704,7 +713,7 @@ class Communicator(PointToPoint):
     def _prep_rs(self, x, out, op, algorithm):
         xp, gpu = _module(x)
         check_op(op, x.dtype)
-        alg = self._resolve("reduce_scatter", algorithm, x.nbytes)
+        alg = self._resolve("reduce_scatter", algorithm, x.nbytes, x.dtype)
         counts, displs = even_split(x.size, self.size)
         mine = counts[self.rank]
         if out is None:
@@ -732,7 +741,7 @@ class Communicator(PointToPoint):
         xp, gpu = _module(x)
         check_op(op, x.dtype)
         self._check_root("reduce", root)
-        alg = self._resolve("reduce", algorithm, x.nbytes)
+        alg = self._resolve("reduce", algorithm, x.nbytes, x.dtype)
         src, _ = _flat(x, xp)
         back = dst = result = None
         if self.rank == root:
@@ -871,7 +880,8 @@ class _Call:
 def _body_allreduce(comm, t, c, stats):
     src, dst = c.src, c.dst
     if comm.size > 1 and src.size:
-        comm._fn(c.alg, "allreduce", stats)(t, src, dst, reduction(c.xp, c.op), comm._ctx)
+        comm._fn(c.alg, "allreduce", stats)(t, src, dst, reduction(c.xp, c.op, src.dtype),
+                                            comm._ctx)
     elif dst is not src:
         t.copy(dst, src)
     return c.result
@@ -883,8 +893,8 @@ def _body_reduce_scatter(comm, t, c, stats):
         if dst.size:
             t.copy(dst, src)
     else:
-        comm._fn(c.alg, "reduce_scatter", stats)(t, src, dst, reduction(c.xp, c.op),
-                                                 c.counts, c.displs, comm._ctx)
+        comm._fn(c.alg, "reduce_scatter", stats)(
+            t, src, dst, reduction(c.xp, c.op, src.dtype), c.counts, c.displs, comm._ctx)
     return c.result
 
 
@@ -894,8 +904,8 @@ def _body_reduce(comm, t, c, stats):
         if dst is not None and dst is not src:
             t.copy(dst, src)
     else:
-        comm._fn(c.alg, "reduce", stats)(t, src, dst, c.root, reduction(c.xp, c.op),
-                                         comm._ctx)
+        comm._fn(c.alg, "reduce", stats)(t, src, dst, c.root,
+                                         reduction(c.xp, c.op, src.dtype), comm._ctx)
     return c.result
 
 

@@ -1,7 +1,9 @@
 """MPI's own collectives ("mpi" algorithm), on the same buffers as the home-made ones.
 
-Reductions pass the real MPI datatype (float16 is MPIX_C_FLOAT16); pure data movement
-passes bytes. With GPU arrays and an MPI that is not CUDA-aware the whole buffer is staged
+Reductions pass the real MPI datatype; pure data movement passes bytes. float16 and
+bfloat16 words never reach the reductions here: the communicator sends them to the ring
+instead (``ops.own_reduction``), because MPIX_C_FLOAT16 is an extension some MPI
+libraries lack (Open MPI 4.1) and no MPI has a bfloat16 type. With GPU arrays and an MPI that is not CUDA-aware the whole buffer is staged
 through pinned host memory and MPI reduces it on the host: that is the one case where a
 reduction does not run on the device, because MPI itself performs it.
 

@@ -9,6 +9,10 @@ run at their best. The layout is fixed once, at setup, and is the same on every 
 * a new bucket starts when adding the next parameter would take the current one over
   ``bucket_bytes`` (a parameter larger than that gets a bucket of its own), or when the
   dtype changes (a bucket is one flat array of one dtype);
+* with a ``wire`` format (mixed precision, ``mpidl.runtime.precision.Wire``), buckets
+  hold the gradients in that 2-byte form (float16, or bfloat16 words): packing rounds
+  them once, the collectives move and reduce half the bytes, and the optimizer's side
+  decodes them;
 * every bucket owns one flat array allocated here, and every parameter a view of it, so
   a step allocates nothing: gradients are copied in with ``copyto`` into those views and,
   once reduced, the views themselves become the parameters' ``grad``.
@@ -28,16 +32,19 @@ class Bucket:
     """One fusion buffer: a flat array and, for each of its parameters, a shaped view."""
 
     __slots__ = ("index", "name", "names", "params", "views", "buffer", "dtype", "nbytes",
-                 "pending", "handle")
+                 "pending", "handle", "wire")
 
-    def __init__(self, index, names, params, buffer, views):
+    def __init__(self, index, names, params, buffer, views, wire_dtype=None):
         self.index = index
         self.name = f"bucket{index}"  # the tensor name its collectives carry
         self.names = names            # list of parameter names, in packing order
         self.params = params          # the matching Parameter objects
         self.views = views            # buffer views shaped like each parameter
         self.buffer = buffer          # the flat array all-reduced in place
-        self.dtype = buffer.dtype
+        # what the collectives are handed: the buffer, or its bytes seen as the wire
+        # format's dtype (bfloat16 words, which must not be summed as integers)
+        self.wire = buffer if wire_dtype is None else buffer.view(wire_dtype)
+        self.dtype = self.wire.dtype
         self.nbytes = buffer.nbytes
         self.pending = len(names)     # parameters not yet packed in this step
         self.handle = None            # the in-flight all-reduce, if any
@@ -47,16 +54,17 @@ class Bucket:
                 f"{self.nbytes / MiB:.2f} MiB {self.dtype})")
 
 
-def plan(named_params, bucket_bytes):
+def plan(named_params, bucket_bytes, itemsize=None):
     """Group ``(name, Parameter)`` pairs into buckets: a list of lists of pairs.
 
     Reverse parameter order; a new group when the next parameter would overflow
     ``bucket_bytes`` or has another dtype. Pure function of names, shapes and dtypes, so
-    every rank computes the same plan.
+    every rank computes the same plan. ``itemsize``: bytes per element in the buckets
+    (default: the parameters' own).
     """
     groups, current, current_bytes, current_dtype = [], [], 0, None
     for name, p in reversed(list(named_params)):
-        nbytes = p.data.nbytes
+        nbytes = p.data.nbytes if itemsize is None else p.data.size * itemsize
         if current and (p.data.dtype != current_dtype
                         or current_bytes + nbytes > bucket_bytes):
             groups.append(current)
@@ -77,8 +85,9 @@ class FusionBuffers:
     earlier ones launched, this one complete), in index order.
     """
 
-    def __init__(self, named_params, bucket_bytes, scale=1.0, shared=False):
+    def __init__(self, named_params, bucket_bytes, scale=1.0, shared=False, wire=None):
         named_params = list(named_params)
+        self.wire = wire
         # gradients are multiplied by ``scale`` on their way in (1/N: the all-reduce then
         # sums, and the mean costs no extra pass over the buckets)
         self.scale = float(scale)
@@ -87,31 +96,35 @@ class FusionBuffers:
         self.bucket_bytes = int(bucket_bytes)
         self.buckets = []
         self.slot = {}  # name -> (bucket, view, parameter)
-        groups = plan(named_params, bucket_bytes)
+        itemsize = None if wire is None else wire.itemsize
+        groups = plan(named_params, bucket_bytes, itemsize)
+
+        def storage(data):  # the buckets' element type
+            return data.dtype if wire is None else wire.storage
+
         # shared: every bucket a prefix of one buffer, the largest bucket's size (ZeRO
         # stage 2 packs and sends the buckets one after another through it)
         # (one such buffer per dtype)
         pools = {}
         if shared:
             for g in groups:
-                first = g[0][1].data
-                total = sum(p.data.size for _, p in g)
-                pools[first.dtype] = max(pools.get(first.dtype, 0), total)
+                dt = storage(g[0][1].data)
+                pools[dt] = max(pools.get(dt, 0), sum(p.data.size for _, p in g))
             pools = {dt: array_module(groups[0][0][1].data).zeros(n, dtype=dt)
                      for dt, n in pools.items()}
         for index, group in enumerate(groups):
             first = group[0][1].data
             xp = array_module(first)
             total = sum(p.data.size for _, p in group)
-            buffer = pools[first.dtype][:total] if shared else \
-                xp.zeros(total, dtype=first.dtype)
+            buffer = pools[storage(first)][:total] if shared else \
+                xp.zeros(total, dtype=storage(first))
             views, offset = [], 0
             for _, p in group:
                 n = p.data.size
                 views.append(buffer[offset:offset + n].reshape(p.data.shape))
                 offset += n
             bucket = Bucket(index, [n for n, _ in group], [p for _, p in group], buffer,
-                            views)
+                            views, None if wire is None else wire.dtype)
             self.buckets.append(bucket)
             for name, view, p in zip(bucket.names, views, bucket.params):
                 self.slot[name] = (bucket, view, p)
@@ -151,7 +164,9 @@ class FusionBuffers:
         elif grad is not view:
             if isinstance(grad, SparseGrad):  # planned into a dense bucket (sparse="dense")
                 grad = grad.to_dense()
-            if self.scale == 1.0:
+            if self.wire is not None:
+                self.wire.encode(grad, self.scale, view)
+            elif self.scale == 1.0:
                 xp.copyto(view, grad)
             else:
                 xp.multiply(grad, self.scale, out=view)
@@ -185,5 +200,6 @@ class FusionBuffers:
 
     def describe(self):
         """One line per bucket, for logs and reports."""
-        return [f"bucket {b.index}: {b.nbytes / MiB:.3f} MiB {b.dtype}, "
+        return [f"bucket {b.index}: {b.nbytes / MiB:.3f} MiB "
+                f"{'bfloat16' if b.dtype.names else b.dtype}, "
                 f"{', '.join(b.names)}" for b in self.buckets]

@@ -13,6 +13,11 @@ hogwild    micro-batches (workers)   read / add to MPI windows on the       none
                                      servers, lock-free (``hogwild``)       added there)
 =========  ========================  =====================================  ============
 
+``--precision bf16|fp16`` (``precision``) composes with ``local`` and with ``allreduce``'s
+dense fused buckets (2-byte buckets); it refuses what cannot serve it: the parameter
+server, compressed exchange (its payloads are their own formats) and model averaging
+(which averages the working copies, not the float32 masters).
+
 ``--sync local-sgd|diloco --period H`` composes with ``allreduce`` (``averaging``): the
 gradient syncs above run during ``--warmup-steps`` only, then every rank steps alone and
 the parameters are averaged every H steps (``--sync allreduce``, the default, is the
@@ -29,6 +34,7 @@ from mpidl.errors import ConfigError
 from mpidl.options import Option
 from mpidl.runtime import averaging as averaging_part
 from mpidl.runtime import hogwild as hogwild_part
+from mpidl.runtime import precision as precision_part
 from mpidl.runtime import schedule as schedule_part
 from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
@@ -59,7 +65,7 @@ def cli_options():
     """Every part's settings, for ``mpidl.config`` and the command line."""
     return (OPTIONS + schedule_part.OPTIONS + fused.OPTIONS + rowsparse.OPTIONS
             + compressed.OPTIONS + pushpull.OPTIONS + averaging_part.OPTIONS
-            + zero_part.OPTIONS + hogwild_part.OPTIONS)
+            + zero_part.OPTIONS + hogwild_part.OPTIONS + precision_part.OPTIONS)
 
 
 def names():
@@ -120,20 +126,45 @@ def _size(comm):
     return 1 if comm is None else comm.size
 
 
-def local(comm, unused, accumulate=1, straggler=None):
+def _precision(precision, loss_scale, loss_scale_window, refuse=None):
+    """The Precision part (None for fp32); ``refuse``: (what, why) this preset cannot do
+    with a low precision."""
+    part = precision_part.build_precision(precision, loss_scale, loss_scale_window)
+    if part is not None and refuse is not None:
+        what, why = refuse
+        raise ConfigError(f"--precision {part.format} cannot be used with {what}: {why}; "
+                          f"drop {what} or use --precision fp32")
+    return part
+
+
+def local(comm, unused, accumulate=1, straggler=None, precision=None, loss_scale=None,
+          loss_scale_window=None):
+    prec = _precision(precision, loss_scale, loss_scale_window)
     if _size(comm) > 1:
         raise ConfigError(f"strategy 'local' trains on one process, but {comm.size} ranks "
                           "were started: use --strategy allreduce (the default for more than "
                           "one rank) or run without mpiexec")
     sched = _schedule(accumulate, straggler, 0, [0])
     return Runtime(comm, "local", sched, [(_everything, GradSync())], Replicated,
-                   unused=unused)
+                   unused=unused, precision=prec)
 
 
 def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket_mb=None,
               overlap="auto", compression=None, ratio=None, sparse_grads=None, sync_bn=False,
               sync=None, period=None, warmup_steps=None, outer_lr=None, outer_momentum=None,
-              verify_averaging=False, zero=0):
+              verify_averaging=False, zero=0, precision=None, loss_scale=None,
+              loss_scale_window=None):
+    refuse = None
+    if zero:
+        refuse = (f"--zero {zero}", "the sharded optimizer steps the working copies, not "
+                  "float32 master weights (not built yet)")
+    elif compression not in (None, "none"):
+        refuse = (f"--compression {compression}", "a compressor sends its own payload "
+                  "format, not the 2-byte gradients mixed precision reduces")
+    elif sync not in (None, "allreduce"):
+        refuse = (f"--sync {sync}", "model averaging averages the working copies, not the "
+                  "float32 master weights the optimizer steps")
+    prec = _precision(precision, loss_scale, loss_scale_window, refuse)
     size = _size(comm)
     rank = 0 if comm is None else comm.rank
     sched = _schedule(accumulate, straggler, rank, list(range(size)))
@@ -164,7 +195,8 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
         sync, period, warmup_steps, outer_lr, outer_momentum, algorithm=algorithm,
         bucket_mb=fused.check_bucket_mb(bucket_mb), verify=verify_averaging)
     rt = Runtime(comm, "allreduce" if averaging is None else f"allreduce+{averaging.name}",
-                 sched, syncs, Replicated, sync_bn=sync_bn, unused=unused, averaging=averaging)
+                 sched, syncs, Replicated, sync_bn=sync_bn, unused=unused, averaging=averaging,
+                 precision=prec)
     rt.compressor = compressor
     return rt
 
@@ -184,7 +216,11 @@ def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
 
 def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, staleness=None,
        wait=None, staleness_aware_lr=None, epoch_quorum=None, compression=None, ratio=None,
-       trace=False, poll_max_ms=None):
+       trace=False, poll_max_ms=None, precision=None, loss_scale=None,
+       loss_scale_window=None):
+    _precision(precision, loss_scale, loss_scale_window,
+               ("--strategy ps", "the parameter servers step their own parameters in the "
+                "format they receive, with no float32 master weights or loss scaling"))
     size = _size(comm)
     num = pushpull.check_servers(servers, size)
     server_ranks, worker_ranks = list(range(num)), list(range(num, size))
@@ -220,7 +256,11 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
     return rt
 
 
-def hogwild(comm, unused, accumulate=1, straggler=None, servers=None, locks=False):
+def hogwild(comm, unused, accumulate=1, straggler=None, servers=None, locks=False,
+            precision=None, loss_scale=None, loss_scale_window=None):
+    _precision(precision, loss_scale, loss_scale_window,
+               ("--strategy hogwild", "its workers add -lr*g straight to the shared weights, "
+                "with no float32 master copy"))
     size = _size(comm)
     num = pushpull.check_servers(servers, size, "hogwild")
     server_ranks, worker_ranks = list(range(num)), list(range(num, size))
@@ -260,7 +300,7 @@ class _NotSparse(_Sparse):
         return name not in self.names
 
 
-_COMMON = _names(schedule_part.OPTIONS)
+_COMMON = _names(schedule_part.OPTIONS) | _names(precision_part.OPTIONS)
 PRESETS = {
     "local": (local, _COMMON),
     "allreduce": (allreduce, _COMMON | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)

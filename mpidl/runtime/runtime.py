@@ -10,6 +10,10 @@ line; ``--strategy local|allreduce|ps`` are presets):
   none;
 * an **optimizer placement** (``placement``): replicated on every training rank, or on
   the parameter servers;
+* optionally **mixed precision** (``precision``: ``--precision bf16|fp16``): forward
+  and backward rounded to the format, 2-byte gradient buckets, the optimizer stepping
+  float32 master weights through ``Precision.step`` (fp16: all of a step's gradients at
+  once, so an overflow skips the whole step);
 * optionally **model averaging** (``averaging``: local SGD, DiLoCo), after the update:
   the replicas step alone and their parameters are averaged every H steps; while it is
   in its local phase the step runs no gradient sync (``GradSync`` over everything).
@@ -48,12 +52,13 @@ class Runtime:
 
     def __init__(self, comm, name, schedule, syncs, placement_cls, *, role="trainer",
                  server=None, roles=None, sync_bn=False, options=None, unused=(),
-                 averaging=None):
+                 averaging=None, precision=None):
         self.comm = comm                      # the world Communicator (None: one process)
         self.name = name                      # the preset's name, for logs
         self.schedule = schedule
         self.syncs = list(syncs)              # [(selector, GradSync)]; see presets
         self.averaging = averaging            # a ModelAveraging (local SGD, DiLoCo) or None
+        self.precision = precision            # a precision.Precision (bf16, fp16) or None
         self._step_syncs = self.syncs         # the syncs the current step runs
         self.placement_cls = placement_cls
         self.role = role
@@ -140,6 +145,8 @@ class Runtime:
                 if hasattr(buf, "shape") and buf.ndim > 0 and buf.flags.c_contiguous:
                     self.group.bcast(buf, root=0)
         self.placement = self.placement_cls(optimizer)
+        if self.precision is not None:  # after the broadcast: masters alike on every rank
+            self.precision.setup(model, optimizer, loss)
         owned = set()
         for select, sync in self.syncs:
             if hasattr(select, "bind"):
@@ -224,10 +231,21 @@ class Runtime:
             self._probe_memory(None, "end of backward")
         t2 = _clock()
         wait = 0.0
-        for _, s in self._step_syncs:
-            for names in s.finish():
-                self.placement.step(names)
-            wait += s.wait_seconds()
+        prec = self.precision
+        if prec is None:
+            for _, s in self._step_syncs:
+                for names in s.finish():
+                    self.placement.step(names)
+                wait += s.wait_seconds()
+        elif prec.dynamic:  # fp16: every gradient checked before any update
+            ready = [n for _, s in self._step_syncs for names in s.finish() for n in names]
+            wait += sum(s.wait_seconds() for _, s in self._step_syncs)
+            prec.step(self.placement, ready)
+        else:
+            for _, s in self._step_syncs:
+                for names in s.finish():
+                    prec.step(self.placement, names)
+                wait += s.wait_seconds()
         if self.averaging is not None:
             wait += self.averaging.after_update()
         t4 = _clock()
@@ -307,6 +325,8 @@ class Runtime:
         ledger.add("mem_grads", [p.grad for p in params if not isinstance(p.grad, SparseGrad)])
         ledger.add("mem_grads", [g for p in params if isinstance(p.grad, SparseGrad)
                                  for g in (p.grad.indices, p.grad.values)])
+        if self.precision is not None:  # (before the optimizer: its params are the masters)
+            self.precision.memory(ledger)
         placement = getattr(self, "placement", None)
         if placement is not None:
             placement.memory(ledger)
@@ -369,6 +389,8 @@ class Runtime:
                     out["bytes_sent_per_step"] *= self.averaging.exchange_fraction()
         for _, sync in self.syncs:
             out.update(sync.metrics())
+        if self.precision is not None:
+            out.update(self.precision.metrics())
         if self.averaging is not None:
             out.update(self.averaging.metrics())
         if self.server is not None and self.server.final_stats is not None:
@@ -384,6 +406,8 @@ class Runtime:
                  f"{getattr(getattr(self, 'placement', None), 'name', '-')}"]
         for _, sync in self.syncs:
             lines += sync.describe()
+        if self.precision is not None:
+            lines += self.precision.describe()
         if self.averaging is not None:
             lines += self.averaging.describe()
         return lines
@@ -477,6 +501,8 @@ class Runtime:
         mine = [s.state_dict() for _, s in self.syncs]
         per_rank = self.gather(mine)
         out = {"syncs": per_rank}
+        if self.precision is not None:  # master weights and loss scale: alike on every rank
+            out["precision"] = self.precision.state_dict()
         avg = self.averaging
         if avg is not None:  # the replicas differ inside a period: every rank's own
             out["averaging"] = avg.shared_state()
@@ -497,6 +523,8 @@ class Runtime:
         if load is not None:
             load()  # ZeRO: the optimizer's per-parameter state, cut into this rank's shards
         index, count = self.shard()
+        if self.precision is not None and state is not None:
+            self.precision.load_state_dict(state.get("precision"))
         avg = self.averaging
         if avg is not None and (state or {}).get("averaging") is not None:
             ranks = state.get("averaging_ranks") or []

@@ -210,10 +210,11 @@ class ZeroSync(FusedAllreduce):
             raise TypeError("ZeroSync needs the Sharded optimizer placement")
         placement.bind(self)
 
-    def _fusion(self, named_params, bucket_bytes, scale):
+    def _fusion(self, named_params, bucket_bytes, scale, wire=None):
         from mpidl.runtime.fusion import FusionBuffers  # noqa: PLC0415
 
-        return FusionBuffers(named_params, bucket_bytes, scale=scale, shared=self._shared)
+        return FusionBuffers(named_params, bucket_bytes, scale=scale, shared=self._shared,
+                             wire=wire)
 
     # -- a step
     def _start(self, b, blocking):

@@ -22,6 +22,10 @@ pass; after it the bucket's views become the parameters' ``grad`` (no copy out).
   a whole bucket (``Compressor.granularity == "bucket"``: fp16, none) replace the
   all-reduce of each bucket by their own exchange; packing then does not scale, the
   hook returns the mean.
+* **Mixed precision** (``--precision bf16|fp16``, the runtime's ``precision``): the
+  buckets hold 2-byte gradients (float16, or bfloat16 words), half the bytes, reduced by
+  mpidl's own algorithms (each addition rounded once to the format; never an MPI
+  float16 datatype, see ``mpidl.comm.ops``).
 """
 
 import os
@@ -107,15 +111,17 @@ class FusedAllreduce(GradSync):
         self.comm = ctx.group
         size = 1 if self.comm is None else self.comm.size
         scale = 1.0 if self.hook is not None else 1.0 / size
-        self.fusion = self._fusion(named_params, int(self.bucket_mb * MiB), scale)
+        precision = getattr(ctx, "precision", None)  # mixed precision: 2-byte buckets
+        self.fusion = self._fusion(named_params, int(self.bucket_mb * MiB), scale,
+                                   None if precision is None else precision.wire)
         if self.hook is not None and self.comm is not None:
             self.hook.bind(self.comm)
         if self.overlap_mode == "auto":
             self.overlap, self.overlap_reason = overlap_pays(self.comm, ctx.named_params)
 
-    def _fusion(self, named_params, bucket_bytes, scale):
+    def _fusion(self, named_params, bucket_bytes, scale, wire=None):
         """The buckets' layout and buffers (a subclass may share one buffer)."""
-        return FusionBuffers(named_params, bucket_bytes, scale=scale)
+        return FusionBuffers(named_params, bucket_bytes, scale=scale, wire=wire)
 
     # -- a step
     def begin_step(self):
@@ -139,10 +145,10 @@ class FusedAllreduce(GradSync):
         if self.hook is not None:
             return self.hook.start(b.buffer, b.name)
         if blocking:
-            self.comm.allreduce(b.buffer, out=b.buffer, op="sum", algorithm=self.algorithm,
+            self.comm.allreduce(b.wire, out=b.wire, op="sum", algorithm=self.algorithm,
                                 name=b.name)
             return None
-        return self.comm.iallreduce(b.buffer, out=b.buffer, op="sum",
+        return self.comm.iallreduce(b.wire, out=b.wire, op="sum",
                                     algorithm=self.algorithm, name=b.name)
 
     def _complete(self, b):

@@ -1,0 +1,325 @@
+"""``--precision fp32|bf16|fp16``: mixed-precision training with float32 master weights.
+
+A part of the runtime's step (``Runtime.precision``; None for fp32, which stays exactly
+today's code path). With ``bf16`` or ``fp16``:
+
+* **Compute**, as a GPU's tensor cores do it: low-precision inputs, weights and outputs,
+  float32 accumulation inside a matmul or convolution. On CPU the layers keep computing
+  in float32 on values that are all on the low-precision grid, and every result is
+  rounded once to the format (round-to-nearest-even): each layer's output in forward;
+  its input gradient and its parameters' gradients in backward; the model's input.
+  That *is* the tensor-core semantics (a product of two bfloat16/float16 numbers is
+  exact in float32, the sum is accumulated in float32, the result rounded on store),
+  with float32 summation order instead of the hardware's. The wrapping is done at
+  ``setup`` on the model's own modules (their ``forward``/``backward``), so layers need
+  no change; layers that mpidl does not know to round this way are refused
+  (``check_model``) rather than silently computed in float32.
+* **Storage**: the model's working copy of each parameter (``Parameter.data``) and its
+  activations are float32 arrays holding low-precision values (4 bytes each, not 2: on
+  CPU, float32 is what BLAS computes in, and NumPy has no bfloat16). Gradients travel in
+  real 2-byte form: float16, or bfloat16 words (``mpidl.bfloat16``), in the fused
+  all-reduce buckets (half the bytes of fp32).
+* **Master weights**: the optimizer holds its own float32 copy of every parameter
+  (``Precision.masters``: the optimizer's ``params`` are replaced by them, and its
+  moments are float32 like them). After each update the working copy becomes the master
+  rounded to the format.
+* **fp16 dynamic loss scaling** (Micikevicius et al. 2018): the loss gradient is
+  multiplied by the scale S (initially ``--loss-scale``, 2**16). If any reduced gradient
+  holds an inf or a NaN, the whole step is skipped (parameters and optimizer state
+  untouched), S is halved; after ``--loss-scale-window`` clean steps in a row S is
+  doubled. Otherwise the gradients are divided by S (exact: S is a power of two) into
+  float32 before the optimizer. All ranks decide alike without any extra message: the
+  check reads the all-reduced gradients, which are bitwise identical on every rank.
+  bf16 has float32's exponent range and needs no scaling.
+"""
+
+from collections import OrderedDict
+
+import numpy as np
+
+from mpidl import bfloat16
+from mpidl.errors import ConfigError
+from mpidl.options import Option
+
+FORMATS = ("fp32", "bf16", "fp16")
+DEFAULT_LOSS_SCALE = 2.0 ** 16
+DEFAULT_WINDOW = 2000
+
+OPTIONS = [
+    Option("precision", str, "fp32", "fp32, bf16 or fp16: forward and backward in this "
+           "format with float32 master weights in the optimizer; gradients all-reduced in "
+           "it (half the bytes); fp16 with dynamic loss scaling", "precision",
+           choices=FORMATS),
+    Option("loss_scale", float, None, "fp16: the initial loss scale, a power of two "
+           f"(default {DEFAULT_LOSS_SCALE:g})", "precision", metavar="S",
+           check=lambda s: None if s > 0 and np.frexp(s)[0] == 0.5 and s < np.inf else
+           "must be a power of two > 0"),
+    Option("loss_scale_window", int, None, "fp16: double the loss scale after this many "
+           f"steps in a row without an overflow (default {DEFAULT_WINDOW})", "precision",
+           metavar="N", check=lambda n: None if n >= 1 else "must be at least 1"),
+]
+
+
+# -- rounding ------------------------------------------------------------------------------
+def _round_fp16(x):
+    """``x`` (float32) rounded in place to float16 values (nearest even; beyond 65504:
+    inf)."""
+    with np.errstate(over="ignore"):  # overflowing to inf is float16's (and the point)
+        x[...] = x.astype(np.float16)
+    return x
+
+
+def _round_bf16(x):
+    return bfloat16.round_(x, out=x)
+
+
+ROUND = {"fp16": _round_fp16, "bf16": _round_bf16}
+#: unit roundoff of each format: 2**-(bits of significand precision)
+UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+
+
+class Wire:
+    """How gradients of one format sit in the fused buckets: ``storage`` (the bucket's
+    dtype: float16, or uint16 for bfloat16 words), ``dtype`` (what the collectives see:
+    float16 or ``bfloat16.BFLOAT16``), ``encode`` (float32 gradient times a scale into a
+    bucket view) and ``decode`` (a bucket view back to float32)."""
+
+    def __init__(self, fmt):
+        self.format = fmt
+        if fmt == "fp16":
+            self.storage = self.dtype = np.dtype(np.float16)
+        else:
+            self.storage, self.dtype = np.dtype(np.uint16), bfloat16.BFLOAT16
+        self.itemsize = 2
+
+    def encode(self, grad, scale, out):
+        from mpidl.backend import array_module  # noqa: PLC0415
+
+        xp = array_module(out)
+        if self.format == "fp16":
+            if scale == 1.0:
+                xp.copyto(out, grad, casting="same_kind")
+            else:
+                xp.multiply(grad, scale, out=out)  # float32 product, rounded once
+        else:
+            bfloat16.to_words(grad if scale == 1.0 else grad * np.float32(scale), out=out)
+
+    def decode(self, g):
+        """A gradient as float32 (a new array)."""
+        if g.dtype == np.float16:
+            return g.astype(np.float32)
+        if g.dtype == np.uint16 or g.dtype == bfloat16.BFLOAT16:
+            return bfloat16.from_words(g).reshape(g.shape)
+        return g
+
+
+# -- which layers have a low-precision path -------------------------------------------------
+def _supported_types():
+    from mpidl.engine import activations, conv, dropout, linear, module, normalization  # noqa
+    from mpidl.engine import pooling, reshape, residual  # noqa: PLC0415
+
+    return (module.Sequential, linear.Linear, conv.Conv2d, activations.ReLU,
+            activations.LeakyReLU, activations.Tanh, activations.Sigmoid, activations.GELU,
+            dropout.Dropout, reshape.Flatten, reshape.Reshape, pooling.MaxPool2d,
+            pooling.AvgPool2d, pooling.GlobalAvgPool2d, normalization.BatchNorm1d,
+            normalization.BatchNorm2d, normalization.LayerNorm, residual.Residual)
+
+
+def check_model(model, fmt):
+    """ConfigError naming the first layer without a ``fmt`` path (one the runtime does not
+    know how to round: Embedding's row-sparse gradients, layers of your own)."""
+    if fmt in (None, "fp32"):
+        return
+    known = _supported_types()
+    for name, layer in model.modules():
+        if type(layer) not in known:
+            where = f"layer {name!r} ({type(layer).__name__})" if name else \
+                f"the model ({type(layer).__name__})"
+            raise ConfigError(
+                f"--precision {fmt}: {where} has no {fmt} path (mpidl rounds the layers "
+                f"it knows: {', '.join(sorted(t.__name__ for t in known))}); use "
+                "--precision fp32, or build the model from those layers")
+
+
+def check_format(fmt):
+    fmt = fmt or "fp32"
+    if fmt not in FORMATS:
+        raise ConfigError(f"--precision must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+def build_precision(precision=None, loss_scale=None, loss_scale_window=None):
+    """The runtime part for ``precision`` (None for fp32) after checking the settings."""
+    fmt = check_format(precision)
+    if fmt != "fp16" and (loss_scale is not None or loss_scale_window is not None):
+        flag = "--loss-scale" if loss_scale is not None else "--loss-scale-window"
+        raise ConfigError(f"{flag} is for --precision fp16 (dynamic loss scaling); "
+                          f"--precision {fmt} does not scale the loss")
+    if fmt == "fp32":
+        return None
+    return Precision(fmt, loss_scale, loss_scale_window)
+
+
+class Precision:
+    """The bf16/fp16 part of a step (module doc). Life cycle: ``setup(runtime)`` once
+    (after the parameters were broadcast), ``step(placement, names)`` instead of
+    ``placement.step(names)`` every step."""
+
+    def __init__(self, fmt, loss_scale=None, window=None):
+        self.format = check_format(fmt)
+        self.round = ROUND[self.format]
+        self.wire = Wire(self.format)
+        self.dynamic = self.format == "fp16"
+        self.scale = float(DEFAULT_LOSS_SCALE if loss_scale is None else loss_scale) \
+            if self.dynamic else 1.0
+        self.window = int(DEFAULT_WINDOW if window is None else window)
+        self.good_steps = 0           # clean steps since the last overflow or growth
+        self.skipped_total = 0        # steps skipped since the start of training
+        self.skipped_epoch = 0        # ... since the last metrics()
+        self.masters = OrderedDict()  # name -> float32 Parameter the optimizer steps
+        self.params = OrderedDict()   # name -> the model's Parameter (working copy)
+        self.optimizer = None
+
+    # -- set-up
+    def setup(self, model, optimizer, loss):
+        """Masters from the (already broadcast) parameters, the optimizer moved onto them,
+        the working copies rounded, the model's modules and the loss wrapped."""
+        from mpidl.engine.module import Parameter, Sequential  # noqa: PLC0415
+
+        check_model(model, self.format)
+        self.optimizer = optimizer
+        for name, p in model.named_parameters():
+            if p.data.dtype != np.float32:
+                raise ConfigError(f"--precision {self.format} keeps float32 master weights; "
+                                  f"parameter {name!r} is {p.data.dtype}: build the model "
+                                  "with dtype float32 (--dtype float32)")
+            master = Parameter(p.data.copy(), placement=p.placement)
+            self.params[name], self.masters[name] = p, master
+            p.master_dtype = np.dtype(np.float32)
+            if name in optimizer.params:
+                optimizer.params[name] = master
+            self.round(p.data)
+        for name, layer in model.modules():
+            top = layer is model
+            if isinstance(layer, Sequential) and not top:
+                continue  # its last child rounded its output already
+            self._wrap(layer, round_input=top, round_output=not isinstance(layer, Sequential))
+        self._wrap_loss(loss)
+
+    def _wrap(self, layer, round_input, round_output):
+        rnd = self.round
+        forward, backward = layer.forward, layer.backward
+        own = list(layer._params.values())
+
+        def low_forward(x):
+            if round_input and hasattr(x, "dtype") and x.dtype == np.float32:
+                x = rnd(x.copy())  # the data is the caller's: never rounded in place
+            y = forward(x)
+            return rnd(y) if round_output else y
+
+        def low_backward(dy):
+            if round_input and dy is not None:
+                rnd(dy)  # the loss gradient (times the loss scale) enters in the format
+            dx = backward(dy)
+            for p in own:
+                if p.grad is not None:
+                    rnd(p.grad)
+            return rnd(dx) if dx is not None and round_output else dx
+
+        layer.forward, layer.backward = low_forward, low_backward
+
+    def _wrap_loss(self, loss):
+        backward = loss.backward
+        precision = self
+
+        def scaled_backward():
+            dy = backward()
+            if precision.scale != 1.0:
+                dy *= precision.scale
+            return dy
+
+        loss.backward = scaled_backward
+
+    # -- a step
+    def step(self, placement, names):
+        """Apply the ready gradients ``names`` through ``placement`` to the masters, then
+        round the masters into the working copies. fp16: on an overflow anywhere in them,
+        skip, halve the scale and return False (the caller hands every name of the step
+        at once, so a skip is all or nothing)."""
+        from mpidl.backend import array_module  # noqa: PLC0415
+
+        grads = [(n, self.params[n].grad) for n in names]
+        if self.dynamic:
+            for _, g in grads:
+                if g is not None and not bool(array_module(g).isfinite(g).all()):
+                    self.skipped_total += 1
+                    self.skipped_epoch += 1
+                    self.scale /= 2.0
+                    self.good_steps = 0
+                    return False
+        unscale = 1.0 / self.scale
+        for n, g in grads:
+            master = self.masters[n]
+            if g is None:
+                master.grad = None
+                continue
+            g32 = self.wire.decode(g)
+            if unscale != 1.0:  # exact: the scale is a power of two
+                g32 = g32 * np.float32(unscale)
+            master.grad = g32
+        placement.step(names)
+        for n, _ in grads:
+            p, master = self.params[n], self.masters[n]
+            xp = array_module(p.data)
+            xp.copyto(p.data, master.data)
+            self.round(p.data)
+        if self.dynamic:
+            self.good_steps += 1
+            if self.good_steps >= self.window:
+                self.scale *= 2.0
+                self.good_steps = 0
+        return True
+
+    # -- reporting and checkpoints
+    def memory(self, ledger):
+        """The float32 master weights (optimizer state, as ZeRO counts them) and the
+        decoded float32 gradients the optimizer reads (gradients)."""
+        ledger.add("mem_optimizer", [m.data for m in self.masters.values()])
+        ledger.add("mem_grads", [m.grad for m in self.masters.values()])
+
+    def metrics(self):
+        if not self.dynamic:
+            return {}
+        out = {"loss_scale": self.scale, "skipped_steps": self.skipped_epoch,
+               "skipped_steps_total": self.skipped_total}
+        self.skipped_epoch = 0
+        return out
+
+    def describe(self):
+        text = (f"precision {self.format}: forward/backward rounded to {self.format}, "
+                f"float32 master weights, gradients all-reduced as "
+                f"{'float16' if self.format == 'fp16' else 'bfloat16 words'}")
+        if self.dynamic:
+            text += (f", dynamic loss scale {self.scale:g} (halved on overflow, doubled "
+                     f"after {self.window} clean steps)")
+        return [text]
+
+    def state_dict(self):
+        return {"format": self.format, "scale": self.scale, "good_steps": self.good_steps,
+                "skipped_total": self.skipped_total,
+                "masters": {n: m.data.copy() for n, m in self.masters.items()}}
+
+    def load_state_dict(self, state):
+        if not state or state.get("format") != self.format:
+            got = (state or {}).get("format", "fp32")
+            raise ConfigError(f"the checkpoint was written with --precision {got}; resume "
+                              f"with --precision {got}, not {self.format}")
+        from mpidl.backend import to_device  # noqa: PLC0415
+
+        for n, value in state["masters"].items():
+            self.masters[n].data[...] = to_device(value, dtype=np.float32)
+            self.params[n].data[...] = self.masters[n].data
+            self.round(self.params[n].data)
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_total = int(state["skipped_total"])
