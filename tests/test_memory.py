@@ -95,3 +95,16 @@ def test_one_process_reports_the_ledger_and_leaves_no_probe_behind():
     assert 0 < m["mem_activations"] and m["mem_peak"] >= 16 * psi
     assert all(layer._pre_hooks == () for _, layer in model.modules())
     assert "mem_params" not in rt.metrics()  # no step since: nothing measured
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_ledger_of_mixed_precision_equals_its_formula(precision):
+    """bf16/fp16 at stage 0 on 2 ranks: the optimizer state (moments and float32 masters)
+    is the formula's K·Ψ; parameters and gradients are what the emulation holds
+    (``predict(emulated=True)``: float32 working copies, the decoded float32 gradient
+    beside the 2-byte buckets)."""
+    from mpirun import HERE, run_ranks
+
+    launch = run_ranks(2, [f"{HERE}/ranks/memory_check.py", "--stages", "0",
+                           "--precision", precision], timeout=300).check()
+    assert launch.output.count("= formula") == 2 * 2

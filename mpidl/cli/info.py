@@ -171,20 +171,27 @@ def memory_report(args, world):
     except ValueError as e:
         raise ConfigError(f"--model {args.model}: {e}") from None
     bucket_mb = check_bucket_mb(args.bucket_mb)
-    sizes = memory.bucket_sizes(model.named_parameters(), bucket_mb)
+    sizes = memory.bucket_sizes(model.named_parameters(), bucket_mb, args.precision)
     slots = memory.optimizer_slots(args.optimizer, args.momentum)
     rows = [memory.predict(sizes, args.ranks, args.zero, slots=slots,
                            precision=args.precision, dtype=args.dtype, rank=r)
             for r in range(args.ranks)]
     closed = memory.paper_formula(sum(sizes), args.ranks, args.zero, slots,
                                   args.precision, args.dtype)
+    today = None
+    if args.precision != "fp32" and args.zero == 0:  # what the emulation holds
+        today = [memory.predict(sizes, args.ranks, 0, slots=slots, precision=args.precision,
+                                dtype=args.dtype, rank=r, emulated=True)
+                 for r in range(args.ranks)]
     if args.json:
         print(json.dumps({"model": args.model, "dataset": args.dataset, "zero": args.zero,
                           "ranks": args.ranks, "precision": args.precision,
                           "dtype": args.dtype, "optimizer": args.optimizer,
                           "slots": slots, "bucket_elements": sizes,
                           "paper_formula_bytes": closed,
-                          "per_rank": [r.as_dict() for r in rows]}))
+                          "per_rank": [r.as_dict() for r in rows],
+                          "per_rank_emulated": None if today is None else
+                          [r.as_dict() for r in today]}))
         return 0
     mib = 1 << 20
     print(f"{args.model} on {args.dataset}: {sum(sizes):,} parameters in {len(sizes)} "
@@ -195,6 +202,10 @@ def memory_report(args, world):
     for r in rows:
         print(f"{r.rank:>4}  {r.mem_params:>12,}  {r.mem_grads:>12,}  {r.mem_optimizer:>12,}"
               f"  {r.total:>12,}")
+    if today is not None:
+        print(f"mpidl's {args.precision} path holds today (float32 working copies, the "
+              f"decoded float32 gradient): params {today[0].mem_params:,}, grads "
+              f"{today[0].mem_grads:,}, optimizer {today[0].mem_optimizer:,} bytes")
     print(f"total per rank {rows[0].total / mib:.2f} MiB (rank 0); ZeRO's closed form "
           f"(Psi/N) gives {closed / mib:.2f} MiB. Activations and communication buffers "
           "come on top (the epoch line's mem_activations, mem_comm).")

@@ -84,9 +84,13 @@ def element_bytes(precision="fp32", dtype="float32"):
 
 
 def predict(bucket_sizes, ranks, stage, *, slots, precision="fp32", dtype="float32",
-            rank=0):
+            rank=0, emulated=False):
     """The formula for rank ``rank`` of ``ranks``, at ZeRO ``stage``, for a model whose
-    fused buckets hold ``bucket_sizes`` elements each (``fusion.plan``)."""
+    fused buckets hold ``bucket_sizes`` elements each (``fusion.plan``).
+
+    ``emulated``: what mpidl's bf16/fp16 path holds today (``runtime/precision.py``): the
+    working copies are float32 arrays holding low-precision values (4 bytes, not 2), and
+    the optimizer reads a decoded float32 gradient beside the 2-byte buckets."""
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of 0, 1, 2, 3, got {stage!r}")
     if not 0 <= rank < ranks:
@@ -100,15 +104,21 @@ def predict(bucket_sizes, ranks, stage, *, slots, precision="fp32", dtype="float
     # overlap backward) and the reduced chunk beside them
     grads = p * (shard if stage >= 2 else psi + shard if stage == 1 else psi)
     optim = k * (shard if stage >= 1 else psi)
+    if emulated and precision != "fp32":
+        if stage:
+            raise ValueError("ZeRO with a low precision is not built (mpidl refuses it)")
+        params, grads = 4 * psi, grads + 4 * psi
     return Prediction(rank, params, grads, optim, psi, shard)
 
 
-def bucket_sizes(named_params, bucket_mb):
-    """Elements per fused bucket, as the data-parallel sync lays them out."""
+def bucket_sizes(named_params, bucket_mb, precision="fp32"):
+    """Elements per fused bucket, as the data-parallel sync lays them out (2-byte
+    buckets under a low precision hold twice the elements)."""
     from mpidl.runtime.fusion import MiB, plan  # noqa: PLC0415
 
+    itemsize = None if precision == "fp32" else PRECISION_BYTES[precision]
     return [sum(p.data.size for _, p in group)
-            for group in plan(named_params, int(bucket_mb * MiB))]
+            for group in plan(named_params, int(bucket_mb * MiB), itemsize)]
 
 
 def paper_formula(psi, ranks, stage, slots, precision="fp32", dtype="float32"):
