@@ -37,21 +37,22 @@ from mpidl.errors import ConfigError
 def check_rma(comm):
     """Raise a ``ConfigError`` (one line) unless this MPI can create a window and run an
     accumulate on it; collective over ``comm``."""
+    def refuse(what, e):
+        return ConfigError(f"this MPI library {what} ({e.Get_error_string().strip()}): "
+                           "Hogwild needs MPI-3 one-sided communication (RMA); use "
+                           "--strategy ps --mode async instead")
+
     try:
         win = MPI.Win.Allocate(8, 8, comm=comm)
     except MPI.Exception as e:
-        raise ConfigError(f"this MPI library cannot allocate one-sided (RMA) windows "
-                          f"({e.Get_error_string().strip()}): Hogwild needs MPI-3 RMA; use "
-                          "--strategy ps --mode async instead") from None
+        raise refuse("cannot allocate one-sided windows", e) from None
     try:
         win.Lock_all()
         win.Accumulate(np.ones(1), comm.rank, op=MPI.SUM)
         win.Flush(comm.rank)
         win.Unlock_all()
     except MPI.Exception as e:
-        raise ConfigError(f"this MPI library's one-sided accumulate fails "
-                          f"({e.Get_error_string().strip()}): Hogwild needs MPI-3 RMA; use "
-                          "--strategy ps --mode async instead") from None
+        raise refuse("fails a one-sided accumulate", e) from None
     finally:
         win.Free()
 

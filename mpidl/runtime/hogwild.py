@@ -156,8 +156,9 @@ class HogwildSync(GradSync):
     def setup(self, ctx, named_params):
         check_optimizer(ctx.optimizer)
         super().setup(ctx, named_params)
-        from mpidl.comm.rma import SharedVector  # noqa: PLC0415
+        from mpidl.comm.rma import SharedVector, check_rma  # noqa: PLC0415
 
+        check_rma(ctx.comm.mpi)
         self.ctx = ctx
         params = [p for _, p in named_params]
         dtype = params[0].data.dtype
@@ -256,8 +257,9 @@ class HogwildServer:
 
     def setup(self, ctx):
         check_optimizer(ctx.optimizer)
-        from mpidl.comm.rma import SharedVector  # noqa: PLC0415
+        from mpidl.comm.rma import SharedVector, check_rma  # noqa: PLC0415
 
+        check_rma(ctx.comm.mpi)
         params = [p for _, p in ctx.named_params]
         self.comm = ctx.comm.mpi
         self.shared = SharedVector(self.comm, self.server_ranks,
