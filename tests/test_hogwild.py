@@ -81,6 +81,20 @@ def test_cli_hogwild_trains_and_every_worker_saves_one_model(tmp_path):
     assert (tmp_path / "model.npz").exists()
 
 
+@pytest.mark.skipif(not fashion_available(), reason="Fashion-MNIST is not installed")
+def test_cli_hogwild_resumes_from_its_epoch_checkpoint(tmp_path):
+    """A checkpoint is written at the epoch's end; on --resume the first worker puts the
+    restored weights into the (zeroed) windows before anyone reads them: the resumed
+    epoch trains on from the model (an all-zero MLP would stay near ln 10 = 2.30)."""
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ck"), "--momentum", "0"]
+    _train(tmp_path, 3, "--epochs", "1", *ckpt).check()
+    resumed = _train(tmp_path, 3, "--epochs", "2", "--resume", *ckpt).check()
+    assert "resumed from" in resumed.output
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert records[1]["train_loss"] < 1.2 < records[0]["train_loss"], records
+
+
 def test_cli_hogwild_with_momentum_is_one_line(tmp_path):
     launch = run_command([sys.executable, "-m", "mpidl", "train", "--strategy", "hogwild",
                           "--dataset", "synthetic", "--epochs", "1"], timeout=60)
