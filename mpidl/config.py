@@ -173,11 +173,11 @@ def _check_type(opt, value, where):
     return float(value) if t is float else value
 
 
-def load_toml(path):
-    """The flat ``{key: value}`` table of a TOML config file, keys checked and normalized."""
+def read_toml(path):
+    """A TOML file's table, or one ``ConfigError`` naming the file and what is wrong."""
     try:
         with open(path, "rb") as f:
-            table = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except OSError as e:
@@ -187,6 +187,11 @@ def load_toml(path):
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start} is "
                           f"0x{e.object[e.start]:02x}); save it as UTF-8") from None
+
+
+def load_toml(path):
+    """The flat ``{key: value}`` table of a TOML config file, keys checked and normalized."""
+    table = read_toml(path)
     out = {}
     for key, value in table.items():
         name = key.replace("-", "_")

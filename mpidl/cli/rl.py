@@ -117,15 +117,9 @@ def register(subparsers):
 
 
 def load_config_file(path):
-    from mpidl.config import tomllib  # noqa: PLC0415
+    from mpidl.config import read_toml  # noqa: PLC0415
 
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} cannot be read: {e}") from None
+    table = read_toml(path)
     names = {f.name: f for f in _fields()}
     out = {}
     for key, value in table.items():
