@@ -15,20 +15,62 @@ Conventions
 - Random numbers are counter-based (splitmix64 of the element's index under a seed), so
   every backend draws the same numbers and tests compare bit for bit.
 
-NaN and Inf (checked in the tests)
-----------------------------------
-No kernel spends a pass looking for them; they propagate by these rules, so a diverging
-rank shows up instead of being hidden:
+What the three versions agree on (checked in tests/test_kernels.py)
+-------------------------------------------------------------------
+Two levels of agreement, and one relaxation for NaN:
 
-- ``pack_signs``: a NaN or Inf in a chunk makes that chunk's scale NaN or Inf (with two
-  scales: both, except that -inf leaves the positive one finite), so every rank decodes
-  non-finite values for it; the residual turns NaN too.
-- ``threshold_select``, ``topk_*``: NaN counts as the largest magnitude, so it is always
-  selected. Top-k sends values, so the NaN reaches every rank. Threshold sends only a
-  sign (NaN reads as positive: +tau), and the residual keeps the NaN.
-- ``quantize``: a chunk's scale (its L2 norm or max) is NaN/Inf, so every decoded value
-  of that chunk is NaN; the codes themselves are clamped and always valid.
-- ``to_fp16``: IEEE conversion: NaN stays NaN, |x| > 65504 becomes +-inf.
+- **bitwise**: the same bytes from the reference, Numba and CuPy. Every integer output
+  (sign bits, indices, codes, payload bytes, random numbers) is bitwise on *all* inputs,
+  NaN and Inf included (one exception: the two bytes of a NaN sent as float16). Float
+  outputs made by one IEEE float32 operation per element (threshold residual,
+  ``unpack_signs``, ``dequantize``, ``to_fp16``/``from_fp16``, max norms) are bitwise
+  on finite and infinite inputs.
+- **rtol 1e-6**: outputs that are sums (1-bit scales and the 1-bit residual computed from
+  them, L2 norms, ``scatter_add`` on the GPU, whose atomics add in any order) agree to a
+  float tolerance on finite inputs; their non-finite class (NaN, +inf, -inf) is the same.
+- **some NaN**: wherever a rule below gives NaN, any NaN satisfies it, on every backend:
+  the payload *and the sign bit of that NaN* are unspecified (x86 keeps an input NaN's
+  payload, CUDA returns its canonical NaN; negating a NaN may or may not flip its sign).
+  A NaN never matches a number, and a number never matches a NaN.
+
+No kernel spends a pass looking for NaN/Inf; they propagate by these rules, so a
+diverging rank shows up instead of being hidden. v is x (+ residual), one float32 add.
+
+- Sign bits (``pack_signs``, ``threshold_select``): the bit is 1 exactly where v < 0:
+  -inf and negative numbers give 1; +0, -0, +inf and **every NaN (either sign) give 0**.
+  The CUDA code tests the bit pattern (negative, nonzero, not NaN), not a comparison.
+- ``pack_signs`` scales, per chunk, by what the chunk's v hold (a NaN wins over an inf):
+  one scale: a NaN -> NaN; else any +-inf -> +inf; else the mean |v|.
+  Two scales (pos = mean of v >= 0 with NaN counted there, neg = mean |v| of v < 0,
+  computed as (sum |v| - sum of the v >= 0) / count): pos is NaN if a NaN, else +inf if
+  a +inf, else finite (0 if the chunk has no v >= 0). neg is 0 if the chunk has no v < 0;
+  otherwise NaN if a NaN or a +inf (inf - inf), else +inf if a -inf, else finite.
+  ``unpack_signs`` gives +pos for bit 0 and -neg for bit 1 (a NaN scale: some NaN). The
+  residual becomes v - decoded in float32: NaN where v or its scale is NaN or where
+  inf - inf, +-inf where IEEE says so.
+- ``threshold_select``, ``topk_*``: the key is |v| with every NaN counted as +inf, so
+  NaN and +-inf entries are always selected by a threshold (tau is finite) and rank
+  first (ties to the lower index) in top-k. Top-k sends values, so the NaN reaches every
+  rank. Threshold sends only a sign (NaN reads as positive: +tau); the residual becomes
+  v - sign * tau for the selected entries (NaN stays some NaN, +-inf stay +-inf) and v
+  for the rest.
+- ``quantize``: the codes are always valid. A chunk whose scale is NaN or negative gets
+  a NaN multiplier, a zero scale a zero one, and an infinite scale a zero one
+  (levels / inf); then an element whose level |x| * multiplier is NaN or <= 0 (x NaN, x
+  +-inf times 0, a NaN multiplier) gets level 0, i.e. code ``levels``; a level above
+  ``levels`` (|x| above the scale, or an infinite product) is clamped to ``levels``.
+  ``dequantize`` multiplies (code - levels) by scale / levels: a NaN scale decodes the
+  whole chunk to some NaN (so every rank sees it); an infinite scale gives +-inf, and NaN
+  for code ``levels`` (0 * inf).
+- ``chunk_norms``: a NaN in a chunk gives some NaN, else an inf gives +inf ("l2" also
+  +inf if the norm overflows float32).
+- ``to_fp16``: IEEE round to nearest even, |x| >= 65520 becomes +-inf. A NaN gives a
+  quiet NaN **of the same sign** (an exception to "some NaN": the sign is kept; the
+  payload is some NaN, as NumPy's and F16C's differ; the Numba and CUDA kernels give the
+  same bits, 0x7E00 | the top 10 payload bits). ``from_fp16``: exact; NaN likewise.
+- Sparse payloads: float32 values are copied byte for byte (NaN payloads too); float16
+  values go through ``to_fp16`` (a NaN's two bytes: some NaN); "signs" decode as
+  +-scale (a NaN scale: some NaN).
 - Zero gradients give well-formed payloads of the normal shape (1-bit: zero scale;
   sparse: a header with k = 0), never an empty message a peer would wait for in vain.
 

@@ -5,7 +5,11 @@ in ``mpidl.kernels`` sends CuPy arrays here. Scalars passed to RawKernels are wr
 NumPy types of the exact C type. Results that must be known on the host (how many
 entries a selection found) synchronise, as ``cupy.flatnonzero`` does.
 
-Noted differences:
+Noted differences (all allowed by the contract in ``mpidl.kernels``):
+- a NaN made by arithmetic is CUDA's canonical NaN where x86 keeps an input NaN's payload
+  (and negating a NaN may not flip its sign): "some NaN". Sign bits, selections and codes
+  of NaN inputs are decided on bit patterns in cuda/*.cu, never by a comparison's NaN
+  behaviour, and fp16 conversion is done on the bits so NaN keeps its sign;
 - reductions (chunk sums, L2 norm) add in another order: float tolerance, as on the CPU;
 - ``scatter_add`` uses atomics, so the order of additions (and the last bits of a sum of
   several ranks' values at one index) may differ from the CPU;
@@ -226,12 +230,40 @@ def unpack_bits(packed, width, n):
 
 
 # ---------------------------------------------------------------- fp16
+def _grid(count):
+    """Blocks for a grid-stride kernel: enough to fill the device, no more than needed."""
+    return max(1, min((count + _THREADS - 1) // _THREADS, _sm_count() * 16))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count():
+    return int(cp.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def _aligned(*arrays, to=16):
+    return all(a.data.ptr % to == 0 for a in arrays)
+
+
 def to_fp16(x):
-    return x.astype(cp.float16)
+    """One elementwise kernel on the bits, the same bits as the Numba version (CuPy's
+    astype would give CUDA's canonical NaN, losing a NaN's sign)."""
+    n = x.size
+    out = cp.empty(n, cp.float16)
+    if n:
+        vec = _aligned(x) and _aligned(out, to=8)
+        _module("quantize").get_function("to_fp16")(
+            (_grid((n + 3) // 4),), (_THREADS,), (x, _i64(n), _i32(vec), out))
+    return out
 
 
 def from_fp16(h):
-    return h.astype(cp.float32)
+    n = h.size
+    out = cp.empty(n, cp.float32)
+    if n:
+        vec = _aligned(h, to=8) and _aligned(out)
+        _module("quantize").get_function("from_fp16")(
+            (_grid((n + 3) // 4),), (_THREADS,), (h, _i64(n), _i32(vec), out))
+    return out
 
 
 # ---------------------------------------------------------------- sparse payloads
@@ -262,7 +294,7 @@ def encode_sparse(indices, values, n, kind, scale):
     if vk == wire.VALUES_F32:
         vals = values.view(cp.uint8)
     elif vk == wire.VALUES_F16:
-        vals = values.astype(cp.float16).view(cp.uint8)
+        vals = to_fp16(values).view(cp.uint8)
     else:
         vals = cp.concatenate([cp.asarray(np.array([scale], np.float32).view(np.uint8)),
                                values])

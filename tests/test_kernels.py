@@ -1,9 +1,12 @@
 """Every fast kernel against its NumPy reference (``mpidl.kernels.reference``).
 
-Bit-exact for packed bits, integer codes, indices and payload bytes; float tolerances are
-stated where a kernel adds in another order (chunk scales, norms: rtol 1e-6, from float64
-accumulation). Inputs include empty arrays, length 1, lengths not divisible by 8, sizes
-that cross the kernels' 65536-element work units, NaN/Inf, ties and all-zero gradients.
+The agreement is the contract in ``mpidl.kernels``' docstring: bit-exact for packed bits,
+integer codes, indices, payload bytes and single-operation float outputs; float tolerances
+where a kernel adds in another order (chunk scales, norms: rtol 1e-6, from float64
+accumulation); and where the contract says "some NaN", any NaN matches any NaN (``same``
+with ``some_nan=True``) while a number never matches a NaN. Inputs include empty arrays,
+length 1, lengths not divisible by 8, sizes that cross the kernels' 65536-element work
+units, NaN (of both signs, with a payload)/Inf, ties and all-zero gradients.
 Written once for both backends: the CuPy runs skip without a CUDA device.
 """
 
@@ -45,21 +48,70 @@ def make(n, kind, seed=0):
     if kind == "zeros":
         x[:] = 0
     elif kind == "nonfinite" and n:
-        pos = rng.choice(n, size=min(n, 3), replace=False)
+        pos = rng.choice(n, size=min(n, 4), replace=False)
         x[pos[0]] = np.nan
         if n > 1:
             x[pos[1]] = np.inf
         if n > 2:
             x[pos[2]] = -np.inf
+        if n > 3:  # a negative NaN with a payload: its sign bit must not leak anywhere
+            x[pos[3]] = NEG_NAN
     elif kind == "ties":
         x = np.round(x * 2).astype(np.float32) / 2  # few distinct magnitudes, -0.0 too
     return x
 
 
-def same_bits(a, b):
+NEG_NAN = np.uint32(0xFFC00001).view(np.float32)
+
+
+def same_bits(a, b, some_nan=False):
+    """The one comparison of these tests: same dtype, shape and bytes. With ``some_nan``
+    (where the contract in ``mpidl.kernels`` says "some NaN"), a NaN in ``a`` matches any
+    NaN in ``b`` (payload and sign free); a NaN against a number fails, and every other
+    entry must still have the same bits (so -0.0 is not 0.0, and a finite difference of one
+    ulp fails)."""
     a, b = np.atleast_1d(host(a)), np.atleast_1d(host(b))
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-    assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    a, b = a.reshape(-1), b.reshape(-1)
+    if some_nan and a.dtype.kind == "f":
+        na, nb = np.isnan(a), np.isnan(b)
+        assert np.array_equal(na, nb), (
+            f"NaN against a number at {np.flatnonzero(na != nb)[:8].tolist()}: "
+            f"{a[na != nb][:8].tolist()} vs {b[na != nb][:8].tolist()}")
+        a, b = a[~na], b[~nb]
+    ua, ub = (v.view(np.uint8).reshape(v.size, v.dtype.itemsize) for v in (a, b))
+    diff = np.flatnonzero((ua != ub).any(axis=1))
+    assert diff.size == 0, (f"{diff.size} of {a.size} entries differ, first at "
+                            f"{diff[:8].tolist()}: {a[diff[:8]].tolist()} vs "
+                            f"{b[diff[:8]].tolist()}")
+
+
+def test_same_bits_follows_the_contract():
+    """The comparison itself can fail: a finite difference, a NaN against a number, -0.0
+    against 0.0 and a NaN payload without ``some_nan`` are all rejected."""
+    x = np.array([1.0, np.nan, -np.inf], np.float32)
+    same_bits(x, x.copy())
+    other_nan = x.copy()
+    other_nan[1] = NEG_NAN  # another sign and payload
+    same_bits(x, other_nan, some_nan=True)
+    with pytest.raises(AssertionError):
+        same_bits(x, other_nan)
+    for bad in ([np.nextafter(np.float32(1), np.float32(2)), np.nan, -np.inf],  # one ulp
+                [1.0, 0.0, -np.inf],  # NaN against a number
+                [1.0, np.nan, np.inf],  # the sign of an inf
+                [np.nan, np.nan, -np.inf]):  # a number against a NaN
+        with pytest.raises(AssertionError):
+            same_bits(x, np.array(bad, np.float32), some_nan=True)
+    with pytest.raises(AssertionError):
+        same_bits(np.float32([0.0]), np.float32([-0.0]), some_nan=True)
+    with pytest.raises(AssertionError):  # dtype
+        same_bits(np.float32([1.0]), np.float64([1.0]), some_nan=True)
+    h = np.array([np.nan, 1], np.float16)
+    same_bits(h, np.array([-np.nan, 1], np.float16), some_nan=True)
+    with pytest.raises(AssertionError):
+        same_bits(h, np.array([np.nan, 2], np.float16), some_nan=True)
+    with pytest.raises(AssertionError):  # integers: never relaxed
+        same_bits(np.uint8([1, 2]), np.uint8([1, 3]), some_nan=True)
 
 
 # ---------------------------------------------------------------- 1-bit signs
@@ -79,7 +131,8 @@ def test_pack_signs_matches_reference(xp, n, kind, chunk, two):
     atol = 1e-6 * float(np.abs(finite).max(initial=0))
     np.testing.assert_allclose(host(r_fast), r_ref, rtol=1e-6, atol=atol)
     out = K.unpack_signs(bits, scales, n, chunk, two)
-    same_bits(out, R.unpack_signs(host(bits), host(scales), n, chunk, two))
+    # -NaN scale: some NaN (negating a NaN need not flip its sign on the GPU)
+    same_bits(out, R.unpack_signs(host(bits), host(scales), n, chunk, two), some_nan=True)
     # without a residual: the same signs of x itself
     bits2, scales2 = K.pack_signs(xp.asarray(x), None, chunk, two)
     same_bits(bits2, R.pack_signs(x, None, chunk, two)[0])
@@ -101,6 +154,25 @@ def test_pack_signs_nonfinite_and_zero_rules():
     assert bits.size == 2 and scales.tolist() == [0.0] and not r.any()
     bits, scales = K.pack_signs(np.zeros(0, np.float32))
     assert bits.size == 0 and scales.tolist() == [0.0]  # still one scale: well-formed
+
+
+def test_sign_bit_of_nan_is_zero():
+    """The packed sign of every NaN (either sign) and of -0.0 is 0, of -inf 1 (contract);
+    a chunk's scales follow the table in mpidl.kernels."""
+    x = np.array([np.nan, NEG_NAN, -0.0, -np.inf, np.inf, -1.0, 2.0, 0.0], np.float32)
+    for fn in (K.pack_signs, R.pack_signs):
+        bits, _ = fn(x.copy(), None, 0, False)
+        assert np.unpackbits(bits, bitorder="little").tolist() == [0, 0, 0, 1, 0, 1, 0, 0]
+    idx, signs = K.threshold_select(x, 0.5)
+    assert idx.tolist() == [0, 1, 3, 4, 5, 6]
+    assert np.unpackbits(signs, count=6, bitorder="little").tolist() == [0, 0, 1, 0, 1, 0]
+    # two scales: -inf alone leaves pos finite and makes neg +inf; +inf makes neg NaN
+    _, sc = K.pack_signs(np.array([1, -1, -np.inf, 3], np.float32), None, 0, True)
+    assert sc[0] == 2.0 and sc[1] == np.inf
+    _, sc = K.pack_signs(np.array([1, -1, np.inf, 3], np.float32), None, 0, True)
+    assert sc[0] == np.inf and np.isnan(sc[1])
+    _, sc = K.pack_signs(np.array([1, np.inf, 3, 5], np.float32), None, 0, True)
+    assert sc[0] == np.inf and sc[1] == 0.0  # no v < 0: neg is 0
 
 
 def test_pack_signs_error_feedback_is_exact():
@@ -151,7 +223,7 @@ def test_threshold_select_matches_reference(xp, n, kind):
         ridx, rsigns = R.threshold_select(x, np.float32(tau), r_ref)
         same_bits(idx, ridx)
         same_bits(signs, rsigns)
-        same_bits(r_fast, r_ref)
+        same_bits(r_fast, r_ref, some_nan=True)
         idx2, signs2 = K.threshold_select(xp.asarray(x), tau)
         same_bits(idx2, R.threshold_select(x, np.float32(tau))[0])
 
@@ -217,10 +289,11 @@ def test_norms_match_reference(xp, n, kind, chunk):
     x = make(n, kind)
     l2 = K.chunk_norms(xp.asarray(x), chunk)
     np.testing.assert_allclose(host(l2), R.chunk_norms(x, chunk, "l2"), rtol=1e-6)
-    same_bits(K.chunk_norms(xp.asarray(x), chunk, "max"), R.chunk_norms(x, chunk, "max"))
+    same_bits(K.chunk_norms(xp.asarray(x), chunk, "max"), R.chunk_norms(x, chunk, "max"),
+              some_nan=True)
     if chunk == 0:
         np.testing.assert_allclose(K.l2norm(xp.asarray(x)), R.l2norm(x), rtol=1e-6)
-        same_bits(np.float32(K.maxabs(xp.asarray(x))), R.maxabs(x))
+        same_bits(np.float32(K.maxabs(xp.asarray(x))), R.maxabs(x), some_nan=True)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -233,7 +306,7 @@ def test_quantize_matches_reference(xp, n, kind, levels, chunk):
     packed = K.quantize(xp.asarray(x), xp.asarray(scales), levels, 9, chunk)
     same_bits(packed, R.quantize(x, scales, levels, np.uint64(9), chunk))
     out = K.dequantize(packed, xp.asarray(scales), levels, n, chunk)
-    same_bits(out, R.dequantize(host(packed), scales, levels, n, chunk))
+    same_bits(out, R.dequantize(host(packed), scales, levels, n, chunk), some_nan=True)
     if kind == "nonfinite" and n and chunk == 0:
         assert np.isnan(host(out)).all()  # a NaN scale reaches every value
     if kind == "zeros":
@@ -275,26 +348,32 @@ def test_pack_bits_matches_reference(xp, width):
 
 # ---------------------------------------------------------------- fp16
 def test_fp16_matches_numpy(xp):
+    """Bitwise with NumPy except NaN payloads (NumPy's and F16C's differ: some NaN), but a
+    NaN keeps its sign; the Numba and CUDA kernels give the same bits, payloads included."""
     rng = np.random.default_rng(3)
     bits = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
     special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x477FE000, 0x477FF000,
                         0x477FEFFF, 0x33000000, 0x33000001, 0x387FC000, 0x38800000,
-                        0x7FC00000, 0x7F800001, 0x00000001], np.uint32)
+                        0x7FC00000, 0x7F800001, 0x00000001, 0xFFC00001, 0xFF800001],
+                       np.uint32)
     x = np.concatenate([bits, special, (rng.standard_normal(1000) * 1e-5).astype(
         np.float32).view(np.uint32)]).view(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         want = x.astype(np.float16)
-    got = host(K.to_fp16(xp.asarray(x)))
-    nan = np.isnan(want)
-    assert np.array_equal(np.isnan(got), nan)  # NaN stays NaN (payload bits may differ)
-    assert np.array_equal(np.signbit(got[nan]), np.signbit(want[nan]))
-    assert np.array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))
+    for offset in (0, 1):  # 1: a view that is not 16-byte aligned (the scalar path)
+        got = K.to_fp16(xp.asarray(x)[offset:])
+        same_bits(got, want[offset:], some_nan=True)
+        nan = np.isnan(want[offset:])
+        assert np.array_equal(np.signbit(host(got)[nan]), np.signbit(want[offset:][nan]))
+        same_bits(got, K.to_fp16(x[offset:]))  # the Numba kernel's bits, NaN included
     halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
-    back = host(K.from_fp16(xp.asarray(halves)))
     want = halves.astype(np.float32)
-    nan = np.isnan(want)
-    assert np.array_equal(np.isnan(back), nan)
-    assert np.array_equal(back[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    for offset in (0, 3):
+        back = K.from_fp16(xp.asarray(halves)[offset:])
+        same_bits(back, want[offset:], some_nan=True)
+        nan = np.isnan(want[offset:])
+        assert np.array_equal(np.signbit(host(back)[nan]), np.signbit(want[offset:][nan]))
+        same_bits(back, K.from_fp16(halves[offset:]))
     for n in (0, 1, 9):
         same_bits(K.to_fp16(xp.asarray(make(n, "normal"))), make(n, "normal").astype(np.float16))
 

@@ -49,3 +49,18 @@ def test_gpu_module_launches_existing_kernels():
     assert calls
     for mod, name in calls:
         assert name in defined.get(mod, ()), f"gpu.py launches {mod}.{name}, not in cuda/{mod}.cu"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", SOURCES, ids=os.path.basename)
+def test_cuda_source_compiles_with_nvrtc(source):
+    """The compiler CuPy's RawModule uses (NVRTC, no device needed), for Hopper."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError:
+        pytest.skip("CuPy is not installed")
+    prog = nvrtc.createProgram(open(source).read(), os.path.basename(source), [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=compute_90"])
+    except Exception as e:  # noqa: BLE001 - the log says why
+        pytest.fail(f"NVRTC failed on {source}: {e}\n{nvrtc.getProgramLog(prog)}")

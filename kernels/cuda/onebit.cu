@@ -5,6 +5,14 @@
 
 extern "C" {
 
+// The packed sign bit of v (kernels/__init__.py): 1 exactly for v < 0, i.e. the bit
+// patterns of negative, nonzero, non-NaN floats (0x80000001 .. 0xFF800000 = -inf). Tested
+// on the bits, so no compiler flag can change what a NaN (of either sign) or -0 gives: 0.
+__device__ __forceinline__ bool sign_bit(float v) {
+    unsigned int u = __float_as_uint(v);
+    return u > 0x80000000u && u <= 0xFF800000u;
+}
+
 // Per-chunk sums (double): mode 0 |x|, 1 |x + r|, 2 x^2. Block b handles work unit b,
 // a piece of `block` elements of chunk b / per, and adds its sum to sums[chunk].
 __global__ void chunk_sums(const float* __restrict__ x, const float* __restrict__ r, int mode,
@@ -66,7 +74,7 @@ __global__ void chunk_split_sums(const float* __restrict__ x, const float* __res
     for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         float v = use_r ? __fadd_rn(x[i], r[i]) : x[i];
         sn += (double)fabsf(v);
-        if (!(v < 0.0f)) { sp += (double)v; cp += 1; }
+        if (!sign_bit(v)) { sp += (double)v; cp += 1; }  // NaN counts here
     }
     __shared__ double psp[256], psn[256];
     __shared__ unsigned long long pcp[256];
@@ -100,7 +108,7 @@ __global__ void pack_signs(const float* __restrict__ x, float* __restrict__ r, i
         if (i >= n) break;
         long long c = i / size;
         float v = use_r ? __fadd_rn(x[i], r[i]) : x[i];
-        bool isneg = v < 0.0f;
+        bool isneg = sign_bit(v);
         acc |= (unsigned int)isneg << j;
         if (use_r) r[i] = __fsub_rn(v, isneg ? -neg[c] : pos[c]);
     }

@@ -38,13 +38,19 @@ __global__ void randomk_indices(unsigned long long seed, long long n, long long 
     out[j] = lo + (long long)(splitmix(seed, (unsigned long long)j) % (unsigned long long)width);
 }
 
+// The code of one element (kernels/__init__.py): level 0 where |a| * mult is NaN or <= 0,
+// clamped to `levels`; levels - level for a < 0 (checked on the bits: never for a NaN).
 __device__ __forceinline__ unsigned int quant_code(float a, float mult, int levels, float u) {
     float lv = __fmul_rn(fabsf(a), mult);
-    float fl = floorf(lv);
-    float q = __fadd_rn(fl, (u < __fsub_rn(lv, fl)) ? 1.0f : 0.0f);
-    q = fminf(q, (float)levels);
-    int lev = (lv > 0.0f) ? (int)q : 0;  // 0 and NaN give level 0
-    return (unsigned int)(a < 0.0f ? levels - lev : levels + lev);
+    int lev = 0;
+    if (!isnan(lv) && lv > 0.0f) {
+        float fl = floorf(lv);
+        float q = __fadd_rn(fl, (u < __fsub_rn(lv, fl)) ? 1.0f : 0.0f);  // inf - inf: no
+        lev = q < (float)levels ? (int)q : levels;
+    }
+    unsigned int bits = __float_as_uint(a);
+    bool neg = bits > 0x80000000u && bits <= 0xFF800000u;
+    return (unsigned int)(neg ? levels - lev : levels + lev);
 }
 
 // One thread per group of 8 elements -> `width` bytes; one multiplier per chunk of `size`.
@@ -108,6 +114,76 @@ __global__ void unpack_bits(const unsigned char* __restrict__ packed, long long 
     unsigned long long mask = (1ULL << width) - 1ULL;
     for (int j = 0; j < 8 && g * 8 + j < n; ++j)
         out[g * 8 + j] = (unsigned char)((word >> (j * width)) & mask);
+}
+
+// float32 <-> float16 on the bits, the same bits as kernels/cpu.py's Numba versions:
+// round to nearest even, overflow to +-inf, a NaN stays a quiet NaN of its sign with the
+// top 10 payload bits (CUDA's __float2half would return its canonical NaN instead).
+__device__ __forceinline__ unsigned short f32_to_f16_bits(unsigned int f) {
+    unsigned int sign = (f >> 16) & 0x8000u;
+    unsigned int a = f & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (unsigned short)(sign | 0x7E00u | ((a >> 13) & 0x03FFu));
+    if (a >= 0x47800000u) return (unsigned short)(sign | 0x7C00u);
+    if (a >= 0x38800000u)  // normal: drop 13 mantissa bits, half to even, rebias
+        return (unsigned short)(sign | (((a + 0x0FFFu + ((a >> 13) & 1u)) >> 13) - 0x1C000u));
+    // subnormal half: round(|x| * 2^24) half to even, via + 1.5 * 2^23 (the product is exact)
+    float t = __fadd_rn(__fmul_rn(__uint_as_float(a), 16777216.0f), 12582912.0f);
+    return (unsigned short)(sign | (__float_as_uint(t) - 0x4B400000u));
+}
+
+__device__ __forceinline__ unsigned int f16_bits_to_f32_bits(unsigned int h) {
+    unsigned int sign = (h & 0x8000u) << 16;
+    unsigned int em = h & 0x7FFFu;
+    if (em >= 0x7C00u) return sign | (em << 13) | 0x7F800000u;  // inf, NaN with its payload
+    if (em >= 0x0400u) return sign | ((em << 13) + 0x38000000u);
+    return sign | __float_as_uint(__fmul_rn((float)em, 5.9604644775390625e-08f));  // exact
+}
+
+// Grid-stride; `vec` (all pointers 16/8-byte aligned): 4 elements per step, float4 loads.
+__global__ void to_fp16(const float* __restrict__ x, long long n, int vec,
+                        unsigned short* __restrict__ out) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long done = 0;
+    if (vec) {
+        long long n4 = n / 4;
+        const uint4* x4 = reinterpret_cast<const uint4*>(x);
+        uint2* o4 = reinterpret_cast<uint2*>(out);
+        for (long long q = t; q < n4; q += stride) {
+            uint4 v = x4[q];
+            uint2 h;
+            h.x = (unsigned int)f32_to_f16_bits(v.x) | ((unsigned int)f32_to_f16_bits(v.y) << 16);
+            h.y = (unsigned int)f32_to_f16_bits(v.z) | ((unsigned int)f32_to_f16_bits(v.w) << 16);
+            o4[q] = h;
+        }
+        done = n4 * 4;
+    }
+    for (long long i = done + t; i < n; i += stride)
+        out[i] = f32_to_f16_bits(__float_as_uint(x[i]));
+}
+
+__global__ void from_fp16(const unsigned short* __restrict__ h, long long n, int vec,
+                          float* __restrict__ out) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long done = 0;
+    if (vec) {
+        long long n4 = n / 4;
+        const uint2* h4 = reinterpret_cast<const uint2*>(h);
+        uint4* o4 = reinterpret_cast<uint4*>(out);
+        for (long long q = t; q < n4; q += stride) {
+            uint2 v = h4[q];
+            uint4 f;
+            f.x = f16_bits_to_f32_bits(v.x & 0xFFFFu);
+            f.y = f16_bits_to_f32_bits(v.x >> 16);
+            f.z = f16_bits_to_f32_bits(v.y & 0xFFFFu);
+            f.w = f16_bits_to_f32_bits(v.y >> 16);
+            o4[q] = f;
+        }
+        done = n4 * 4;
+    }
+    for (long long i = done + t; i < n; i += stride)
+        out[i] = __uint_as_float(f16_bits_to_f32_bits(h[i]));
 }
 
 }  // extern "C"

@@ -4,12 +4,23 @@
 
 extern "C" {
 
+// The selection key |v| with every NaN as +inf, and the packed sign bit (1 for v < 0:
+// never for a NaN or -0), both decided on the bit pattern (see kernels/__init__.py).
+__device__ __forceinline__ float sel_key(float v) {
+    unsigned int a = __float_as_uint(v) & 0x7FFFFFFFu;
+    return __uint_as_float(a > 0x7F800000u ? 0x7F800000u : a);
+}
+
+__device__ __forceinline__ bool sign_bit(float v) {
+    unsigned int u = __float_as_uint(v);
+    return u > 0x80000000u && u <= 0xFF800000u;
+}
+
 // |x| with NaN counted as +inf: the ordering key of every selection kernel.
 __global__ void magnitude(const float* __restrict__ x, long long n, float* __restrict__ key) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float a = fabsf(x[i]);
-    key[i] = (a != a) ? __int_as_float(0x7f800000) : a;
+    key[i] = sel_key(x[i]);
 }
 
 // Strom's threshold, first half: v = x (+ r) into r, and the selection flags.
@@ -19,8 +30,7 @@ __global__ void threshold_flags(const float* __restrict__ x, float* __restrict__
     if (i >= n) return;
     float v = use_r ? __fadd_rn(x[i], r[i]) : x[i];
     if (use_r) r[i] = v;
-    float a = fabsf(v);
-    flags[i] = (a != a) || (a > tau);
+    flags[i] = sel_key(v) > tau;  // NaN: +inf > tau (finite)
 }
 
 // Second half, one thread per selected entry: its sign flag, and r -= sign * tau.
@@ -31,7 +41,7 @@ __global__ void threshold_send(const long long* __restrict__ idx, long long k, f
     if (j >= k) return;
     long long i = idx[j];
     float v = use_r ? r[i] : x[i];
-    bool ng = v < 0.0f;
+    bool ng = sign_bit(v);
     neg[j] = ng;
     if (use_r) r[i] = __fsub_rn(v, ng ? -tau : tau);
 }
@@ -41,8 +51,7 @@ __global__ void at_least(const float* __restrict__ x, float t, long long n,
                          unsigned char* __restrict__ flags) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float a = fabsf(x[i]);
-    a = (a != a) ? __int_as_float(0x7f800000) : a;
+    float a = sel_key(x[i]);
     flags[i] = (a >= t) && (a > 0.0f);
 }
 
