@@ -166,6 +166,43 @@ def test_kernels_bench_runs_and_writes_json(tmp_path):
     assert report["machine"]["cpu"]
 
 
+def test_kernels_bench_gpu_without_a_gpu_says_so_in_one_line(tmp_path):
+    from mpidl.backend import gpu_count
+
+    if gpu_count():
+        pytest.skip("a GPU is here: --device gpu runs (test_kernels_bench_gpu_runs)")
+    out = tmp_path / "kernels_gpu.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "kernels.py"),
+                           "--device", "gpu", "--n", "4096", "--out", str(out)],
+                          capture_output=True, text=True, env=mpi_env(), timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs CuPy and a CUDA device" in lines[0], proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.gpu
+def test_kernels_bench_gpu_runs(tmp_path):
+    from mpidl.backend import gpu_count
+
+    if not gpu_count():
+        pytest.skip("CuPy with a CUDA device is not available")
+    out = tmp_path / "kernels_gpu.json"
+    bench("kernels.py", "--device", "gpu", "--n", 1 << 20, "--rounds", 2, "--warmup", 1,
+          "--out", out)
+    report = json.loads(out.read_text())
+    rows = {r["kernel"]: r for r in report["rows"]}
+    assert rows["device-to-device copy (cupy.copyto)"]["share_of_copy_roofline"] == 1.0
+    assert {"top-k sampled, DGC (0.1 %)", "cupy.argpartition top-k (0.1 %)", "to fp16",
+            "1-bit pack + error feedback", "scatter_add (0.1 % entries)"} <= set(rows)
+    assert all(r["median_s"] > 0 and r["bytes"] > 0 for r in rows.values())
+    assert report["goals"]["topk_sampled_speedup_vs_argpartition"] > 0
+    from mpidl.benchmarks.plotting import pyplot
+
+    if pyplot() is not None:
+        assert (tmp_path / "kernels_gpu.png").stat().st_size > 0
+
+
 def test_engine_bench_runs_and_writes_json(tmp_path):
     out = tmp_path / "engine.json"
     bench("engine.py", "--steps", 2, "--rounds", 1, "--warmup", 1, "--no-torch",
