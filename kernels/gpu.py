@@ -103,31 +103,37 @@ def chunk_norms(x, chunk, kind):
 
 # ---------------------------------------------------------------- 1-bit signs
 def pack_signs(x, residual, chunk, two_scales):
+    """Two passes, five launches at most: the chunk sums (one read of x and r), the scales
+    (one thread per chunk), then signs and r <- v - decoded in one vectorised pass."""
     n = x.size
     use_r = residual is not None
     r = residual if use_r else x
     size, nc, per = _chunks(n, chunk)
-    counts = cp.minimum(size, n - size * cp.arange(nc, dtype=cp.int64))
+    mod = _module("onebit")
     if two_scales:
         spos = cp.zeros(nc, cp.float64)
         sabs = cp.zeros(nc, cp.float64)
         cpos = cp.zeros(nc, cp.uint64)
         if n:
-            _module("onebit").get_function("chunk_split_sums")(
+            mod.get_function("chunk_split_sums")(
                 (nc * per,), (_THREADS,), (x, r, _i32(use_r), _i64(n), _i64(size), _i64(per),
                                           _i64(_BLOCK), spos, cpos, sabs))
-        sneg = sabs - spos
-        cpos = cpos.astype(cp.int64)
-        cneg = counts - cpos
-        pos = cp.where(cpos > 0, spos / cp.maximum(cpos, 1), 0.0).astype(cp.float32)
-        neg = cp.where(cneg > 0, sneg / cp.maximum(cneg, 1), 0.0).astype(cp.float32)
+        s1 = spos
     else:
-        sums = _chunk_sums(x, r, ABS_SUM_R if use_r else ABS_SUM, chunk)
-        pos = neg = (sums / cp.maximum(counts, 1)).astype(cp.float32)
+        s1 = _chunk_sums(x, r, ABS_SUM_R if use_r else ABS_SUM, chunk)
+        sabs, cpos = s1, cp.zeros(1, cp.uint64)  # unused with one scale
+    scales = cp.empty(nc * (2 if two_scales else 1), cp.float32)
+    mod.get_function("finish_scales")(
+        ((nc + _THREADS - 1) // _THREADS,), (_THREADS,),
+        (s1, sabs, cpos, _i32(two_scales), _i64(n), _i64(size), _i64(nc), scales))
     bits = cp.empty((n + 7) // 8, cp.uint8)
-    _launch("onebit", "pack_signs", bits.size, x, r, _i32(use_r), pos, neg, _i64(size),
-            _i64(n), bits)
-    return bits, (cp.stack([pos, neg], axis=1).reshape(-1) if two_scales else pos)
+    if n:
+        vec = _aligned(x) and _aligned(r)
+        mod.get_function("pack_signs4")(
+            (_grid((n + 3) // 4),), (_THREADS,),
+            (x, r, _i32(use_r), _i32(vec), scales, _i32(two_scales), _i64(size), _i64(n),
+             bits))
+    return bits, scales
 
 
 def unpack_signs(bits, scales, n, chunk, two_scales):

@@ -95,33 +95,89 @@ __global__ void chunk_split_sums(const float* __restrict__ x, const float* __res
     }
 }
 
-// One thread per output byte: 8 signs, and r <- v - decoded (+pos or -neg) for them.
-__global__ void pack_signs(const float* __restrict__ x, float* __restrict__ r, int use_r,
-                           const float* __restrict__ pos, const float* __restrict__ neg,
-                           long long size, long long n, unsigned char* __restrict__ bits) {
-    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    long long nbytes = (n + 7) / 8;
-    if (b >= nbytes) return;
-    unsigned int acc = 0;
-    for (int j = 0; j < 8; ++j) {
-        long long i = b * 8 + j;
-        if (i >= n) break;
-        long long c = i / size;
-        float v = use_r ? __fadd_rn(x[i], r[i]) : x[i];
-        bool isneg = sign_bit(v);
-        acc |= (unsigned int)isneg << j;
-        if (use_r) r[i] = __fsub_rn(v, isneg ? -neg[c] : pos[c]);
-    }
-    bits[b] = (unsigned char)acc;
-}
-
 __global__ void unpack_signs(const unsigned char* __restrict__ bits,
                              const float* __restrict__ pos, const float* __restrict__ neg,
                              long long size, long long n, float* __restrict__ out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    long long c = i / size;
+    long long c = size >= n ? 0 : i / size;  // no 64-bit division for one chunk
     out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? -neg[c] : pos[c];
+}
+
+// The scales from chunk_sums / chunk_split_sums, in one launch (one thread per chunk),
+// with the reference's arithmetic: float64 sums / counts, rounded once to float32.
+// One scale: scales[c] = sum |v| / count. Two: scales[2c] = mean of the v >= 0,
+// scales[2c + 1] = (sum |v| - their sum) / the count of v < 0; 0 for an empty class.
+__global__ void finish_scales(const double* __restrict__ s1, const double* __restrict__ sabs,
+                              const unsigned long long* __restrict__ cpos, int two,
+                              long long n, long long size, long long nc,
+                              float* __restrict__ scales) {
+    long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= nc) return;
+    long long count = min(size, n - c * size);
+    if (count < 0) count = 0;
+    if (!two) {
+        scales[c] = (float)(s1[c] / (double)(count > 1 ? count : 1));
+        return;
+    }
+    long long cp = (long long)cpos[c];
+    long long cn = count - cp;
+    scales[2 * c] = cp > 0 ? (float)(s1[c] / (double)cp) : 0.0f;
+    scales[2 * c + 1] = cn > 0 ? (float)((sabs[c] - s1[c]) / (double)cn) : 0.0f;
+}
+
+// The packing pass, one thread per 4 elements (one float4 load of x and of r when `vec`:
+// both 16-byte aligned), grid-stride. A byte holds the signs of two neighbouring threads'
+// quads, joined with a warp shuffle; r <- v - decoded with the reference's float32 ops.
+// Chunks are multiples of 8 elements, so a quad (and a byte) never straddles two.
+// scales: [s0, s1, ...] (one) or [pos0, neg0, pos1, ...] (two).
+__global__ void pack_signs4(const float* __restrict__ x, float* __restrict__ r, int use_r,
+                            int vec, const float* __restrict__ scales, int two,
+                            long long size, long long n, unsigned char* __restrict__ bits) {
+    long long nq = (n + 3) / 4;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    int lane = threadIdx.x & 31;
+    for (long long q0 = (long long)blockIdx.x * blockDim.x + (threadIdx.x - lane); q0 < nq;
+         q0 += stride) {  // q0 is the same in a whole warp: every lane reaches the shuffle
+        long long q = q0 + lane;
+        unsigned int nib = 0;
+        if (q < nq) {
+            long long i = 4 * q;
+            long long c = size >= n ? 0 : i / size;
+            float p = two ? scales[2 * c] : scales[c];
+            float m = -(two ? scales[2 * c + 1] : scales[c]);
+            float v[4];
+            bool full = vec && i + 3 < n;
+            if (full) {
+                float4 a = *reinterpret_cast<const float4*>(x + i);
+                v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+                if (use_r) {
+                    float4 b = *reinterpret_cast<const float4*>(r + i);
+                    v[0] = __fadd_rn(v[0], b.x); v[1] = __fadd_rn(v[1], b.y);
+                    v[2] = __fadd_rn(v[2], b.z); v[3] = __fadd_rn(v[3], b.w);
+                }
+            } else {
+                for (int j = 0; j < 4; ++j)
+                    v[j] = i + j < n ? (use_r ? __fadd_rn(x[i + j], r[i + j]) : x[i + j]) : 0.0f;
+            }
+            float o[4];
+            for (int j = 0; j < 4; ++j) {
+                bool sb = sign_bit(v[j]) && i + j < n;
+                nib |= (unsigned int)sb << j;
+                o[j] = __fsub_rn(v[j], sb ? m : p);
+            }
+            if (use_r) {
+                if (full) {
+                    *reinterpret_cast<float4*>(r + i) = make_float4(o[0], o[1], o[2], o[3]);
+                } else {
+                    for (int j = 0; j < 4; ++j)
+                        if (i + j < n) r[i + j] = o[j];
+                }
+            }
+        }
+        unsigned int hi = __shfl_down_sync(0xFFFFFFFFu, nib, 1);
+        if (!(lane & 1) && q < nq) bits[q >> 1] = (unsigned char)(nib | (hi << 4));
+    }
 }
 
 // Flags (0/1 bytes) to packed bits, one thread per output byte.

@@ -61,10 +61,11 @@ __global__ void quantize(const float* __restrict__ x, long long n,
     long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g * 8 >= n) return;
     unsigned long long word = 0;
+    float mult = mults[size >= n ? 0 : (g * 8) / size];  // 8 codes share a chunk
     for (int j = 0; j < 8; ++j) {
         long long i = g * 8 + j;
         if (i >= n) break;
-        word |= (unsigned long long)quant_code(x[i], mults[i / size], levels,
+        word |= (unsigned long long)quant_code(x[i], mult, levels,
                                                uniform24(seed, (unsigned long long)i)) << (j * width);
     }
     for (int b = 0; b < width && g * width + b < nout; ++b)
@@ -83,12 +84,13 @@ __global__ void dequantize(const unsigned char* __restrict__ packed, long long n
         word |= (unsigned long long)packed[g * width + b] << (8 * b);
     unsigned long long mask = (1ULL << width) - 1ULL;
     unsigned long long nbad = 0;
+    float step = steps[size >= n ? 0 : (g * 8) / size];  // 8 codes share a chunk
     for (int j = 0; j < 8; ++j) {
         long long i = g * 8 + j;
         if (i >= n) break;
         int c = (int)((word >> (j * width)) & mask);
         nbad += c > 2 * levels;
-        out[i] = __fmul_rn((float)(c - levels), steps[i / size]);
+        out[i] = __fmul_rn((float)(c - levels), step);
     }
     if (nbad) atomicAdd(bad, nbad);
 }
