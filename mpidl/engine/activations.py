@@ -2,7 +2,8 @@
 
 import math
 
-from mpidl.backend import array_module
+from mpidl.backend import array_module, is_gpu_array
+from mpidl.engine import _fused_gpu
 from mpidl.engine.module import Layer
 
 
@@ -19,6 +20,8 @@ class ReLU(Layer):
         (y,) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
+        if is_gpu_array(dy):
+            return _fused_gpu.relu_backward(dy, y)
         xp = array_module(dy)
         # One fused pass, no float temporary: dy *= (y > 0).
         return xp.multiply(dy, y > 0, out=dy)

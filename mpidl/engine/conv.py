@@ -1,7 +1,9 @@
 """2-D convolution (cross-correlation, as in every DL framework) by im2col + GEMM."""
 
-from mpidl.backend import array_module
+from mpidl.backend import array_module, is_gpu_array
+from mpidl.engine import _fused_gpu
 from mpidl.engine._util import as_input, colsum, float_dtype, pair, shape_str
+from mpidl.engine.gemm import matmul
 from mpidl.engine.im2col import im2col, offset_slice, output_size, to_nhwc_padded
 from mpidl.engine.init import initialize
 from mpidl.engine.module import Layer, ShapeError
@@ -59,7 +61,7 @@ class Conv2d(Layer):
         f, c = self.out_channels, self.in_channels
         buf = to_nhwc_padded(x, ph, pw)
         wmat = self.weight.data.transpose(2, 3, 1, 0).reshape(kh * kw * c, f)
-        if c == 1:
+        if c == 1 and not is_gpu_array(x):
             # One input channel (grey images): a window row is only kw floats, too short
             # for a fast strided copy. Build the transposed matrix instead, one contiguous
             # row per kernel offset; the GEMMs take it transposed at no cost.
@@ -69,7 +71,7 @@ class Conv2d(Layer):
             cols = cols_t.T
         else:
             cols = im2col(buf, kh, kw, sh, sw, ho, wo)  # (N*Ho*Wo, kh*kw*C)
-        y = cols @ wmat
+        y = matmul(cols, wmat)
         if self.bias is not None:
             y += self.bias.data
         self.save_for_backward(cols, x.shape, (n, ho, wo))
@@ -80,7 +82,7 @@ class Conv2d(Layer):
         (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
         f, c = self.out_channels, self.in_channels
         dy2 = dy.transpose(0, 2, 3, 1).reshape(n * ho * wo, f)  # free for NHWC memory
-        gw = cols.T @ dy2  # (kh*kw*C, F)
+        gw = matmul(cols.T, dy2)  # (kh*kw*C, F)
         gw = gw.reshape(kh, kw, c, f).transpose(3, 2, 0, 1)
         # a first gradient must be contiguous (optimizers and fusion take it flat); a
         # later one is added in place straight from the transposed view
@@ -91,11 +93,18 @@ class Conv2d(Layer):
             return None
         xp = array_module(dy)
         _, _, h, w = xshape
+        if is_gpu_array(dy):
+            # one GEMM for every kernel offset, then one gather kernel
+            wmat = self.weight.data.transpose(2, 3, 1, 0).reshape(kh * kw * c, f)
+            dcols = matmul(dy2, wmat.T)
+            dx = _fused_gpu.col2im(dcols, n, h, w, c, ho, wo, self.kernel_size, self.stride,
+                                   self.padding)
+            return dx.transpose(0, 3, 1, 2)
         dbuf = xp.zeros((n, h + 2 * ph, w + 2 * pw, c), dtype=dy.dtype)
         wk = xp.ascontiguousarray(self.weight.data.transpose(2, 3, 0, 1))  # (kh, kw, F, C)
         for i in range(kh):
             for j in range(kw):
-                part = (dy2 @ wk[i, j]).reshape(n, ho, wo, c)
+                part = matmul(dy2, wk[i, j]).reshape(n, ho, wo, c)
                 dbuf[offset_slice(i, j, sh, sw, ho, wo)] += part
         return dbuf[:, ph:ph + h, pw:pw + w].transpose(0, 3, 1, 2)
 

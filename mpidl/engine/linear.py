@@ -1,6 +1,8 @@
 """Fully connected layer: ``y = x @ weight + bias``."""
 
-from mpidl.engine._util import as_input, float_dtype, shape_str
+from mpidl.backend import is_gpu_array
+from mpidl.engine._util import as_input, colsum, float_dtype, shape_str
+from mpidl.engine.gemm import matmul
 from mpidl.engine.init import initialize
 from mpidl.engine.module import Layer, ShapeError
 
@@ -36,7 +38,7 @@ class Linear(Layer):
                              f"(input shape {shape_str(x)}){hint}")
         self.save_for_backward(x)
         x2 = x.reshape(-1, self.in_features)
-        y = x2 @ self.weight.data
+        y = matmul(x2, self.weight.data)
         if self.bias is not None:
             y += self.bias.data
         return y.reshape(x.shape[:-1] + (self.out_features,))
@@ -45,12 +47,12 @@ class Linear(Layer):
         (x,) = self.saved_for_backward()
         x2 = x.reshape(-1, self.in_features)
         dy2 = dy.reshape(-1, self.out_features)
-        self.weight.accumulate(x2.T @ dy2)
+        self.weight.accumulate(matmul(x2.T, dy2))
         if self.bias is not None:
-            self.bias.accumulate(dy2.sum(axis=0))
+            self.bias.accumulate(colsum(dy2) if is_gpu_array(dy2) else dy2.sum(axis=0))
         if not self.needs_input_grad:
             return None
-        return (dy2 @ self.weight.data.T).reshape(x.shape)
+        return matmul(dy2, self.weight.data.T).reshape(x.shape)
 
     def __repr__(self):
         return (f"Linear(in_features={self.in_features}, out_features={self.out_features}"

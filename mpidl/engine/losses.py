@@ -1,7 +1,8 @@
 """Losses: ``value = loss.forward(output, target)`` (a Python float, the batch mean) and
 ``dy = loss.backward()`` (the gradient of that mean with respect to ``output``)."""
 
-from mpidl.backend import array_module
+from mpidl.backend import array_module, is_gpu_array
+from mpidl.engine import _fused_gpu
 from mpidl.engine._util import shape_str
 from mpidl.engine.metrics import accuracy
 from mpidl.engine.module import ShapeError
@@ -26,6 +27,13 @@ class SoftmaxCrossEntropy(Loss):
     (log-sum-exp after subtracting the row maximum)."""
 
     def forward(self, logits, labels):
+        return float(self.forward_array(logits, labels))
+
+    def forward_array(self, logits, labels, check_labels=True):
+        """The loss as a 0-d array on the logits' device, without waiting for its value
+        (``forward`` is ``float`` of it). ``check_labels=False`` skips the range check of
+        the labels, which waits for the device: for callers that checked them on the
+        host (a captured CUDA graph may not wait)."""
         xp = array_module(logits)
         if logits.ndim != 2:
             raise ShapeError(f"SoftmaxCrossEntropy expects logits (N, classes), got shape "
@@ -40,16 +48,23 @@ class SoftmaxCrossEntropy(Loss):
                              f"got dtype {labels.dtype}")
         if n == 0:
             raise ShapeError("SoftmaxCrossEntropy got an empty batch")
-        lo, hi = int(labels.min()), int(labels.max())
-        if lo < 0 or hi >= k:
-            raise ValueError(f"SoftmaxCrossEntropy labels must be in [0, {k - 1}] for {k} "
-                             f"classes, got label {lo if lo < 0 else hi}")
+        if check_labels:
+            lo, hi = int(labels.min()), int(labels.max())
+            if lo < 0 or hi >= k:
+                raise ValueError(f"SoftmaxCrossEntropy labels must be in [0, {k - 1}] for {k} "
+                                 f"classes, got label {lo if lo < 0 else hi}")
+        if is_gpu_array(logits) and logits.dtype.kind == "f":
+            # one launch for the whole forward, one for the backward
+            labels = labels.astype(xp.int64, copy=False)
+            probs, row_loss = _fused_gpu.softmax_xent_forward(logits, labels)
+            self._probs, self._labels, self._rows = probs, labels, None
+            return row_loss.mean()
         shifted = logits - logits.max(axis=1, keepdims=True)
         probs = xp.exp(shifted)
         sums = probs.sum(axis=1, keepdims=True)
         rows = xp.arange(n)
         # loss_i = log(sum_j exp(s_ij)) - s_i,label
-        value = float((xp.log(sums[:, 0]) - shifted[rows, labels]).mean())
+        value = (xp.log(sums[:, 0]) - shifted[rows, labels]).mean()
         probs /= sums
         self._probs, self._labels, self._rows = probs, labels, rows
         return value
@@ -60,6 +75,8 @@ class SoftmaxCrossEntropy(Loss):
             raise RuntimeError("SoftmaxCrossEntropy.backward called before forward")
         labels, rows = self._labels, self._rows
         self._probs = None
+        if rows is None:  # the fused GPU forward
+            return _fused_gpu.softmax_xent_backward(probs, labels)
         n = probs.shape[0]
         probs[rows, labels] -= 1.0
         probs *= 1.0 / n

@@ -1,7 +1,7 @@
 """Batch and layer normalization, and synchronized batch normalization."""
 
 from mpidl.backend import array_module
-from mpidl.engine._util import as_input, colsum, float_dtype, shape_str
+from mpidl.engine._util import as_input, colsum, column_dot, float_dtype, shape_str
 from mpidl.engine.init import initialize
 from mpidl.engine.module import Layer, ShapeError
 
@@ -90,7 +90,7 @@ class _BatchNorm(Layer):
                              f"per channel{where}, got input shape {shape_str(x)}")
         mean = sums * (1.0 / count)
         xhat = x2 - mean
-        sq = xp.einsum("ij,ij->j", xhat, xhat)  # two passes: no cancellation
+        sq = column_dot(xhat, xhat)  # two passes: no cancellation
         if group is not None:
             sq = self._allreduce(xp.ascontiguousarray(sq))
         var = sq * (1.0 / count)
@@ -105,10 +105,14 @@ class _BatchNorm(Layer):
         if batch_stats:
             mean, xhat, var, count = self._batch_stats(x, x2, xp, group)
             inv_std = 1.0 / xp.sqrt(var + self.eps)
+            # in place (the same roundings as (1 - m) * old + m * new): a captured CUDA
+            # graph replays writes into the arrays it saw, never a rebinding
             m = self.momentum
-            self._buffers["running_mean"] = (1.0 - m) * self._buffers["running_mean"] + m * mean
-            self._buffers["running_var"] = ((1.0 - m) * self._buffers["running_var"]
-                                            + (m * count / (count - 1)) * var)
+            running_mean, running_var = self._buffers["running_mean"], self._buffers["running_var"]
+            running_mean *= 1.0 - m
+            running_mean += m * mean
+            running_var *= 1.0 - m
+            running_var += (m * count / (count - 1)) * var
         else:
             count = x2.shape[0]
             inv_std = 1.0 / xp.sqrt(self._buffers["running_var"] + self.eps)
@@ -133,7 +137,7 @@ class _BatchNorm(Layer):
         xp = array_module(dy)
         dy2, _ = self._rows(dy)
         dbeta = colsum(dy2)
-        dxhat_sum = xp.einsum("ij,ij->j", dy2, xhat)
+        dxhat_sum = column_dot(dy2, xhat)
         dgamma = dxhat_sum * inv_std
         if self.weight is not None:
             self.weight.accumulate(dgamma)

@@ -6,9 +6,11 @@ only those (data parallelism applies updates bucket by bucket). ``opt.lr`` may b
 any time (schedules do). ``state_dict()``/``load_state_dict()`` round-trip everything an
 update depends on, so a resumed run continues bitwise where it stopped.
 
-Updates work in place. On CPU, with Numba installed, each parameter is updated by one
-fused kernel (``mpidl.engine._fused``) that is bitwise equal to the NumPy sequence used
-otherwise (and on GPU); ``fused=False`` forces the NumPy sequence.
+Updates work in place. Each parameter is updated by one fused kernel: on CPU with Numba
+(``mpidl.engine._fused``), on GPU a CuPy kernel (``mpidl.engine._fused_gpu``); both are
+bitwise equal to the array-operation sequence used otherwise; ``fused=False`` forces the
+sequence. ``SGD.lr_ref`` (a one-element CuPy array, normally None) makes the GPU kernel
+read the learning rate from device memory, so a captured CUDA graph follows ``lr``.
 
 Row-sparse gradients (``SparseGrad``, from Embedding): SGD updates the touched rows only,
 and so does its momentum ("lazy" momentum: an untouched row's velocity neither decays nor
@@ -21,7 +23,7 @@ import math
 from collections import OrderedDict
 
 from mpidl.backend import array_module, is_gpu_array, to_device
-from mpidl.engine import _fused
+from mpidl.engine import _fused, _fused_gpu
 from mpidl.engine.module import Layer, Parameter, SparseGrad
 
 
@@ -67,6 +69,7 @@ class Optimizer:
             self.params[name] = p
         self._lr = _check_lr(lr)
         self.fused = fused
+        self.lr_ref = None
         self.state = {}
         self._scratch = {}
 
@@ -131,12 +134,14 @@ class Optimizer:
         """The per-parameter arrays an update needs (given hyper-parameter overrides)."""
         return self.slots
 
-    def _use_fused(self, *arrays):
-        if self.fused is False or any(is_gpu_array(a) for a in arrays):
-            return False
-        if not all(a.flags.c_contiguous for a in arrays):
-            return False
-        return _fused.available()
+    def _fused_kernels(self, *arrays):
+        """The module of fused update kernels for these arrays (``_fused`` on CPU with
+        Numba, ``_fused_gpu`` on CuPy arrays), or None for the array-operation sequence."""
+        if self.fused is False or not all(a.flags.c_contiguous for a in arrays):
+            return None
+        if is_gpu_array(arrays[0]):
+            return _fused_gpu
+        return _fused if _fused.available() else None
 
     def _tmp(self, like, k=0):
         """Scratch array shaped like ``like``: views of one growing buffer per device,
@@ -228,9 +233,17 @@ class SGD(Optimizer):
         if mu and v is None:  # momentum switched on by load_state_dict or by hand
             v = st["momentum"] = array_module(p.data).zeros_like(p.data)
         data = p.data
-        if self._use_fused(data, g):
-            _fused.sgd(data.reshape(-1), g.reshape(-1), v.reshape(-1) if mu else None,
-                       lr, mu, wd, self.nesterov)
+        kernels = self._fused_kernels(data, g)
+        if kernels is _fused_gpu:
+            kernels.sgd(data.reshape(-1), g.reshape(-1), v.reshape(-1) if mu else None,
+                        lr, mu, wd, self.nesterov, lr_ref=self.lr_ref)
+            return
+        if self.lr_ref is not None:
+            raise RuntimeError("SGD.lr_ref (a learning rate read from device memory, for "
+                               "CUDA graphs) needs contiguous CuPy arrays and fused=None")
+        if kernels is not None:
+            kernels.sgd(data.reshape(-1), g.reshape(-1), v.reshape(-1) if mu else None,
+                        lr, mu, wd, self.nesterov)
             return
         xp = array_module(data)
         if wd:
@@ -313,8 +326,9 @@ class Adam(Optimizer):
         l2 = 0.0 if self.decoupled else wd
         decay = 1.0 - lr * wd if self.decoupled else 1.0
         data, m, v = p.data, st["exp_avg"], st["exp_avg_sq"]
-        if self._use_fused(data, g):
-            _fused.adam(data.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
+        kernels = self._fused_kernels(data, g)
+        if kernels is not None:
+            kernels.adam(data.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
                         step_size, b1, b2, inv_sqrt_bc2, eps, l2, decay)
             return
         xp = array_module(data)

@@ -4,7 +4,8 @@ Each pooling layer loops over the kh*kw kernel offsets; every step is one vector
 operation over all pixels of the batch (see ``mpidl.engine.im2col`` for the layout).
 """
 
-from mpidl.backend import array_module
+from mpidl.backend import array_module, is_gpu_array
+from mpidl.engine import _fused_gpu
 from mpidl.engine._util import pair, shape_str
 from mpidl.engine.im2col import offset_slice, output_size, to_nhwc_padded
 from mpidl.engine.module import Layer, ShapeError
@@ -56,6 +57,12 @@ class MaxPool2d(_Pool2d):
         xp = array_module(x)
         ho, wo = self._geometry(x)
         (sh, sw), (ph, pw) = self.stride, self.padding
+        if is_gpu_array(x) and len(self._offsets()) < 256 and x.dtype.kind == "f":
+            # one kernel instead of five array operations per window offset
+            best, idx = _fused_gpu.maxpool_forward(to_nhwc_padded(x, 0, 0), ho, wo,
+                                                   self.kernel_size, self.stride, self.padding)
+            self.save_for_backward(idx, None, x.shape)
+            return best.transpose(0, 3, 1, 2)
         buf = to_nhwc_padded(x, ph, pw, value=-float("inf"))
         best = idx = None
         for o, (i, j) in enumerate(self._offsets()):
@@ -76,9 +83,14 @@ class MaxPool2d(_Pool2d):
         return best.transpose(0, 3, 1, 2)
 
     def backward(self, dy):
-        idx, (n, hp, wp, c), (_, _, h, w) = self.saved_for_backward()
+        idx, padded_shape, (_, _, h, w) = self.saved_for_backward()
         if not self.needs_input_grad:
             return None
+        if padded_shape is None:  # the GPU kernel's forward
+            dx = _fused_gpu.maxpool_backward(dy.transpose(0, 2, 3, 1), idx, h, w,
+                                             self.kernel_size, self.stride, self.padding)
+            return dx.transpose(0, 3, 1, 2)
+        n, hp, wp, c = padded_shape
         xp = array_module(dy)
         (sh, sw), (ph, pw) = self.stride, self.padding
         ho, wo = idx.shape[1], idx.shape[2]
