@@ -1,0 +1,259 @@
+"""CUDA-graph replay of a training step (``mpidl.engine.cuda_graph``) and the fused GPU
+kernels it replays (``mpidl.engine._fused_gpu``): bitwise the eager step's results.
+
+The GPU tests skip without CuPy and a CUDA device; the CPU tests check what a machine
+without one sees (an eager step and the reason why nothing was captured).
+"""
+
+import numpy as np
+import pytest
+
+from mpidl import backend
+from mpidl.engine import SGD, Adam, SoftmaxCrossEntropy, build_model
+from mpidl.engine.cuda_graph import GraphedStep
+
+HAS_GPU = backend.gpu_count() > 0
+
+
+def _batch(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random((n, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, n)
+
+
+def _setup(name, opt="sgd", **model_options):
+    model = build_model(name, seed=3, **model_options)
+    if opt == "sgd":
+        optimizer = SGD(model.named_parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    else:
+        optimizer = Adam(model.named_parameters(), lr=1e-3)
+    return model, SoftmaxCrossEntropy(), optimizer
+
+
+def _eager(model, loss, optimizer, x, y):
+    optimizer.zero_grad()
+    value = loss.forward(model.forward(x), y)
+    model.backward(loss.backward())
+    optimizer.step()
+    return value
+
+
+def _state(model, optimizer):
+    out = {k: backend.to_numpy(v).copy() for k, v in model.state_dict().items()}
+    for name, st in optimizer.state.items():
+        for slot, v in st.items():
+            out[f"opt.{name}.{slot}"] = v if isinstance(v, int) else backend.to_numpy(v).copy()
+    return out
+
+
+def _assert_bitwise(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], int):
+            assert a[k] == b[k], k
+        else:
+            assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), f"{k} differs"
+
+
+def test_without_a_gpu_it_steps_eagerly_and_says_why():
+    if HAS_GPU:
+        pytest.skip("this machine has a GPU")
+    backend.use("cpu")
+    x, y = _batch(16)
+    model, loss, opt = _setup("mlp")
+    ref_model, ref_loss, ref_opt = _setup("mlp")
+    graphed = GraphedStep(model, loss, opt)
+    assert not graphed.captured
+    assert graphed.reason  # no CuPy, or parameters not on the GPU
+    for _ in range(3):
+        got = float(graphed(x, y))
+        assert got == _eager(ref_model, ref_loss, ref_opt, x, y)
+    _assert_bitwise(_state(model, opt), _state(ref_model, ref_opt))
+    assert "eager" in repr(graphed)
+
+
+def test_forward_array_is_forward_without_the_wait():
+    logits = np.random.default_rng(0).standard_normal((7, 5)).astype(np.float32)
+    labels = np.array([0, 4, 2, 1, 3, 3, 0])
+    a, b = SoftmaxCrossEntropy(), SoftmaxCrossEntropy()
+    value = a.forward_array(logits, labels)
+    assert value.shape == () and float(value) == b.forward(logits, labels)
+    assert np.array_equal(a.backward(), b.backward())
+    with pytest.raises(ValueError, match="labels must be in"):
+        a.forward_array(logits, labels + 1)
+
+
+# ---------------------------------------------------------------- on a GPU
+
+@pytest.fixture
+def on_gpu():
+    backend.use("gpu")
+    yield backend.cupy_module()
+    backend.use("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("name", ["mlp", "cnn", "resnet-tiny"])
+def test_replays_equal_eager_steps_bitwise(on_gpu, name):
+    """Warm-up, capture, replays with a learning rate that changes every step, one batch
+    of another shape (eager) in between: the same parameters, optimizer state and
+    BatchNorm statistics, bit for bit, as plain eager steps."""
+    cp = on_gpu
+    model, loss, opt = _setup(name)
+    ref_model, ref_loss, ref_opt = _setup(name)
+    graphed = GraphedStep(model, loss, opt, warmup=2)
+    assert graphed.reason is None, graphed.reason
+    losses, ref_losses = [], []
+    for step in range(8):
+        x, y = _batch(8 if step == 5 else 32, seed=step)
+        lr = 0.05 * (1 - step / 10)
+        opt.lr = ref_opt.lr = lr
+        losses.append(float(graphed(cp.asarray(x), cp.asarray(y))))
+        ref_losses.append(_eager(ref_model, ref_loss, ref_opt, cp.asarray(x), cp.asarray(y)))
+    assert graphed.captured, graphed.reason
+    assert graphed.replays == 5 and graphed.eager_steps == 3  # 2 warm-up, 1 odd shape
+    assert losses == ref_losses
+    _assert_bitwise(_state(model, opt), _state(ref_model, ref_opt))
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert np.array_equal(p.grad.get(), q.grad.get()), n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+def test_a_step_that_waits_is_not_captured_and_stays_exact(on_gpu):
+    cp = on_gpu
+    model, loss, opt = _setup("mlp", dropout=0.25)  # Dropout reads its call counter
+    ref_model, ref_loss, ref_opt = _setup("mlp", dropout=0.25)
+    graphed = GraphedStep(model, loss, opt, warmup=1)
+    for step in range(4):
+        x, y = _batch(16, seed=step)
+        a = float(graphed(cp.asarray(x), cp.asarray(y)))
+        assert a == _eager(ref_model, ref_loss, ref_opt, cp.asarray(x), cp.asarray(y))
+    assert not graphed.captured and "cannot be captured" in graphed.reason
+    _assert_bitwise(_state(model, opt), _state(ref_model, ref_opt))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+def test_adam_is_not_captured_and_says_why(on_gpu):
+    model, loss, opt = _setup("mlp", opt="adam")
+    graphed = GraphedStep(model, loss, opt)
+    assert "only SGD" in graphed.reason
+    x, y = _batch(8)
+    assert np.isfinite(float(graphed(x, y)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("kind", ["sgd", "nesterov", "adam", "adamw"])
+def test_fused_gpu_update_equals_the_array_sequence_bitwise(on_gpu, kind):
+    cp = on_gpu
+    from mpidl.engine import AdamW
+    from mpidl.engine.module import Parameter
+
+    rng = np.random.default_rng(1)
+    p0 = rng.standard_normal(1000).astype(np.float32)
+    results = []
+    for fused in (None, False):
+        p = Parameter(cp.asarray(p0))
+        params = [("w", p)]
+        opt = {"sgd": lambda: SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3, fused=fused),
+               "nesterov": lambda: SGD(params, lr=0.1, momentum=0.9, nesterov=True,
+                                       fused=fused),
+               "adam": lambda: Adam(params, lr=1e-2, weight_decay=1e-3, fused=fused),
+               "adamw": lambda: AdamW(params, lr=1e-2, weight_decay=1e-2, fused=fused)}[kind]()
+        for step in range(5):
+            p.grad = cp.asarray(np.random.default_rng(step).standard_normal(1000)
+                                .astype(np.float32))
+            opt.step()
+        results.append(p.data.get())
+    assert np.array_equal(results[0].view(np.uint32), results[1].view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (5, 3), (64, 10), (7, 100)])
+def test_fused_softmax_cross_entropy_matches_numpy(on_gpu, dtype, shape):
+    cp = on_gpu
+    rng = np.random.default_rng(2)
+    logits = (rng.standard_normal(shape) * 20).astype(dtype)
+    labels = rng.integers(0, shape[1], shape[0])
+    ref = SoftmaxCrossEntropy()
+    want = ref.forward(logits, labels)
+    want_grad = ref.backward()
+    loss = SoftmaxCrossEntropy()
+    got = loss.forward(cp.asarray(logits), cp.asarray(labels))
+    got_grad = loss.backward().get()
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert abs(got - want) <= tol * max(1.0, abs(want))
+    np.testing.assert_allclose(got_grad, want_grad, rtol=tol * 10, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gemm_equals_cupy_matmul_for_every_layout(on_gpu, dtype):
+    """mpidl's own cuBLAS call (capturable) against CuPy's ``@``: C and F order, strided
+    row views, a transposed slice, empty and k = 0 products."""
+    cp = on_gpu
+    from mpidl.engine.gemm import matmul
+
+    rng = np.random.default_rng(4)
+    big = cp.asarray(rng.standard_normal((40, 50)).astype(dtype))
+    cases = [(big[:7, :9], big[:9, :5]), (big[:7, :9].T, big[:7, :3]),
+             (cp.asfortranarray(big[:6, :8]), big[:8, :4].T.copy().T),
+             (big[:5, 3:11], big[10:18, 2:6]), (big[::2, :6], big[:6, ::3]),
+             (big[:0, :4], big[:4, :3]), (big[:3, :0], big[:0, :2]), (big[:1, :1], big[:1, :1])]
+    for a, b in cases:
+        got, want = matmul(a, b), a @ b
+        assert got.shape == want.shape and got.flags.c_contiguous
+        tol = 1e-5 if dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(got.get(), want.get(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="do not align"):
+        matmul(big[:3, :4], big[:5, :2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("rows,cols", [(1, 1), (7, 3), (300, 32), (100352, 32), (513, 1000)])
+def test_column_sums_match_numpy(on_gpu, rows, cols):
+    cp = on_gpu
+    from mpidl.engine._fused_gpu import column_sums
+
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((rows, cols)).astype(np.float32)
+    b = rng.standard_normal((rows, cols)).astype(np.float32)
+    np.testing.assert_allclose(column_sums(cp.asarray(a)).get(),
+                               a.astype(np.float64).sum(axis=0), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(column_sums(cp.asarray(a), cp.asarray(b)).get(),
+                               (a.astype(np.float64) * b).sum(axis=0), rtol=1e-4, atol=1e-3)
+    again = column_sums(cp.asarray(a))  # the same order every time: the same bits
+    assert column_sums(cp.asarray(a)).tobytes() == again.tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("kernel,stride,padding", [(2, 2, 0), (3, 2, 1), (3, 1, 1), (2, 1, 0)])
+def test_maxpool_kernels_equal_the_array_sequence_bitwise(on_gpu, kernel, stride, padding):
+    """The GPU kernels against MaxPool2d's own array path run on the host (ties and NaN
+    included): the same outputs, argmax and input gradients, bit for bit."""
+    cp = on_gpu
+    from mpidl.engine.pooling import MaxPool2d
+
+    rng = np.random.default_rng(6)
+    x = rng.integers(-3, 4, (2, 3, 7, 6)).astype(np.float32)  # many ties
+    x[0, 1, 2, 3] = np.nan
+    dy_shape = None
+    outs = []
+    for xp_x in (x, cp.asarray(x)):
+        layer = MaxPool2d(kernel, stride=stride, padding=padding)
+        layer.needs_input_grad = True
+        y = layer.forward(xp_x)
+        dy_shape = y.shape
+        dy = np.random.default_rng(7).standard_normal(dy_shape).astype(np.float32)
+        dx = layer.backward(dy if xp_x is x else cp.asarray(dy))
+        outs.append((backend.to_numpy(y), backend.to_numpy(dx)))
+    (y0, dx0), (y1, dx1) = outs
+    assert np.ascontiguousarray(y0).tobytes() == np.ascontiguousarray(y1).tobytes()
+    assert np.ascontiguousarray(dx0).tobytes() == np.ascontiguousarray(dx1).tobytes()
