@@ -3,6 +3,18 @@ cross-entropy, SGD with momentum 0.9) at batch 128, mpidl against PyTorch in the
 
     python bench/engine.py                      # 1 thread, writes results/engine.json
     python bench/engine.py --out bench/results/engine.json --plot bench/results/engine.png
+    python bench/engine.py --device gpu --out bench/results/engine_gpu.json \
+        --plot bench/results/engine_gpu.png    # mlp, cnn, resnet-tiny at batch 128, 1024
+
+With ``--device cpu|gpu`` it times each of ``--models`` at each of ``--batches`` on that
+device: mpidl's eager step, on a GPU also the step captured as a CUDA graph and replayed
+(``mpidl.engine.cuda_graph``), and PyTorch's eager step on the same model with the same
+weights (``mpidl.benchmarks.torch_twin``; TF32 off on both, cuDNN autotuning on). Neither
+side reads the loss back to the host inside a step; a round of steps ends with one
+synchronization and its time divided by its steps is the step time. The first step's
+losses of the two frameworks are compared, so both compute the same thing. Each mpidl
+step is also broken down per top-level layer (a synchronization around each: only the
+shares mean something, the sum is slower than a step).
 
 Thread counts are pinned (OMP/OpenBLAS/MKL environment variables before NumPy is
 imported, ``torch.set_num_threads``). The two frameworks are timed in alternating rounds
@@ -34,6 +46,17 @@ def parse_args(argv=None):
                                                   "results", "engine.json"),
                     help="JSON output path (default: bench/results/engine.json)")
     ap.add_argument("--plot", default=None, help="PNG bar chart path (needs matplotlib)")
+    ap.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                    help="time --models at --batches on this device (default: the CPU MLP "
+                         "benchmark)")
+    ap.add_argument("--models", default="mlp,cnn,resnet-tiny",
+                    help="with --device: comma-separated models (mlp,cnn,resnet-tiny)")
+    ap.add_argument("--batches", default="128,1024",
+                    help="with --device: comma-separated batch sizes (128,1024)")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="with --device gpu: skip the CUDA-graph replay")
+    ap.add_argument("--layer-steps", type=int, default=10,
+                    help="with --device: steps of the per-layer breakdown (10)")
     return ap.parse_args(argv)
 
 
@@ -211,14 +234,20 @@ def plot(report, path):
 
 
 def main():
-    report = run(ARGS)
-    print_report(report)
+    if ARGS.device is not None:
+        import engine_device  # noqa: PLC0415 - bench/engine_device.py, beside this file
+
+        report = engine_device.run(ARGS)
+        engine_device.print_report(report)
+    else:
+        report = run(ARGS)
+        print_report(report)
     os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
     with open(ARGS.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"results: {ARGS.out}")
     if ARGS.plot:
-        plot(report, ARGS.plot)
+        (engine_device.plot if ARGS.device is not None else plot)(report, ARGS.plot)
 
 
 if __name__ == "__main__":

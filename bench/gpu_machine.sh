@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# bench/gpu_machine.sh - on a fresh GPU machine, set mpidl up and run its GPU tests and
+# benchmarks in one call; every log, JSON and PNG goes to OUTDIR.
+#
+#   bash bench/gpu_machine.sh OUTDIR [STEP...]
+#
+# Steps (default: all, in this order):
+#   setup          pip install -e . without build isolation (works offline), the MPICH wheel
+#                  from .whl/ into /tmp/mpich when it is there
+#   test-openmpi   pytest -m gpu with the system MPI mpi4py was built for (Open MPI here)
+#   test-mpich     pytest -m gpu with the MPICH wheel (MPI4PY_MPIABI=mpich)
+#   engine         bench/engine.py --device gpu: mlp, cnn, resnet-tiny at batch 128 and 1024
+#                  against PyTorch, eager and CUDA-graph replay
+#   kernels        bench/kernels.py --device gpu: every CuPy kernel against a device copy
+#   train          mpidl train --device gpu on Fashion-MNIST (1 rank, then 2 ranks sharing
+#                  the GPU), when the data is found (.gpudata/ or the Debian package)
+#
+# Needs python3 with CuPy, mpi4py, Numba and pytest (PyTorch for the engine's anchor).
+# No network is needed. Knobs: PYTHON (python3), MPIDL_GPU_TEST_ARGS (extra pytest args).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash bench/gpu_machine.sh OUTDIR [STEP...]}
+shift
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+STEPS=${*:-setup test-openmpi test-mpich engine kernels train}
+export PYTHONUNBUFFERED=1
+# Open MPI refuses root and oversubscription unless told
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+if [ -d .gpudata ]; then export MPIDL_DATA_DIR=$PWD/.gpudata; fi
+
+say() { printf '[gpu_machine %s] %s\n' "$(date +%T)" "$*"; }
+
+mpich_env() {
+  env LD_LIBRARY_PATH=/tmp/mpich/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+      MPI4PY_MPIABI=mpich PATH=/tmp/mpich/bin:$PATH "$@"
+}
+
+for step in $STEPS; do
+  case $step in
+    setup)
+      say "setup: $($PY -V), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1)"
+      $PY -m pip install -q --no-deps --no-build-isolation --use-pep517 -e . >"$OUT/setup.log" 2>&1 \
+        || { say "pip install -e . failed:"; tail -5 "$OUT/setup.log"; }
+      if ls .whl/mpich-*.whl >/dev/null 2>&1; then
+        # the wheel's data files (bin/mpiexec, lib/libmpi.so) land under the prefix itself
+        $PY -m pip install -q --no-deps --prefix /tmp/mpich .whl/mpich-*.whl >>"$OUT/setup.log" 2>&1
+        [ -x /tmp/mpich/bin/mpiexec ] || say "MPICH wheel: no /tmp/mpich/bin/mpiexec"
+      fi
+      $PY -c "import cupy, mpi4py, numba; from mpi4py import MPI; print('cupy', cupy.__version__, 'mpi4py', mpi4py.__version__, MPI.Get_library_version().splitlines()[0])" 2>&1 | tee -a "$OUT/setup.log"
+      ;;
+    test-openmpi)
+      say "pytest -m gpu, system MPI"
+      timeout 280 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider ${MPIDL_GPU_TEST_ARGS:-} \
+        >"$OUT/test_openmpi.log" 2>&1
+      say "rc=$? $(tail -1 "$OUT/test_openmpi.log")"
+      ;;
+    test-mpich)
+      [ -x /tmp/mpich/bin/mpiexec ] || { say "no MPICH wheel installed: skipped"; continue; }
+      say "pytest -m gpu, MPICH wheel"
+      mpich_env timeout 280 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider ${MPIDL_GPU_TEST_ARGS:-} \
+        >"$OUT/test_mpich.log" 2>&1
+      say "rc=$? $(tail -1 "$OUT/test_mpich.log")"
+      ;;
+    engine)
+      say "bench/engine.py --device gpu"
+      timeout 300 $PY bench/engine.py --device gpu --out "$OUT/engine_gpu.json" \
+        --plot "$OUT/engine_gpu.png" 2>&1 | grep -v Warning
+      ;;
+    kernels)
+      say "bench/kernels.py --device gpu"
+      timeout 240 $PY bench/kernels.py --device gpu --rounds 5 --out "$OUT/kernels_gpu.json" 2>&1 \
+        | tail -40
+      ;;
+    train)
+      say "mpidl train --device gpu"
+      {
+        timeout 120 $PY -m mpidl train --device gpu --model mlp --epochs 2
+        timeout 150 mpiexec -n 2 $PY -m mpidl train --device gpu --model mlp --epochs 2
+      } >"$OUT/train.log" 2>&1
+      tail -25 "$OUT/train.log"
+      ;;
+    *) say "unknown step $step"; exit 2 ;;
+  esac
+done
