@@ -12,6 +12,8 @@
 #   engine         bench/engine.py --device gpu: mlp, cnn, resnet-tiny at batch 128 and 1024
 #                  against PyTorch, eager and CUDA-graph replay
 #   kernels        bench/kernels.py --device gpu: every CuPy kernel against a device copy
+#   ranks          the data-parallel MLP step (mpidl.benchmarks.scaling) on the GPU with 1
+#                  rank and with 2 ranks sharing it, under both MPIs, with timelines
 #   train          mpidl train --device gpu on Fashion-MNIST (1 rank, then 2 ranks sharing
 #                  the GPU), when the data is found (.gpudata/ or the Debian package)
 #
@@ -23,7 +25,7 @@ OUT=${1:?usage: bash bench/gpu_machine.sh OUTDIR [STEP...]}
 shift
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STEPS=${*:-setup test-openmpi test-mpich engine kernels train}
+STEPS=${*:-setup test-openmpi test-mpich engine kernels ranks train}
 export PYTHONUNBUFFERED=1
 # Open MPI refuses root and oversubscription unless told
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -71,6 +73,25 @@ for step in $STEPS; do
       say "bench/kernels.py --device gpu"
       timeout 240 $PY bench/kernels.py --device gpu --rounds 5 --out "$OUT/kernels_gpu.json" 2>&1 \
         | tail -40
+      ;;
+    ranks)
+      say "data-parallel MLP on the GPU: 1 rank, then 2 ranks sharing it (staged), both MPIs"
+      for n in 1 2; do
+        timeout 120 mpiexec -n $n $PY -m mpidl.benchmarks.scaling mpidl --device gpu \
+          --steps 300 --warmup 20 --out "$OUT/ranks_openmpi_$n.json" \
+          --timeline "$OUT/timeline_openmpi_${n}_{rank}.json" >"$OUT/ranks_openmpi_$n.log" 2>&1
+        [ -x /tmp/mpich/bin/mpiexec ] && mpich_env timeout 120 mpiexec -n $n $PY -m mpidl.benchmarks.scaling \
+          mpidl --device gpu --steps 300 --warmup 20 --out "$OUT/ranks_mpich_$n.json" \
+          --timeline "$OUT/timeline_mpich_${n}_{rank}.json" >"$OUT/ranks_mpich_$n.log" 2>&1
+      done
+      $PY - "$OUT" <<'PYEOF'
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "ranks_*.json"))):
+    r = json.load(open(path))
+    print(f"{os.path.basename(path)}: {r['images_per_sec']:,.0f} images/s, step "
+          f"{r['step_ms_median']:.2f} ms (compute {r.get('compute_ms', 0):.2f}, wait "
+          f"{r.get('wait_ms', 0):.2f}, hidden {r.get('hidden', 0)})")
+PYEOF
       ;;
     train)
       say "mpidl train --device gpu"

@@ -257,3 +257,44 @@ def test_maxpool_kernels_equal_the_array_sequence_bitwise(on_gpu, kernel, stride
     (y0, dx0), (y1, dx1) = outs
     assert np.ascontiguousarray(y0).tobytes() == np.ascontiguousarray(y1).tobytes()
     assert np.ascontiguousarray(dx0).tobytes() == np.ascontiguousarray(dx1).tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_batchnorm_equals_the_array_sequence_bitwise(on_gpu, affine, dtype):
+    """BatchNorm2d's two-launch GPU forward and backward against its array sequence on
+    the same device: outputs, input gradients, parameter gradients and running statistics
+    bit for bit, over three steps."""
+    cp = on_gpu
+    from mpidl.engine import _fused_gpu
+    from mpidl.engine.normalization import BatchNorm2d
+
+    runs = []
+    for fused in (True, False):
+        _fused_gpu.enabled = fused
+        try:
+            bn = BatchNorm2d(5, affine=affine, dtype=dtype)
+            for _, p in bn.named_parameters():
+                p.data = cp.asarray(p.data)
+            for name, b in bn.named_buffers():
+                bn.set_buffer(name, cp.asarray(b))
+            if affine:
+                bn.weight.data[...] = cp.asarray(np.linspace(0.5, 1.5, 5))
+                bn.bias.data[...] = cp.asarray(np.linspace(-1, 1, 5))
+            bn.needs_input_grad = True
+            out = []
+            for step in range(3):
+                r = np.random.default_rng(step)
+                x = cp.asarray((r.standard_normal((4, 5, 6, 7)) * 3 + 1).astype(dtype))
+                dy = cp.asarray(r.standard_normal((4, 5, 6, 7)).astype(dtype))
+                bn.zero_grad()
+                y = bn.forward(x)
+                dx = bn.backward(dy)
+                out += [y, dx] + [p.grad for _, p in bn.named_parameters()] + [
+                    b for _, b in bn.named_buffers()]
+            runs.append([np.ascontiguousarray(a.get()).tobytes() for a in out])
+        finally:
+            _fused_gpu.enabled = True
+    assert runs[0] == runs[1]

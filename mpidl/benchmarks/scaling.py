@@ -57,6 +57,9 @@ def parse_args(argv=None):
                     "affects the home-made algorithms, not MPI's own call)")
     ap.add_argument("--timeline", default=None,
                     help="mpidl: Chrome-trace path (with {rank}: one file per rank)")
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                    help="mpidl: NumPy or CuPy arrays (on a GPU, ranks of a node share its "
+                         "GPUs by node-local rank)")
     ap.add_argument("--out", required=True, help="JSON result (written by rank 0)")
     return ap.parse_args(argv)
 
@@ -108,6 +111,9 @@ def run_mpidl(args):
     local = args.strategy == "local" or size == 1
     timeline = None if local else args.timeline
     comm = None if local else Communicator(world, timeline=timeline)
+    from mpidl import backend  # noqa: PLC0415
+
+    backend.use(args.device, comm.local_rank if comm is not None else 0)
     rng = np.random.default_rng(0)
     layers = [Flatten()]
     for a, b in zip(SIZES[:-2], SIZES[1:-1]):
@@ -149,6 +155,7 @@ def run_mpidl(args):
               "global_batch": args.batch * size,
               "strategy": "local" if local else runtime.name,
               "algorithm": args.algorithm, "overlap": not args.no_overlap,
+              "device": args.device,
               "progress_wait": env.get("MPIDL_PROGRESS_WAIT"),
               "overlap_auto": {"on": auto_choice[0], "why": auto_choice[1]},
               "bucket_mb": bucket_mb, "steps": n, "layout": describe}

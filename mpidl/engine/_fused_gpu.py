@@ -17,6 +17,9 @@ from mpidl.backend import cupy_module
 
 _NO_FMA = ("--fmad=false",)
 
+# False sends BatchNorm back to its array sequence (tests compare the two bit for bit)
+enabled = True
+
 _SGD_BODY = """
     T gi = g;
     if (use_wd) gi = gi + wd * p;
@@ -82,6 +85,64 @@ def adam(p, g, m, v, step_size, b1, b2, inv_sqrt_bc2, eps, wd, decay):
                    t(eps), t(wd), wd != 0.0, t(decay), decay != 1.0, p, m, v)
 
 
+def dense_alias(a):
+    """A 1-D view of all of ``a``'s memory when ``a`` is a dense array in some axis order
+    (such as the NCHW view of NHWC memory the conv layers return), else None.
+
+    Element-wise work on such views is much faster flat: CuPy indexes a strided view
+    with a division per axis per element, and gives a C-ordered result (a transposing
+    copy the next layer undoes)."""
+    if a.flags.c_contiguous:
+        return a.reshape(-1)
+    expect = a.itemsize
+    for stride, n in sorted(zip(a.strides, a.shape)):
+        if n == 1:
+            continue
+        if stride != expect:
+            return None
+        expect *= n
+    return cupy_module().ndarray((a.size,), a.dtype, a.data)
+
+
+def same_layout(flat, like):
+    """``flat`` (a 1-D array of ``like.size``) seen with ``like``'s shape and strides."""
+    return cupy_module().ndarray(like.shape, like.dtype, flat.data, strides=like.strides)
+
+
+def relu_forward(x):
+    """``max(x, 0)`` with ``x``'s memory layout (flat when ``x`` is dense)."""
+    cp = cupy_module()
+    flat = dense_alias(x)
+    if flat is None:
+        return cp.maximum(x, 0)
+    return same_layout(cp.maximum(flat, 0), x)
+
+
+def relu_inplace(x):
+    """``x = max(x, 0)`` in place (flat when ``x`` is dense)."""
+    cp = cupy_module()
+    flat = dense_alias(x)
+    cp.maximum(flat if flat is not None else x, 0, out=flat if flat is not None else x)
+    return x
+
+
+def copy(a):
+    """A copy of ``a`` with its memory layout (flat when ``a`` is dense)."""
+    flat = dense_alias(a)
+    return a.copy() if flat is None else same_layout(flat.copy(), a)
+
+
+def add(a, b):
+    """``a + b`` for two arrays of one shape, keeping their layout when both are dense
+    with the same strides (a residual block's two branches)."""
+    cp = cupy_module()
+    if a.strides == b.strides and a.shape == b.shape and a.dtype == b.dtype:
+        fa, fb = dense_alias(a), dense_alias(b)
+        if fa is not None and fb is not None:
+            return same_layout(fa + fb, a)
+    return a + b
+
+
 @functools.lru_cache(maxsize=None)
 def _relu_backward_kernel():
     cp = cupy_module()
@@ -90,7 +151,13 @@ def _relu_backward_kernel():
 
 
 def relu_backward(dy, y):
-    """``dy *= (y > 0)`` in one pass, without the boolean temporary."""
+    """``dy *= (y > 0)`` in one pass, without the boolean temporary (flat when both are
+    dense with the same strides)."""
+    if dy.strides == y.strides:
+        fdy, fy = dense_alias(dy), dense_alias(y)
+        if fdy is not None and fy is not None:
+            _relu_backward_kernel()(fy, fdy)
+            return dy
     _relu_backward_kernel()(y, dy)
     return dy
 
@@ -445,3 +512,65 @@ def col2im(dcols, n, h, w, c, ho, wo, kernel, stride, padding):
            (dcols, cp.int64(n)) + _pool_args((h, w, c, ho, wo) + kernel + stride + padding)
            + (dx,))
     return dx
+
+
+# ---------------------------------------------------------------- BatchNorm (training)
+# The per-channel arithmetic and the pass over the activations of _BatchNorm, each in one
+# launch, with the array sequence's roundings (scalars arrive in the array's dtype, as
+# NumPy/CuPy cast Python floats).
+
+@functools.lru_cache(maxsize=None)
+def _bn_kernels():
+    cp = cupy_module()
+    channel_forward = cp.ElementwiseKernel(
+        "T var, T mean, T gamma, T eps, T keep, T m, T unbiased_m, bool affine",
+        "T inv_std, T scale, T running_mean, T running_var",
+        """
+        T inv = (T)1 / sqrt(var + eps);
+        inv_std = inv;
+        scale = affine ? gamma * inv : inv;
+        running_mean = running_mean * keep;
+        running_mean = running_mean + m * mean;
+        running_var = running_var * keep;
+        running_var = running_var + unbiased_m * var;
+        """, "mpidl_bn_channel_forward", options=_NO_FMA)
+    normalize = cp.ElementwiseKernel(
+        "T xhat, T scale, T bias, bool has_bias", "T y",
+        "T v = xhat * scale; y = has_bias ? v + bias : v;", "mpidl_bn_normalize",
+        options=_NO_FMA)
+    channel_backward = cp.ElementwiseKernel(
+        "T dgamma, T dbeta, T inv_std, T gamma, T s, bool affine", "T k1, T t, T k2",
+        "k1 = dgamma * (inv_std * s); t = dbeta * s; k2 = affine ? gamma * inv_std : inv_std;",
+        "mpidl_bn_channel_backward", options=_NO_FMA)
+    input_grad = cp.ElementwiseKernel(
+        "T xhat, T k1, T t, T k2", "T dy",
+        "T a = dy - t; T b = xhat * k1; dy = (a - b) * k2;", "mpidl_bn_input_grad",
+        options=_NO_FMA)
+    return channel_forward, normalize, channel_backward, input_grad
+
+
+def batchnorm_forward(xhat, mean, var, gamma, bias, running_mean, running_var, eps, momentum,
+                      count):
+    """``(y, inv_std)`` of a training-mode BatchNorm given the batch statistics, and the
+    running statistics moved in place: two launches."""
+    cp = cupy_module()
+    channel_forward, normalize, _, _ = _bn_kernels()
+    t = xhat.dtype.type
+    inv_std, scale = cp.empty_like(var), cp.empty_like(var)
+    channel_forward(var, mean, gamma if gamma is not None else var, t(eps), t(1.0 - momentum),
+                    t(momentum), t(momentum * count / (count - 1)), gamma is not None,
+                    inv_std, scale, running_mean, running_var)
+    y = normalize(xhat, scale, bias if bias is not None else scale, bias is not None)
+    return y, inv_std
+
+
+def batchnorm_input_grad(dy2, xhat, dgamma, dbeta, inv_std, gamma, count):
+    """In place on ``dy2``: ``gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat))``
+    in _BatchNorm.backward's roundings; two launches."""
+    _, _, channel_backward, input_grad = _bn_kernels()
+    t = dy2.dtype.type
+    k1, shift, k2 = channel_backward(dgamma, dbeta, inv_std,
+                                     gamma if gamma is not None else inv_std, t(1.0 / count),
+                                     gamma is not None)
+    input_grad(xhat, k1, shift, k2, dy2)
+    return dy2

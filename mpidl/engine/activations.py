@@ -12,7 +12,7 @@ class ReLU(Layer):
 
     def forward(self, x):
         xp = array_module(x)
-        y = xp.maximum(x, 0)
+        y = _fused_gpu.relu_forward(x) if is_gpu_array(x) else xp.maximum(x, 0)
         self.save_for_backward(y)
         return y
 

@@ -1,6 +1,7 @@
 """Batch and layer normalization, and synchronized batch normalization."""
 
-from mpidl.backend import array_module
+from mpidl.backend import array_module, is_gpu_array
+from mpidl.engine import _fused_gpu
 from mpidl.engine._util import as_input, colsum, column_dot, float_dtype, shape_str
 from mpidl.engine.init import initialize
 from mpidl.engine.module import Layer, ShapeError
@@ -102,6 +103,14 @@ class _BatchNorm(Layer):
         x2, tshape = self._rows(x)
         batch_stats = self.training
         group = self.sync_group if batch_stats else None
+        if batch_stats and is_gpu_array(x) and _fused_gpu.enabled:
+            mean, xhat, var, count = self._batch_stats(x, x2, xp, group)
+            y, inv_std = _fused_gpu.batchnorm_forward(
+                xhat, mean, var, None if self.weight is None else self.weight.data,
+                None if self.bias is None else self.bias.data, self._buffers["running_mean"],
+                self._buffers["running_var"], self.eps, self.momentum, count)
+            self.save_for_backward(xhat, inv_std, tshape, batch_stats, group, count)
+            return self._unrows(y, tshape)
         if batch_stats:
             mean, xhat, var, count = self._batch_stats(x, x2, xp, group)
             inv_std = 1.0 / xp.sqrt(var + self.eps)
@@ -158,6 +167,11 @@ class _BatchNorm(Layer):
             group.allreduce(buf, out=buf, op="sum")
             dbeta, dgamma = buf[:c], buf[c:] * inv_std
         # dx = gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat))
+        if is_gpu_array(dy2) and _fused_gpu.enabled:
+            _fused_gpu.batchnorm_input_grad(
+                dy2, xhat, dgamma, dbeta, inv_std,
+                None if self.weight is None else self.weight.data, count)
+            return self._unrows(dy2, tshape)
         scale = 1.0 / count
         xhat *= dgamma * (inv_std * scale)  # (x - mean) * inv_std * mean(dy * xhat)
         dy2 -= dbeta * scale

@@ -1,6 +1,7 @@
 """Residual connections: ``y = relu(body(x) + shortcut(x))``."""
 
-from mpidl.backend import array_module
+from mpidl.backend import array_module, is_gpu_array
+from mpidl.engine import _fused_gpu
 from mpidl.engine.activations import ReLU  # noqa: F401 - re-exported for block builders
 from mpidl.engine.conv import Conv2d
 from mpidl.engine.init import as_generator
@@ -38,9 +39,12 @@ class Residual(Layer):
             raise ShapeError(f"Residual body gives shape {tuple(main.shape)} but the shortcut "
                              f"gives {tuple(side.shape)}; give the block a shortcut that "
                              f"matches (e.g. a strided 1x1 Conv2d)")
-        y = main + side
+        y = _fused_gpu.add(main, side) if is_gpu_array(main) else main + side
         if self.activation:
-            xp.maximum(y, 0, out=y)
+            if is_gpu_array(y):
+                _fused_gpu.relu_inplace(y)
+            else:
+                xp.maximum(y, 0, out=y)
             self.save_for_backward(y)
         else:
             self.save_for_backward()
@@ -49,13 +53,16 @@ class Residual(Layer):
     def backward(self, dy):
         saved = self.saved_for_backward()
         if self.activation:
-            xp = array_module(dy)
-            xp.multiply(dy, saved[0] > 0, out=dy)
+            if is_gpu_array(dy):
+                _fused_gpu.relu_backward(dy, saved[0])
+            else:
+                array_module(dy).multiply(dy, saved[0] > 0, out=dy)
         # Both branches get dy; each may overwrite what it is given, so one gets a copy.
         # The shortcut goes first: its parameters come after the body's in
         # named_parameters(), so its gradients are due first in backward order (data
         # parallelism's buckets fill in that order).
-        dy_body = dy.copy() if self.needs_input_grad or self.shortcut is not None else dy
+        copy = _fused_gpu.copy if is_gpu_array(dy) else (lambda a: a.copy())
+        dy_body = copy(dy) if self.needs_input_grad or self.shortcut is not None else dy
         if self.shortcut is None:
             dx_side = dy
         else:
