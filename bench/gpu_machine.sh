@@ -75,22 +75,35 @@ for step in $STEPS; do
         | tail -40
       ;;
     ranks)
-      say "data-parallel MLP on the GPU: 1 rank, then 2 ranks sharing it (staged), both MPIs"
-      for n in 1 2; do
-        timeout 120 mpiexec -n $n $PY -m mpidl.benchmarks.scaling mpidl --device gpu \
-          --steps 300 --warmup 20 --out "$OUT/ranks_openmpi_$n.json" \
-          --timeline "$OUT/timeline_openmpi_${n}_{rank}.json" >"$OUT/ranks_openmpi_$n.log" 2>&1
-        [ -x /tmp/mpich/bin/mpiexec ] && mpich_env timeout 120 mpiexec -n $n $PY -m mpidl.benchmarks.scaling \
-          mpidl --device gpu --steps 300 --warmup 20 --out "$OUT/ranks_mpich_$n.json" \
-          --timeline "$OUT/timeline_mpich_${n}_{rank}.json" >"$OUT/ranks_mpich_$n.log" 2>&1
+      say "data-parallel MLP on the GPU: 1 rank, 2 ranks sharing it (staged) per algorithm, both MPIs"
+      runs=()
+      for mpi in openmpi mpich; do
+        if [ $mpi = mpich ]; then [ -x /tmp/mpich/bin/mpiexec ] || continue; launch=mpich_env; else launch=env; fi
+        for spec in 1:auto 2:auto 2:ring 2:recursive_doubling 2:mpi; do
+          n=${spec%%:*} alg=${spec#*:} tag=${mpi}_${n}_${alg}
+          extra=()
+          [ $alg = auto ] && extra=(--timeline "$OUT/timeline_${tag}_{rank}.json")
+          $launch timeout 120 mpiexec -n $n $PY -m mpidl.benchmarks.scaling mpidl --device gpu \
+            --steps 300 --warmup 20 --algorithm $alg "${extra[@]}" --out "$OUT/ranks_$tag.json" \
+            >"$OUT/ranks_$tag.log" 2>&1 || say "$tag failed: $(tail -2 "$OUT/ranks_$tag.log")"
+        done
       done
       $PY - "$OUT" <<'PYEOF'
 import glob, json, os, sys
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "ranks_*.json"))):
+out = sys.argv[1]
+runs = {}
+for path in sorted(glob.glob(os.path.join(out, "ranks_*.json"))):
     r = json.load(open(path))
-    print(f"{os.path.basename(path)}: {r['images_per_sec']:,.0f} images/s, step "
-          f"{r['step_ms_median']:.2f} ms (compute {r.get('compute_ms', 0):.2f}, wait "
-          f"{r.get('wait_ms', 0):.2f}, hidden {r.get('hidden', 0)})")
+    tag = os.path.basename(path)[6:-5]
+    keep = ("ranks", "algorithm", "images_per_sec", "step_ms_median", "compute_ms", "wait_ms",
+            "forward_ms", "backward_ms", "update_ms", "timeline_comm_ms", "hidden")
+    runs[tag] = {k: r[k] for k in keep if k in r}
+    print(f"{tag:34s} {r['images_per_sec']:9,.0f} images/s  step {r['step_ms_median']:6.2f} ms "
+          f"(compute {r.get('compute_ms', 0):.2f}, wait {r.get('wait_ms', 0):.2f})")
+json.dump({"benchmark": "gpu_ranks", "model": "MLP 784-1024-1024-10, batch 128 per rank",
+           "command": "mpiexec -n N python -m mpidl.benchmarks.scaling mpidl --device gpu "
+                      "--steps 300 --warmup 20 --algorithm ALG", "runs": runs},
+          open(os.path.join(out, "gpu_ranks.json"), "w"), indent=1)
 PYEOF
       ;;
     train)

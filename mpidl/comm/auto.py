@@ -43,6 +43,16 @@ DEFAULTS = {  # measured at p = 2 on a quiet 2-core machine (bench/results), see
 }
 
 
+# Device arrays through pinned host memory (an MPI that is not CUDA-aware), 2 ranks: the
+# ring's many segment exchanges each pay a device-host copy and a synchronization, so one
+# exchange of the whole buffer wins. Measured with 2 ranks sharing an H100 training the
+# MLP (bench/results/gpu_ranks.json, README "GPU"): ring 25 k images/s, recursive
+# doubling 37 k, MPI's own 38 k. A tuning file, when there is one, decides instead.
+STAGED_DEFAULTS = {
+    "allreduce": [[8 * KiB, "mpi"], [None, "recursive_doubling"]],
+}
+
+
 def tuning_path():
     """Where tuning results are read and written."""
     explicit = env.get("MPIDL_TUNING")
@@ -129,11 +139,17 @@ class Selector:
             self._table[kind] = _validate(entries, kind)
         self._table["allgatherv"] = self._table["allgather"]
 
-    def choose(self, kind, nbytes):
-        for limit, alg in self._table[kind]:
+    def choose(self, kind, nbytes, staged=False):
+        """The algorithm for ``nbytes`` of collective ``kind``; ``staged``: device arrays
+        that travel through host memory (see ``STAGED_DEFAULTS``)."""
+        if staged and self.source == "defaults" and self.p == 2 and kind in STAGED_DEFAULTS:
+            table = _validate(STAGED_DEFAULTS[kind], kind)
+        else:
+            table = self._table[kind]
+        for limit, alg in table:
             if nbytes <= limit:
                 return alg
-        return self._table[kind][-1][1]
+        return table[-1][1]
 
     def table(self):
         return {k: [[None if lim == float("inf") else lim, a] for lim, a in v]

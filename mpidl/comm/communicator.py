@@ -458,11 +458,13 @@ class Communicator(PointToPoint):
             self.mpi.Free()
 
     # ------------------------------------------------------------------ helpers
-    def _resolve(self, kind, algorithm, nbytes, dtype=None):
-        """The algorithm to run (``auto`` chosen by size); a clear error if it is unknown
-        or does not implement ``kind``. Reductions of float16 and bfloat16 words never go
-        to MPI (``ops.own_reduction``): "mpi" becomes the ring for them."""
-        alg = self.selector.choose(kind, nbytes) if algorithm == "auto" else algorithm
+    def _resolve(self, kind, algorithm, nbytes, dtype=None, staged=False):
+        """The algorithm to run (``auto`` chosen by size, and for device arrays staged
+        through the host, by that too); a clear error if it is unknown or does not
+        implement ``kind``. Reductions of float16 and bfloat16 words never go to MPI
+        (``ops.own_reduction``): "mpi" becomes the ring for them."""
+        alg = (self.selector.choose(kind, nbytes, staged) if algorithm == "auto"
+               else algorithm)
         if alg == "mpi" and dtype is not None and kind in _REDUCTIONS \
                 and own_reduction(dtype):
             alg = "ring"
@@ -676,7 +678,8 @@ class Communicator(PointToPoint):
         dtype = x.dtype
         if op != "sum" or dtype.kind not in "iuf":
             check_op(op, dtype)
-        alg = self._resolve("allreduce", algorithm, x.nbytes, dtype)
+        alg = self._resolve("allreduce", algorithm, x.nbytes, dtype,
+                            staged=gpu and not self.cuda_aware)
         back = None
         if x.flags.c_contiguous:
             src = x if x.ndim == 1 else x.reshape(-1)
