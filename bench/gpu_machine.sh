@@ -96,7 +96,8 @@ for path in sorted(glob.glob(os.path.join(out, "ranks_*.json"))):
     r = json.load(open(path))
     tag = os.path.basename(path)[6:-5]
     keep = ("ranks", "algorithm", "images_per_sec", "step_ms_median", "compute_ms", "wait_ms",
-            "forward_ms", "backward_ms", "update_ms", "timeline_comm_ms", "hidden")
+            "forward_ms", "backward_ms", "update_ms", "timeline_comm_ms", "hidden",
+            "staged_copy_ms", "staged_wire_ms", "copies_under_transfers")
     runs[tag] = {k: r[k] for k in keep if k in r}
     print(f"{tag:34s} {r['images_per_sec']:9,.0f} images/s  step {r['step_ms_median']:6.2f} ms "
           f"(compute {r.get('compute_ms', 0):.2f}, wait {r.get('wait_ms', 0):.2f})")

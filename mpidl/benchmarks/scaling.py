@@ -224,10 +224,24 @@ def timeline_summary(path, pid=0, last_steps=None):
     under_bw = _overlap(spans, bw)
     wait_us = sum(e["dur"] for e in waits) + sum(e["dur"] for e in blocking)
     n = len(backward)
-    return {"timeline_comm_ms": comm_us / n / 1e3,
-            "timeline_wait_ms": wait_us / n / 1e3,
-            "overlap_backward": under_bw / comm_us if comm_us else 0.0,
-            "hidden": max(0.0, 1.0 - wait_us / comm_us) if comm_us else 0.0}
+    out = {"timeline_comm_ms": comm_us / n / 1e3,
+           "timeline_wait_ms": wait_us / n / 1e3,
+           "overlap_backward": under_bw / comm_us if comm_us else 0.0,
+           "hidden": max(0.0, 1.0 - wait_us / comm_us) if comm_us else 0.0}
+    # GPU arrays staged through host memory in chunks: how much of the copying ran while
+    # chunks were on the wire
+    from mpidl.comm.timeline import TID_TO_DEVICE, TID_TO_HOST, TID_WIRE  # noqa: PLC0415
+
+    staging = [e for e in events if e.get("cat") == "staging" and e["ts"] >= t0]
+    copies = [(e["ts"], e["ts"] + e["dur"]) for e in staging
+              if e["tid"] in (TID_TO_HOST, TID_TO_DEVICE)]
+    wire = _merge([(e["ts"], e["ts"] + e["dur"]) for e in staging if e["tid"] == TID_WIRE])
+    copy_us = sum(b - a for a, b in copies)
+    if copy_us:
+        out.update({"staged_copy_ms": copy_us / n / 1e3,
+                    "staged_wire_ms": sum(b - a for a, b in wire) / n / 1e3,
+                    "copies_under_transfers": _overlap(copies, wire) / copy_us})
+    return out
 
 
 # -- torch ---------------------------------------------------------------------------------------

@@ -135,6 +135,7 @@ class _Channel:
         self.stats = counters.new_table()
         self.allreduce_stats = self.stats["allreduce"]
         self._staging = staging
+        self.timeline = None  # the communicator's Timeline, set once it has one
         if staging == "host":
             self.host = StagedTransport(comm, np, pinned=False)
         elif polite:
@@ -152,6 +153,7 @@ class _Channel:
                 self._device = DeviceTransport(self.comm, cp)
             else:
                 self._device = StagedTransport(self.comm, cp, pinned=True)
+                self._device.timeline = self.timeline
         return self._device
 
     def transports(self):
@@ -280,6 +282,8 @@ class Communicator(PointToPoint):
         else:
             self._timeline, self._owns_timeline = None, False
 
+        for ch in (self._main, self._bg, self._p2p):
+            ch.timeline = self._timeline  # staged GPU exchanges record their chunks
         # allreduce's fast path skips what only a timeline or forced staging needs
         self._fast = self._timeline is None and not _staging
 

@@ -18,6 +18,8 @@ import time
 
 TID_CALLER = 0
 TID_PROGRESS = 1
+# lanes of a staged GPU exchange's chunks (transport.StagedTransport._pipelined_sendrecv)
+TID_TO_HOST, TID_WIRE, TID_TO_DEVICE = 2, 3, 4
 
 
 class Timeline:
@@ -67,6 +69,12 @@ class Timeline:
              "args": {"name": "caller"}},
             {"name": "thread_name", "ph": "M", "pid": rank, "tid": TID_PROGRESS,
              "args": {"name": "progress"}},
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": TID_TO_HOST,
+             "args": {"name": "copies to host (GPU)"}},
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": TID_WIRE,
+             "args": {"name": "transfers (MPI)"}},
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": TID_TO_DEVICE,
+             "args": {"name": "copies to device (GPU)"}},
         ]
 
     def flush(self, comm):

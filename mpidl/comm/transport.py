@@ -31,8 +31,12 @@ import time
 from mpi4py import MPI
 
 from .buffers import Scratch, Staging
+from .timeline import TID_TO_DEVICE, TID_TO_HOST, TID_WIRE
 
 BYTE = MPI.BYTE
+# Staged exchanges of at least two of these go in chunks of this size, copies overlapping
+# transfers (StagedTransport._pipelined_sendrecv).
+PIPELINE_CHUNK = 1 << 20
 TAG = 7  # one tag is enough: each channel runs one collective at a time, in order
 ANY_SOURCE, ANY_TAG = MPI.ANY_SOURCE, MPI.ANY_TAG
 
@@ -197,10 +201,81 @@ class StagedTransport(HostTransport):
     def __init__(self, comm, xp, pinned=True):
         super().__init__(comm, xp)
         self.staging = Staging(pinned=pinned)
+        self.pipelined = pinned  # CUDA streams: only for CuPy arrays
+        self.timeline = None  # the communicator's, to show copies beside transfers
+        self._streams = None
         if pinned:
             self._sync = lambda: xp.cuda.get_current_stream().synchronize()
         else:
             self._sync = lambda: None
+
+    def _pipelined_sendrecv(self, sbuf, dest, rbuf, source, stag, rtag):
+        """An exchange of a large buffer in chunks, so that copies overlap transfers: the
+        device-to-host copies of every chunk are queued on one stream; each chunk goes
+        out as soon as its copy is done while later chunks are still copying; each chunk
+        received goes back to the device on another stream while later ones are still
+        on the wire."""
+        xp = self.xp
+        if self._streams is None:
+            self._streams = (xp.cuda.Stream(non_blocking=True), xp.cuda.Stream(non_blocking=True))
+        d2h, h2d = self._streams
+        n = sbuf.size
+        step = max(1, PIPELINE_CHUNK // sbuf.itemsize)
+        bounds = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+        hs = self.staging.take(n, sbuf.dtype)
+        hr = self.staging.take(n, rbuf.dtype)
+        tl = self.timeline
+        clock = time.perf_counter
+        d2h.wait_event(xp.cuda.get_current_stream().record())  # sbuf's producers first
+        ref = d2h.record()
+        if tl is not None:  # a GPU time of reference on the host clock
+            ref.synchronize()
+        t_ref = clock()
+        copied = []
+        for lo, hi in bounds:
+            sbuf[lo:hi].get(out=hs[lo:hi], stream=d2h, blocking=False)
+            copied.append(d2h.record())
+        recvs = [self.comm.Irecv([hr[lo:hi], BYTE], source, rtag) for lo, hi in bounds]
+        sends, sent_at = [], []
+        for (lo, hi), done in zip(bounds, copied):
+            done.synchronize()
+            sent_at.append(clock())
+            sends.append(self.comm.Isend([hs[lo:hi], BYTE], dest, stag))
+        back, arrived = [], []
+        for (lo, hi), req in zip(bounds, recvs):
+            req.Wait()
+            arrived.append(clock())
+            start = h2d.record()
+            rbuf[lo:hi].set(hr[lo:hi], stream=h2d)
+            back.append((start, h2d.record()))
+        MPI.Request.Waitall(sends)
+        h2d.synchronize()  # the pinned regions are reused once released
+        c = self.count
+        c[1] += len(bounds)
+        c[2] += sbuf.nbytes
+        self.staging.release()
+        self.staging.release()
+        if tl is not None:
+            self._record_chunks(tl, ref, t_ref, bounds, copied, sent_at, arrived, back,
+                                sbuf.itemsize)
+
+    def _record_chunks(self, tl, ref, t_ref, bounds, copied, sent_at, arrived, back, itemsize):
+        """Timeline spans of every chunk: its copy to the host, its transfer from send to
+        arrival (host clock), its copy back to the device, each on its own lane. Copy
+        times are CUDA event times, placed on the host clock at ``ref``."""
+        def at(event):
+            return t_ref + self.xp.cuda.get_elapsed_time(ref, event) / 1e3
+
+        prev = ref
+        for k, (lo, hi) in enumerate(bounds):
+            nbytes = (hi - lo) * itemsize
+            tl.record("staging", f"copy to host {k}", "pipelined", nbytes, at(prev),
+                      at(copied[k]), TID_TO_HOST)
+            prev = copied[k]
+            tl.record("staging", f"transfer {k}", "pipelined", nbytes, sent_at[k], arrived[k],
+                      TID_WIRE)
+            tl.record("staging", f"copy to device {k}", "pipelined", nbytes, at(back[k][0]),
+                      at(back[k][1]), TID_TO_DEVICE)
 
     def to_host(self, dev, dtype=None):
         host = self.staging.take(dev.size, dev.dtype)
@@ -218,6 +293,9 @@ class StagedTransport(HostTransport):
             dev[...] = host
 
     def sendrecv(self, sbuf, dest, rbuf, source, stag=TAG, rtag=TAG, status=None):
+        if (self.pipelined and status is None and sbuf.nbytes >= 2 * PIPELINE_CHUNK
+                and sbuf.nbytes == rbuf.nbytes and sbuf.dtype == rbuf.dtype):
+            return self._pipelined_sendrecv(sbuf, dest, rbuf, source, stag, rtag)
         hs = self.to_host(sbuf)
         hr = self.staging.take(rbuf.size, rbuf.dtype)
         c = self.count

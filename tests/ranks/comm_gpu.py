@@ -22,7 +22,7 @@ def main():
     comm.segment_bytes = 4096  # several segments per ring chunk
     rng = np.random.default_rng(RANK)
     for alg in ALGS:
-        for n in (0, 1, P - 1, 7 * P + 3, 100_003):
+        for n in (0, 1, P - 1, 7 * P + 3, 100_003, 1_000_003):  # the last: staged in chunks
             for dtype in (np.float32, np.float64, np.int32, np.float16):
                 x = (rng.uniform(-1, 1, n) * (100 if dtype == np.int32 else 1)).astype(dtype)
                 # the reference sum in float64 for float16: Open MPI 4.1 has no float16
