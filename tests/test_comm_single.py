@@ -57,6 +57,16 @@ def test_selector_defaults_and_lookup():
         assert s.choose(kind, 100) in auto.ALGORITHMS
 
 
+def test_staged_device_buffers_take_mpis_own_call_at_two_ranks():
+    """GPU arrays staged through host memory: the ring's many segment copies lose to one
+    staged MPI call (measured on an H100); only with the defaults, and only at p = 2."""
+    assert auto.Selector(2).choose("allreduce", 1 << 22, staged=True) == "mpi"
+    assert auto.Selector(2).choose("allreduce", 1 << 22) == "ring"
+    assert auto.Selector(4).choose("allreduce", 1 << 22, staged=True) == "ring"
+    tuned = auto.Selector(2, {"allreduce": {"2": [[None, "tree"]]}})
+    assert tuned.choose("allreduce", 1 << 22, staged=True) == "tree"
+
+
 def test_entries_from_timings_merges_runs():
     timings = {4: {"mpi": 1, "ring": 5}, 64: {"mpi": 1, "ring": 3},
                1024: {"mpi": 4, "ring": 2}, 4096: {"mpi": 9, "ring": 3}}

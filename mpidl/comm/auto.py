@@ -44,12 +44,13 @@ DEFAULTS = {  # measured at p = 2 on a quiet 2-core machine (bench/results), see
 
 
 # Device arrays through pinned host memory (an MPI that is not CUDA-aware), 2 ranks: the
-# ring's many segment exchanges each pay a device-host copy and a synchronization, so one
-# exchange of the whole buffer wins. Measured with 2 ranks sharing an H100 training the
-# MLP (bench/results/gpu_ranks.json, README "GPU"): ring 25 k images/s, recursive
-# doubling 37 k, MPI's own 38 k. A tuning file, when there is one, decides instead.
+# ring's many segment exchanges each pay a device-host copy and a synchronization; one
+# call of MPI's own on the whole staged buffer wins. Measured with 2 ranks sharing an
+# H100 training the MLP (bench/results/gpu_ranks.json): images/s with MPICH ring 26.7 k,
+# recursive doubling 33.1 k, MPI's own 37.1 k; with Open MPI 27.2 k, 29.3 k, 34.5 k.
+# A tuning file, when there is one, decides instead.
 STAGED_DEFAULTS = {
-    "allreduce": [[8 * KiB, "mpi"], [None, "recursive_doubling"]],
+    "allreduce": [[None, "mpi"]],
 }
 
 
