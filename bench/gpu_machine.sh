@@ -53,14 +53,14 @@ for step in $STEPS; do
       ;;
     test-openmpi)
       say "pytest -m gpu, system MPI"
-      timeout 280 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider ${MPIDL_GPU_TEST_ARGS:-} \
+      timeout 280 $PY -m pytest -m gpu -q -rfEs -p no:cacheprovider ${MPIDL_GPU_TEST_ARGS:-} \
         >"$OUT/test_openmpi.log" 2>&1
       say "rc=$? $(tail -1 "$OUT/test_openmpi.log")"
       ;;
     test-mpich)
       [ -x /tmp/mpich/bin/mpiexec ] || { say "no MPICH wheel installed: skipped"; continue; }
       say "pytest -m gpu, MPICH wheel"
-      mpich_env timeout 280 $PY -m pytest -m gpu -q -rfE -p no:cacheprovider ${MPIDL_GPU_TEST_ARGS:-} \
+      mpich_env timeout 280 $PY -m pytest -m gpu -q -rfEs -p no:cacheprovider ${MPIDL_GPU_TEST_ARGS:-} \
         >"$OUT/test_mpich.log" 2>&1
       say "rc=$? $(tail -1 "$OUT/test_mpich.log")"
       ;;

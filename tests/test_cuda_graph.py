@@ -298,3 +298,25 @@ def test_fused_batchnorm_equals_the_array_sequence_bitwise(on_gpu, affine, dtype
         finally:
             _fused_gpu.enabled = True
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("nesterov,momentum,wd", [(False, 0.9, 5e-4), (True, 0.9, 0.0),
+                                                  (False, 0.0, 1e-3)])
+def test_one_launch_sgd_equals_the_array_sequence_bitwise(on_gpu, nesterov, momentum, wd):
+    """SGD.step over every parameter of a model in one launch against the array sequence
+    per parameter, over three steps."""
+    cp = on_gpu
+    results = []
+    for fused in (None, False):
+        model = build_model("cnn", seed=1)
+        opt = SGD(model.named_parameters(), lr=0.05, momentum=momentum, nesterov=nesterov,
+                  weight_decay=wd, fused=fused)
+        for step in range(3):
+            for name, p in model.named_parameters():
+                p.grad = cp.asarray(np.random.default_rng(step).standard_normal(p.shape)
+                                    .astype(np.float32))
+            opt.step()
+        results.append(_state(model, opt))
+    _assert_bitwise(results[0], results[1])

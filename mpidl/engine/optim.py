@@ -95,6 +95,7 @@ class Optimizer:
                                    f"(the optimizer holds {len(self.params)} parameters, e.g. "
                                    f"{list(self.params)[:3]})")
                 items.append((name, self.params[name]))
+        dense = []
         for name, p in items:
             g = p.grad
             if g is None:
@@ -111,7 +112,14 @@ class Optimizer:
                 if g.shape != p.data.shape:
                     raise ValueError(f"gradient of {name!r} has shape {tuple(g.shape)}, the "
                                      f"parameter {tuple(p.data.shape)}")
-                self._dense(name, p, g, st)
+                dense.append((name, p, g, st))
+        for name, p, g, st in self._dense_many(dense):
+            self._dense(name, p, g, st)
+
+    def _dense_many(self, dense):
+        """Update what it can of ``[(name, p, g, state)]`` at once; returns the rest, for
+        ``_dense`` one by one."""
+        return dense
 
     def zero_grad(self):
         """Drop every gradient (``grad = None``); backward writes fresh ones."""
@@ -226,6 +234,28 @@ class SGD(Optimizer):
     def _active_slots(self, momentum=None, **_):
         momentum = self.momentum if momentum is None else momentum
         return ("momentum",) if momentum else ()
+
+    def _dense_many(self, dense):
+        """On a GPU, every parameter in one launch (``_fused_gpu.sgd_multi``): the step
+        of a small model is mostly launches."""
+        if len(dense) < 2 or not is_gpu_array(dense[0][1].data):
+            return dense
+        dtype = dense[0][1].data.dtype
+        if any(self._fused_kernels(p.data, g) is not _fused_gpu or p.data.dtype != dtype
+               for _, p, g, _ in dense):
+            return dense
+        mu = self.momentum
+        triples = []
+        for _, p, g, st in dense:
+            v = st.get("momentum")
+            if mu and v is None:  # momentum switched on by load_state_dict or by hand
+                v = st["momentum"] = array_module(p.data).zeros_like(p.data)
+            triples.append((p.data.reshape(-1), g.reshape(-1), v.reshape(-1) if mu else None))
+        size = _fused_gpu.MULTI_TENSOR_MAX
+        for k in range(0, len(triples), size):
+            _fused_gpu.sgd_multi(triples[k:k + size], self.lr, mu, self.weight_decay,
+                                 self.nesterov, lr_ref=self.lr_ref)
+        return []
 
     def _dense(self, name, p, g, st):
         lr, mu, wd = self.lr, self.momentum, self.weight_decay
