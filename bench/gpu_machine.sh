@@ -14,8 +14,9 @@
 #   kernels        bench/kernels.py --device gpu: every CuPy kernel against a device copy
 #   ranks          the data-parallel MLP step (mpidl.benchmarks.scaling) on the GPU with 1
 #                  rank and with 2 ranks sharing it, under both MPIs, with timelines
-#   train          mpidl train --device gpu on Fashion-MNIST (1 rank, then 2 ranks sharing
-#                  the GPU), when the data is found (.gpudata/ or the Debian package)
+#   train          mpidl train --device gpu on Fashion-MNIST: mlp and cnn on 1 rank, eager
+#                  and --cuda-graph, and mlp on 2 ranks sharing the GPU (the data from
+#                  .gpudata/fashion-mnist or the Debian package)
 #
 # Needs python3 with CuPy, mpi4py, Numba and pytest (PyTorch for the engine's anchor).
 # No network is needed. Knobs: PYTHON (python3), MPIDL_GPU_TEST_ARGS (extra pytest args).
@@ -108,12 +109,25 @@ json.dump({"benchmark": "gpu_ranks", "model": "MLP 784-1024-1024-10, batch 128 p
 PYEOF
       ;;
     train)
-      say "mpidl train --device gpu"
-      {
-        timeout 120 $PY -m mpidl train --device gpu --model mlp --epochs 2
-        timeout 150 mpiexec -n 2 $PY -m mpidl train --device gpu --model mlp --epochs 2
-      } >"$OUT/train.log" 2>&1
-      tail -25 "$OUT/train.log"
+      say "mpidl train --device gpu on Fashion-MNIST: 1 rank eager and with --cuda-graph, 2 ranks"
+      for spec in "mlp:1:" "mlp:1:--cuda-graph" "cnn:1:" "cnn:1:--cuda-graph" "mlp:2:"; do
+        IFS=: read -r model n flag <<<"$spec"
+        echo "== $model, $n rank(s) $flag" >>"$OUT/train.log"
+        timeout 240 mpiexec -n $n $PY -m mpidl train --device gpu --model $model --epochs 2 \
+          --no-progress --out-dir "/tmp/mpidl-runs/$model-$n$flag" $flag >>"$OUT/train.log" 2>&1 \
+          || say "train $spec failed: $(tail -2 "$OUT/train.log")"
+      done
+      $PY - "$OUT/train.log" <<'PYEOF'
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("=="):
+        print(line.strip())
+    elif line.startswith("{") and '"images_per_sec"' in line:
+        r = json.loads(line)
+        print(f"   epoch {r['epoch']}: test acc {r['test_acc']:.4f}, {r['images_per_sec']:,.0f} images/s")
+    elif "cuda-graph" in line or "error" in line.lower():
+        print("  ", line.strip()[:200])
+PYEOF
       ;;
     *) say "unknown step $step"; exit 2 ;;
   esac

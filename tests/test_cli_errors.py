@@ -117,6 +117,12 @@ def test_init_file_missing(tmp_path):
     (["train", "--model", "resnet-tiny", "--dropout", "0.1"] + FAST,
      ["--dropout: model 'resnet-tiny' has no dropout layers"]),
     (["train", "--dropout", "1.5"] + FAST, ["--dropout must be in [0, 1)"]),
+    (["train", "--cuda-graph"] + FAST, ["--cuda-graph needs the model on a GPU",
+                                        "--device gpu"]),
+    (["train", "--cuda-graph", "--accumulate", "2"] + FAST,
+     ["--cuda-graph captures a step of one batch", "--accumulate 2"]),
+    (["train", "--cuda-graph", "--precision", "bf16"] + FAST,
+     ["--precision bf16 cannot be used with --cuda-graph"]),
     ([], ["no command given"]),
 ])
 def test_more_user_errors(args, needles):

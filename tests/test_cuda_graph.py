@@ -320,3 +320,29 @@ def test_one_launch_sgd_equals_the_array_sequence_bitwise(on_gpu, nesterov, mome
             opt.step()
         results.append(_state(model, opt))
     _assert_bitwise(results[0], results[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a GPU")
+def test_trainer_with_cuda_graph_equals_eager_training_bitwise(on_gpu):
+    """``--cuda-graph`` (the local runtime's option) through the Trainer: an epoch of
+    replayed steps gives the eager run's parameters, optimizer state and BatchNorm
+    statistics bit for bit, with the trainer's learning-rate schedule."""
+    from mpidl.benchmarks.scaling import random_dataset
+    from mpidl.runtime import build
+    from mpidl.training.trainer import Trainer
+
+    results = []
+    for graph in (False, True):
+        model = build_model("cnn", seed=2)
+        opt = SGD(model.named_parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        runtime = build("local", cuda_graph=graph)
+        data = random_dataset(64, 1, 12)
+        Trainer(model, opt, data, runtime=runtime, epochs=1, batch_size=64, lr=0.05,
+                schedule="cosine", seed=0, progress=False,
+                eval_batch_size=len(data.test_y)).fit()
+        if graph:
+            assert runtime.graph.captured, runtime.graph.reason
+            assert runtime.graph.replays >= 8
+        results.append(_state(model, opt))
+    _assert_bitwise(results[0], results[1])

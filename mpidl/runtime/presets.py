@@ -48,6 +48,9 @@ OPTIONS = [
     Option("strategy", str, None, "local (one process), allreduce (data parallel) or ps "
            "(parameter server): presets of a step's parts; default: local on one rank, "
            "allreduce on several", "parallelism"),
+    Option("cuda_graph", bool, False, "--device gpu, one process: capture the whole "
+           "training step in a CUDA graph and replay it (SGD; falls back to eager steps, "
+           "saying why, when the step cannot be captured)", "parallelism"),
     Option("sync_bn", bool, False, "synchronize BatchNorm statistics over the data-parallel "
            "group (forward and backward), so N ranks with batch b train exactly like one "
            "process with batch N*b", "parallelism"),
@@ -138,15 +141,34 @@ def _precision(precision, loss_scale, loss_scale_window, refuse=None):
 
 
 def local(comm, unused, accumulate=1, straggler=None, precision=None, loss_scale=None,
-          loss_scale_window=None):
-    prec = _precision(precision, loss_scale, loss_scale_window)
+          loss_scale_window=None, cuda_graph=False):
+    prec = _precision(precision, loss_scale, loss_scale_window,
+                      ("--cuda-graph", "the captured step is the plain float32 one")
+                      if cuda_graph else None)
     if _size(comm) > 1:
         raise ConfigError(f"strategy 'local' trains on one process, but {comm.size} ranks "
                           "were started: use --strategy allreduce (the default for more than "
                           "one rank) or run without mpiexec")
+    if cuda_graph and (accumulate or 1) > 1:
+        raise ConfigError(f"--cuda-graph captures a step of one batch, not --accumulate "
+                          f"{accumulate} micro-batches; drop one of them")
+    if cuda_graph and straggler:
+        raise ConfigError("--cuda-graph cannot slow a captured step (--straggler); drop one "
+                          "of them")
     sched = _schedule(accumulate, straggler, 0, [0])
-    return Runtime(comm, "local", sched, [(_everything, GradSync())], Replicated,
-                   unused=unused, precision=prec)
+    runtime = Runtime(comm, "local", sched, [(_everything, GradSync())], Replicated,
+                      unused=unused, precision=prec)
+    runtime.cuda_graph = bool(cuda_graph)
+    if cuda_graph:
+        runtime.checks.append(_graph_check)
+    return runtime
+
+
+def _graph_check(model, optimizer):
+    from mpidl.backend import is_gpu_array  # noqa: PLC0415
+
+    if not all(is_gpu_array(p.data) for _, p in model.named_parameters()):
+        raise ConfigError("--cuda-graph needs the model on a GPU: add --device gpu")
 
 
 def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket_mb=None,
@@ -302,7 +324,7 @@ class _NotSparse(_Sparse):
 
 _COMMON = _names(schedule_part.OPTIONS) | _names(precision_part.OPTIONS)
 PRESETS = {
-    "local": (local, _COMMON),
+    "local": (local, _COMMON | {"cuda_graph"}),
     "allreduce": (allreduce, _COMMON | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
                   | _names(compressed.OPTIONS) | {"sync_bn"} | _names(averaging_part.OPTIONS)
                   | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)),

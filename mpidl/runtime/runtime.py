@@ -74,6 +74,8 @@ class Runtime:
         self.compressor = None                # set by the preset when --compression is on
         self.checks = []                      # fn(model, optimizer): local, may raise
         self.ledger = None                    # the memory figures of the epoch's first step
+        self.cuda_graph = False               # --cuda-graph (the local preset sets it)
+        self.graph = None                     # its GraphedStep, made at setup
         self.reset_stats()
 
     # -- who am I
@@ -145,6 +147,8 @@ class Runtime:
                 if hasattr(buf, "shape") and buf.ndim > 0 and buf.flags.c_contiguous:
                     self.group.bcast(buf, root=0)
         self.placement = self.placement_cls(optimizer)
+        if self.cuda_graph:
+            self._setup_graph(model, optimizer, loss)
         if self.precision is not None:  # after the broadcast: masters alike on every rank
             self.precision.setup(model, optimizer, loss)
         owned = set()
@@ -202,9 +206,37 @@ class Runtime:
     def _arm(self, on):
         self._armed = on and bool(self._hooked) and self._step_syncs is self.syncs
 
+    def _setup_graph(self, model, optimizer, loss):
+        from mpidl.engine.cuda_graph import GraphedStep  # noqa: PLC0415
+
+        self.graph = GraphedStep(model, loss, optimizer)  # the preset checked the device
+        self._graph_said = False
+
+    def _graph_step(self, x, y):
+        """A step through the CUDA graph; None once it has fallen back to eager steps
+        (the reason is logged once)."""
+        graph = self.graph
+        if graph.reason is not None:
+            if not self._graph_said:
+                self._graph_said = True
+                from mpidl.training.log import get_logger  # noqa: PLC0415
+
+                get_logger().warning(f"--cuda-graph: running eager steps: {graph.reason}")
+            return None
+        t0 = _clock()
+        value = float(graph(x, y))  # the trainer wants the loss now (stats, divergence)
+        self.stats["forward"] += _clock() - t0  # the whole replayed step
+        self.stats["steps"] += 1
+        self.steps += 1
+        return value
+
     # -- a step
     def train_step(self, x, y):
         """One step on this rank's batch; parameters updated; returns the local loss."""
+        if self.graph is not None:
+            value = self._graph_step(x, y)
+            if value is not None:
+                return value
         self.begin_step()
         loss = self.schedule.run(self.model, self.loss, x, y, arm=self._arm)
         self.finish_step(self.schedule.forward_s, self.schedule.backward_s)
