@@ -16,11 +16,12 @@ and 1 s) and looks at every live communicator:
   point-to-point call) and print one line: which ranks have not arrived and why (no
   answer: stopped, dead, or never releasing Python's GIL; or what they do instead), which
   wait in the same call. After the stall timeout (``--stall-timeout``,
-  ``MPIDL_STALL_TIMEOUT``, 0 = never) it prints that line again and aborts the job
-  (``MPI_Abort``, exit status 1): a stopped rank never turns into a silent hang.
+  ``MPIDL_STALL_TIMEOUT``, 0 = never) it prints that line again and, a second later
+  (time for the launcher to forward it), aborts the job (``MPI_Abort``, exit status 1):
+  a stopped rank never turns into a silent hang.
 - Two ranks found in the same call number of a collective channel with different
   signatures have called different collectives: MPI cannot finish that call, so after
-  ``MISMATCH_AFTER`` seconds of waiting the job is aborted at once with both signatures.
+  ``MISMATCH_AFTER`` seconds of waiting the job is aborted with both signatures.
 
 The questions travel on a duplicate communicator of their own (made by the collective
 ``Communicator`` constructor), so they never meet anybody's data. Waiting costs nothing
@@ -31,6 +32,7 @@ Without ``MPI_THREAD_MULTIPLE`` there is no inspector thread (one line says so w
 communicator is made with a stall warning set); waits then stay silent.
 """
 
+import os
 import sys
 import threading
 import time
@@ -43,6 +45,8 @@ from .. import env
 QUERY, REPLY = 1, 2
 MISMATCH_AFTER = 2.0  # seconds in a call before asking whether the peers are in another
 STALL_EXIT = 1
+ABORT_GRACE_S = 1.0  # seconds for the launcher to forward the last line before
+#                      MPI_Abort (as in mpidl/cli/errors.py's World.abort)
 
 _settings = {}
 
@@ -209,8 +213,17 @@ class Inspector:
                 print(f"mpidl: stall: {report.text}", file=sys.stderr, flush=True)
 
     def _abort(self, message):
+        """Print ``message`` and end the job (MPI_Abort) ``ABORT_GRACE_S`` later: MPICH's
+        hydra kills the ranks without draining their output pipes, so a line written just
+        before MPI_Abort was sometimes lost (the job ended with status 1 and no line saying
+        why). Every rank that times out prints first and then waits as long, so when the
+        ranks of a stall time out together, their lines come out before the first abort."""
         print(message, file=sys.stderr, flush=True)
+        sys.stdout.flush()
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)
+        if MPI.Is_finalized():  # the main thread finished MPI meanwhile: end this rank
+            os._exit(STALL_EXIT)
         MPI.COMM_WORLD.Abort(STALL_EXIT)
 
     # -- questions and answers
