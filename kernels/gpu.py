@@ -204,19 +204,28 @@ def topk_sampled(x, k, sample, m_rank):
 
 
 # ---------------------------------------------------------------- quantization
+_QTILE = 8192  # elements per block of cuda/quantize.cu's quantize and dequantize
+
+
 def quantize(x, mults, levels, seed, width, size):
     n = x.size
     out = cp.empty((n * width + 7) // 8, cp.uint8)
-    _launch("quantize", "quantize", (n + 7) // 8, x, _i64(n), mults, _i64(size),
-            _i32(levels), _u64(seed), _i32(width), _i64(out.size), out)
+    if n:
+        _module("quantize").get_function("quantize")(
+            (-(-n // _QTILE),), (_THREADS,),
+            (x, _i64(n), mults, _i64(size), _i32(levels), _u64(seed), _i32(width),
+             _i32(_aligned(x) and _aligned(out, to=4)), _i64(out.size), out))
     return out
 
 
 def dequantize(packed, steps, levels, width, n, size):
     out = cp.empty(n, cp.float32)
     bad = cp.zeros(1, cp.uint64)
-    _launch("quantize", "dequantize", (n + 7) // 8, packed, _i64(packed.size), steps,
-            _i64(size), _i32(levels), _i32(width), _i64(n), out, bad)
+    if n:
+        _module("quantize").get_function("dequantize")(
+            (-(-n // _QTILE),), (_THREADS,),
+            (packed, _i64(packed.size), steps, _i64(size), _i32(levels), _i32(width),
+             _i32(_aligned(packed, to=4) and _aligned(out)), _i64(n), out, bad))
     return out, int(bad[0])
 
 
