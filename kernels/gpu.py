@@ -147,12 +147,6 @@ def unpack_signs(bits, scales, n, chunk, two_scales):
     return out
 
 
-def _pack_flags(flags):
-    bits = cp.empty((flags.size + 7) // 8, cp.uint8)
-    _launch("onebit", "pack_flags", bits.size, flags, _i64(flags.size), bits)
-    return bits
-
-
 # ---------------------------------------------------------------- selection
 def magnitude(x):
     key = cp.empty(x.size, cp.float32)
@@ -160,15 +154,69 @@ def magnitude(x):
     return key
 
 
+_TILE = 2048  # elements per block of cuda/sparse.cu's *_tiles kernels
+
+
+def _compact(kernel, n, cap, *args):
+    """Run cuda/sparse.cu's ``kernel`` (one of the *_tiles) over n items with room for
+    ``cap`` entries: (stage, tiles, counter). No sync: counter[0] is the count selected
+    (more than cap means the stage overflowed and the caller runs again)."""
+    ntiles = -(-n // _TILE)
+    stage = cp.empty(max(cap, 1), cp.int64)
+    counter = cp.zeros(1, cp.uint64)
+    off = cp.empty(ntiles, cp.uint64)
+    cnt = cp.empty(ntiles, cp.uint32)
+    _module("sparse").get_function(kernel)(
+        (ntiles,), (_THREADS,), args + (_i64(n), stage, _i64(cap), counter, off, cnt))
+    return stage, (off, cnt, cp.cumsum(cnt, dtype=cp.int64), _i64(ntiles)), counter
+
+
+def _gather(stage, tiles, total, index_map=None, x=None):
+    """The ``total`` compacted entries in order (through ``index_map``), and with ``x`` their
+    top-k keys (see gather_tiles); keys is empty without it."""
+    out = cp.empty(total, cp.int64)
+    keys = cp.empty(total if x is not None else 0, cp.uint64)
+    _launch("sparse", "gather_tiles", total, stage, *tiles, _i64(total),
+            _i32(index_map is not None), stage if index_map is None else index_map, out,
+            _i32(x is not None), stage if x is None else x, keys)
+    return out, keys
+
+
+def _kth_largest(keys, rank, passes=8):
+    """A device array whose element 0 gets the top 8 * passes bits of the rank-th largest
+    of ``keys`` (uint64), in ``passes`` launches and no sync."""
+    state = cp.empty(3, cp.uint64)
+    hist = cp.empty(256, cp.uint32)
+    mod = _module("sparse")
+    mod.get_function("radix_init")((1,), (256,), (state, hist, _i64(rank)))
+    grid = _grid(keys.size)
+    for p in range(passes):
+        mod.get_function("radix_pass")(
+            (grid,), (256,), (keys, _i64(keys.size), _i32(56 - 8 * p), state, hist))
+    return state
+
+
 def threshold_select(x, tau, r, use_r):
+    """One pass over n (v = x + r into r, |v| > tau compacted tile by tile into a staging
+    buffer), then one thread per 8 selected entries writes them in order with their sign
+    byte and r -= sign * tau. The staging buffer holds n / 64 entries; when more are
+    selected, the pass runs again on v with room for all of them."""
     n = x.size
-    flags = cp.empty(n, cp.uint8)
-    _launch("sparse", "threshold_flags", n, x, r, _i32(use_r), _f32(tau), _i64(n), flags)
-    idx = cp.flatnonzero(flags).astype(cp.int64)
-    neg = cp.empty(idx.size, cp.uint8)
-    _launch("sparse", "threshold_send", idx.size, idx, _i64(idx.size), _f32(tau), x, r,
-            _i32(use_r), neg)
-    return idx, _pack_flags(neg)
+    if n == 0:
+        return cp.zeros(0, cp.int64), cp.zeros(0, cp.uint8)
+    cap = min(n, max(1 << 16, n // 64))
+    stage, tiles, counter = _compact("threshold_tiles", n, cap, x, r, _i32(use_r),
+                                     _i32(_aligned(x) and _aligned(r)), _f32(tau))
+    count = int(counter[0])
+    if count > cap:  # r holds v now (or x is v): select again without adding
+        v = r if use_r else x
+        stage, tiles, counter = _compact("threshold_tiles", n, count, v, r, _i32(0),
+                                         _i32(_aligned(v)), _f32(tau))
+    idx = cp.empty(count, cp.int64)
+    neg = cp.empty((count + 7) // 8, cp.uint8)
+    _launch("sparse", "threshold_gather", (count + 7) // 8, stage, *tiles, _i64(count), x, r,
+            _i32(use_r), _f32(tau), idx, neg)
+    return idx, neg
 
 
 def topk_keys(key, k):
@@ -183,7 +231,37 @@ def topk_keys(key, k):
     return cp.sort(cp.concatenate([gt, eq])).astype(cp.int64)
 
 
+def _candidates(x, sample, rank, cap, k):
+    """Sorted indices of the entries whose key is >= the rank-th largest key at ``sample``
+    (and > 0), cut to the k largest of them (ties to the lower index) when more pass;
+    None when more than ``cap`` pass. One pass over x, one sync."""
+    n, m = x.size, sample.size
+    skeys = cp.empty(m, cp.uint64)
+    _launch("sparse", "sample_keys", m, x, sample, _i64(m), skeys)
+    t = _kth_largest(skeys, rank, passes=4)  # the key is the high 32 bits
+    stage, tiles, counter = _compact("at_least_tiles", n, cap, x, _i32(_aligned(x)), t)
+    c = int(counter[0])
+    if c > cap:
+        return None
+    cand, keys = _gather(stage, tiles, c, x=x if c > k else None)
+    if c <= k:
+        return cand
+    kth = _kth_largest(keys, k)
+    stage, tiles, _ = _compact("at_least_u64_tiles", c, k, keys, kth)  # exactly k pass
+    return _gather(stage, tiles, k, index_map=cand)[0]
+
+
 def topk_exact(x, k):
+    """As the CPU version: candidates above a threshold sampled for about 2k of them, the
+    k largest among them when at least k pass, else the full selection."""
+    n = x.size
+    if n >= 1 << 16 and 0 < k and 16 * k <= n:
+        m = min(n, max(1024, (256 * n + k - 1) // k))
+        sample = sample_indices(n, m, cpu._FILTER_SEED)
+        j = max(1, (2 * k * m + n // 2) // n)
+        cand = _candidates(x, sample, min(j, m), 4 * k + 1024, k)
+        if cand is not None and cand.size >= k:
+            return cand
     return topk_keys(magnitude(x), k)
 
 
@@ -193,30 +271,33 @@ def topk_sampled(x, k, sample, m_rank):
         return cp.zeros(0, cp.int64)
     if m == 0:
         return topk_exact(x, k)
-    sk = magnitude(x[sample])
-    t = cp.partition(sk, m - m_rank)[m - m_rank] if m_rank <= m else sk.min()
-    flags = cp.empty(n, cp.uint8)
-    _launch("sparse", "at_least", n, x, _f32(float(t)), _i64(n), flags)
-    cand = cp.flatnonzero(flags).astype(cp.int64)
-    if cand.size > k:
-        cand = cand[topk_keys(magnitude(x[cand]), k)]
-    return cand
+    cand = _candidates(x, sample, min(m_rank, m), min(n, 2 * k + 1024), k)
+    return topk_exact(x, k) if cand is None else cand
 
 
 # ---------------------------------------------------------------- quantization
+_QTILE = 8192  # elements per block of cuda/quantize.cu's quantize and dequantize
+
+
 def quantize(x, mults, levels, seed, width, size):
     n = x.size
     out = cp.empty((n * width + 7) // 8, cp.uint8)
-    _launch("quantize", "quantize", (n + 7) // 8, x, _i64(n), mults, _i64(size),
-            _i32(levels), _u64(seed), _i32(width), _i64(out.size), out)
+    if n:
+        _module("quantize").get_function("quantize")(
+            (-(-n // _QTILE),), (_THREADS,),
+            (x, _i64(n), mults, _i64(size), _i32(levels), _u64(seed), _i32(width),
+             _i32(_aligned(x) and _aligned(out, to=4)), _i64(out.size), out))
     return out
 
 
 def dequantize(packed, steps, levels, width, n, size):
     out = cp.empty(n, cp.float32)
     bad = cp.zeros(1, cp.uint64)
-    _launch("quantize", "dequantize", (n + 7) // 8, packed, _i64(packed.size), steps,
-            _i64(size), _i32(levels), _i32(width), _i64(n), out, bad)
+    if n:
+        _module("quantize").get_function("dequantize")(
+            (-(-n // _QTILE),), (_THREADS,),
+            (packed, _i64(packed.size), steps, _i64(size), _i32(levels), _i32(width),
+             _i32(_aligned(packed, to=4) and _aligned(out)), _i64(n), out, bad))
     return out, int(bad[0])
 
 

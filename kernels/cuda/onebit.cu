@@ -180,14 +180,4 @@ __global__ void pack_signs4(const float* __restrict__ x, float* __restrict__ r, 
     }
 }
 
-// Flags (0/1 bytes) to packed bits, one thread per output byte.
-__global__ void pack_flags(const unsigned char* __restrict__ flags, long long m,
-                           unsigned char* __restrict__ bits) {
-    long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= (m + 7) / 8) return;
-    unsigned int acc = 0;
-    for (int j = 0; j < 8 && b * 8 + j < m; ++j) acc |= (unsigned int)(flags[b * 8 + j] != 0) << j;
-    bits[b] = (unsigned char)acc;
-}
-
 }  // extern "C"
