@@ -276,17 +276,14 @@ def topk_sampled(x, k, sample, m_rank):
 
 
 # ---------------------------------------------------------------- quantization
-_QTILE = 8192  # elements per block of cuda/quantize.cu's quantize and dequantize
+_QTILE = 8192  # elements per block of cuda/quantize.cu's dequantize
 
 
 def quantize(x, mults, levels, seed, width, size):
     n = x.size
     out = cp.empty((n * width + 7) // 8, cp.uint8)
-    if n:
-        _module("quantize").get_function("quantize")(
-            (-(-n // _QTILE),), (_THREADS,),
-            (x, _i64(n), mults, _i64(size), _i32(levels), _u64(seed), _i32(width),
-             _i32(_aligned(x) and _aligned(out, to=4)), _i64(out.size), out))
+    _launch("quantize", "quantize", (n + 7) // 8, x, _i64(n), mults, _i64(size),
+            _i32(levels), _u64(seed), _i32(width), _i64(out.size), out)
     return out
 
 

@@ -53,7 +53,7 @@ __device__ __forceinline__ unsigned int quant_code(float a, float mult, int leve
     return (unsigned int)(neg ? levels - lev : levels + lev);
 }
 
-// quantize / dequantize: a block of 256 threads owns QTILE elements, whose codes fill
+// dequantize: a block of 256 threads owns QTILE elements, whose codes fill
 // exactly 256 * width 32-bit words (32 codes per thread). Codes sit in shared memory as
 // bytes, with 4 bytes of padding after every 32 so that a thread's word reads and a quad's
 // word writes do not share banks; x and the words move with coalesced loads and stores.
@@ -71,59 +71,24 @@ __device__ __forceinline__ unsigned int load_word(const unsigned char* __restric
     return w;
 }
 
-// One multiplier per chunk of `size` (chunks hold whole quads). vec: x is 16-byte aligned,
-// out 4-byte aligned.
+// One thread per group of 8 elements -> `width` bytes; one multiplier per chunk of `size`.
+// (dequantize's tiled layout measured slower for quantize on an H100: README, "GPU".)
 __global__ void quantize(const float* __restrict__ x, long long n,
                          const float* __restrict__ mults, long long size, int levels,
-                         unsigned long long seed, int width, int vec, long long nout,
+                         unsigned long long seed, int width, long long nout,
                          unsigned char* __restrict__ out) {
-    __shared__ unsigned int codes[(QTILE + QTILE / 8) / 4];
-    __shared__ unsigned int words[256 * 8];
-    long long base = (long long)blockIdx.x * QTILE;
-    for (int q = threadIdx.x; q < QTILE / 4; q += 256) {
-        long long i = base + 4 * q;
-        unsigned int quad = 0;
-        if (i < n) {
-            float mult = mults[size >= n ? 0 : i / size];
-            float v[4];
-            if (vec && i + 3 < n) {
-                float4 a = *reinterpret_cast<const float4*>(x + i);
-                v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-            } else {
-                for (int j = 0; j < 4; ++j) v[j] = i + j < n ? x[i + j] : 0.0f;
-            }
-            for (int j = 0; j < 4 && i + j < n; ++j)
-                quad |= quant_code(v[j], mult, levels, uniform24(seed, (unsigned long long)(i + j)))
-                        << (8 * j);
-        }
-        codes[qpad(4 * q) >> 2] = quad;
+    long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g * 8 >= n) return;
+    unsigned long long word = 0;
+    float mult = mults[size >= n ? 0 : (g * 8) / size];  // 8 codes share a chunk
+    for (int j = 0; j < 8; ++j) {
+        long long i = g * 8 + j;
+        if (i >= n) break;
+        word |= (unsigned long long)quant_code(x[i], mult, levels,
+                                               uniform24(seed, (unsigned long long)i)) << (j * width);
     }
-    __syncthreads();
-    unsigned long long acc = 0;
-    int bits = 0, w = 0;
-    for (int m = 0; m < 8; ++m) {
-        unsigned int quad = codes[qpad(32 * threadIdx.x + 4 * m) >> 2];
-        for (int j = 0; j < 4; ++j) {
-            acc |= (unsigned long long)((quad >> (8 * j)) & 0xFFu) << bits;
-            bits += width;
-            if (bits >= 32) {
-                words[threadIdx.x * width + w++] = (unsigned int)acc;
-                acc >>= 32;
-                bits -= 32;
-            }
-        }
-    }
-    __syncthreads();
-    long long obase = (long long)blockIdx.x * (QTILE / 8) * width;  // bytes
-    for (int k = threadIdx.x; k < 256 * width; k += 256) {
-        long long o = obase + 4LL * k;
-        if (o >= nout) break;
-        if (vec && o + 3 < nout) {
-            *reinterpret_cast<unsigned int*>(out + o) = words[k];
-        } else {
-            for (int b = 0; b < 4 && o + b < nout; ++b) out[o + b] = (unsigned char)(words[k] >> (8 * b));
-        }
-    }
+    for (int b = 0; b < width && g * width + b < nout; ++b)
+        out[g * width + b] = (unsigned char)(word >> (8 * b));
 }
 
 // Codes back to (code - levels) * step, one step per chunk; counts codes above 2 levels.
