@@ -402,19 +402,38 @@ _POOL_SOURCE = r"""
 // Max pooling on NHWC memory, one thread per output (forward) or input (backward) value.
 // Windows are read in row-major order with padding as -inf; the first maximum wins and
 // a NaN propagates, exactly as the array sequence of MaxPool2d does it.
+// The coordinates (b, y, z, ch) of flat index t of an NHWC array of height h, width w and
+// c channels.
+__device__ __forceinline__ void nhwc_at(long long t, int h, int w, int c, long long* b,
+                                        int* y, int* z, int* ch) {
+    *ch = t % c;
+    long long q = t / c;
+    *z = q % w;
+    q /= w;
+    *y = q % h;
+    *b = q / h;
+}
+
+// The output pixel (oh, ow) whose window lays kernel offset (i, j) on input pixel (y, z);
+// false when there is none.
+__device__ __forceinline__ bool window_of(int y, int z, int i, int j, int sh, int sw, int ph,
+                                          int pw, int ho, int wo, int* oh, int* ow) {
+    int ry = y + ph - i, rz = z + pw - j;
+    if (ry < 0 || rz < 0 || ry % sh || rz % sw) return false;
+    *oh = ry / sh;
+    *ow = rz / sw;
+    return *oh < ho && *ow < wo;
+}
+
 template <typename T>
 __device__ void maxpool_fwd(const T* x, long long n, int h, int w, int c, int ho, int wo,
                             int kh, int kw, int sh, int sw, int ph, int pw, T* out,
                             unsigned char* idx) {
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    long long total = n * ho * wo * c;
-    if (t >= total) return;
-    int ch = t % c;
-    long long q = t / c;
-    int ow = q % wo;
-    q /= wo;
-    int oh = q % ho;
-    long long b = q / ho;
+    if (t >= n * ho * wo * c) return;
+    long long b;
+    int oh, ow, ch;
+    nhwc_at(t, ho, wo, c, &b, &oh, &ow, &ch);
     T best = 0;
     int arg = 0;
     for (int i = 0; i < kh; ++i) {
@@ -441,21 +460,14 @@ __device__ void maxpool_bwd(const T* dy, const unsigned char* idx, long long n, 
                             int c, int ho, int wo, int kh, int kw, int sh, int sw, int ph,
                             int pw, int disjoint, T* dx) {
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    long long total = n * h * w * c;
-    if (t >= total) return;
-    int ch = t % c;
-    long long q = t / c;
-    int z = q % w;
-    q /= w;
-    int y = q % h;
-    long long b = q / h;
+    if (t >= n * h * w * c) return;
+    long long b;
+    int y, z, ch, oh, ow;
+    nhwc_at(t, h, w, c, &b, &y, &z, &ch);
     T acc = 0;
     for (int i = 0; i < kh; ++i) {          // offsets in order, as the array sequence adds
         for (int j = 0; j < kw; ++j) {
-            int ry = y + ph - i, rz = z + pw - j;
-            if (ry < 0 || rz < 0 || ry % sh || rz % sw) continue;
-            int oh = ry / sh, ow = rz / sw;
-            if (oh >= ho || ow >= wo) continue;
+            if (!window_of(y, z, i, j, sh, sw, ph, pw, ho, wo, &oh, &ow)) continue;
             long long k = ((b * ho + oh) * wo + ow) * c + ch;
             if (disjoint) acc = dy[k] * (T)(idx[k] == i * kw + j);  // as the array path
             else if (idx[k] == i * kw + j) acc += dy[k];
@@ -471,22 +483,15 @@ template <typename T>
 __device__ void col2im(const T* dcols, long long n, int h, int w, int c, int ho, int wo,
                        int kh, int kw, int sh, int sw, int ph, int pw, T* dx) {
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    long long total = n * h * w * c;
-    if (t >= total) return;
-    int ch = t % c;
-    long long q = t / c;
-    int z = q % w;
-    q /= w;
-    int y = q % h;
-    long long b = q / h;
+    if (t >= n * h * w * c) return;
+    long long b;
+    int y, z, ch, oh, ow;
+    nhwc_at(t, h, w, c, &b, &y, &z, &ch);
     long long width = (long long)kh * kw * c;
     T acc = 0;
     for (int i = 0; i < kh; ++i) {
         for (int j = 0; j < kw; ++j) {
-            int ry = y + ph - i, rz = z + pw - j;
-            if (ry < 0 || rz < 0 || ry % sh || rz % sw) continue;
-            int oh = ry / sh, ow = rz / sw;
-            if (oh >= ho || ow >= wo) continue;
+            if (!window_of(y, z, i, j, sh, sw, ph, pw, ho, wo, &oh, &ow)) continue;
             acc += dcols[((b * ho + oh) * wo + ow) * width + (i * kw + j) * c + ch];
         }
     }
