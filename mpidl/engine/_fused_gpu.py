@@ -135,6 +135,34 @@ def _adam_kernel():
         """, "mpidl_adam", options=_NO_FMA)
 
 
+@functools.lru_cache(maxsize=None)
+def _adam_ref_kernel():
+    cp = cupy_module()
+    return cp.ElementwiseKernel(
+        "T g, raw T s, T b1, T c1, T b2, T c2, T eps, T wd, bool use_wd, bool use_decay",
+        "T p, T m, T v",
+        """
+        T gi = g;
+        T pi = p;
+        if (use_wd) gi = gi + wd * pi;
+        if (use_decay) pi = pi * s[2];
+        T mi = b1 * m + gi * c1;
+        m = mi;
+        T vi = b2 * v + (gi * gi) * c2;
+        v = vi;
+        T denom = sqrt(vi) * s[1] + eps;
+        p = pi - (mi / denom) * s[0];
+        """, "mpidl_adam_ref", options=_NO_FMA)
+
+
+def adam_ref(p, g, m, v, scalars, b1, b2, eps, wd, use_decay):
+    """``adam`` with ``(step_size, inv_sqrt_bc2, decay)`` read from the device array
+    ``scalars`` (a decay of exactly 1 multiplies by 1: the same bits as skipping it)."""
+    t = p.dtype.type
+    _adam_ref_kernel()(g, scalars, t(b1), t(1.0 - b1), t(b2), t(1.0 - b2), t(eps), t(wd),
+                       wd != 0.0, bool(use_decay), p, m, v)
+
+
 def adam(p, g, m, v, step_size, b1, b2, inv_sqrt_bc2, eps, wd, decay):
     """In place; the same operations as ``mpidl.engine._fused.adam``."""
     t = p.dtype.type

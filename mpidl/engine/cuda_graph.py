@@ -16,17 +16,20 @@ capture come from the private pool that nothing else allocates from.
 Replays are the same kernels on the same addresses as the eager step, so they give
 bitwise the same parameters (checked in ``tests/test_cuda_graph.py``).
 
-What it does not capture, falling back to eager steps and saying why (``reason``):
-an optimizer other than SGD (Adam's bias correction changes every step, and values
-passed to kernels are frozen into the graph; SGD's learning rate is read from device
-memory, ``SGD.lr_ref``, so schedules work); a model whose step waits for the GPU inside
-(e.g. Dropout's call counter); parameters of mixed dtypes or on the host. A batch of
+Values passed to kernels are frozen into a graph, so what changes from step to step is
+read from device memory, written before each replay: SGD's learning rate
+(``SGD.lr_ref``), Adam's step size, bias correction and decoupled decay
+(``Adam.scalars_ref``); schedules work. What it does not capture, falling back to eager
+steps and saying why (``reason``): another optimizer; a model whose step waits for the
+GPU inside (e.g. Dropout's call counter); parameters of mixed dtypes or on the host. A batch of
 another shape than the captured one (an epoch's last, smaller batch) runs eagerly. MPI
 calls cannot be captured: data-parallel steps stay eager.
 """
 
+import numpy as np
+
 from mpidl.backend import cupy_module, is_gpu_array
-from mpidl.engine.optim import SGD
+from mpidl.engine.optim import SGD, Adam
 
 
 class GraphedStep:
@@ -46,10 +49,14 @@ class GraphedStep:
             cp = cupy_module()
             self.stream = cp.cuda.Stream(non_blocking=True)
             self.pool = cp.cuda.MemoryPool()
-            params = list(optimizer.params.values())
-            self._lr_value = float(optimizer.lr)
-            self._lr_ref = cp.full(1, self._lr_value, dtype=params[0].data.dtype)
-            optimizer.lr_ref = self._lr_ref
+            self._dtype = next(iter(optimizer.params.values())).data.dtype
+            if isinstance(optimizer, SGD):
+                self._lr_value = float(optimizer.lr)
+                self._lr_ref = cp.full(1, self._lr_value, dtype=self._dtype)
+                optimizer.lr_ref = self._lr_ref
+            else:
+                self._scalars_ref = cp.zeros(3, dtype=self._dtype)
+                optimizer.scalars_ref = self._scalars_ref
 
     @property
     def captured(self):
@@ -65,9 +72,9 @@ class GraphedStep:
             return "the parameters are not on the GPU"
         if len({p.data.dtype for p in params}) != 1:
             return "the parameters have mixed dtypes"
-        if not isinstance(self.optimizer, SGD):
-            return (f"{type(self.optimizer).__name__} changes per-step values (bias "
-                    "correction) that a graph would freeze; only SGD is captured")
+        if not isinstance(self.optimizer, (SGD, Adam)):
+            return (f"{type(self.optimizer).__name__}: only SGD and Adam/AdamW read their "
+                    "per-step values from device memory, which a graph needs")
         if self.optimizer.fused is False:
             return "the optimizer was built with fused=False"
         if not hasattr(self.loss, "forward_array"):
@@ -83,11 +90,30 @@ class GraphedStep:
         self.optimizer.step()
         return value
 
-    def _sync_lr(self):
-        lr = float(self.optimizer.lr)
-        if lr != self._lr_value:
-            self._lr_ref.fill(lr)
-            self._lr_value = lr
+    def _sync_scalars(self):
+        """Write what the next update reads from device memory (on the step's stream):
+        SGD's learning rate; Adam's ``step_scalars`` of its next update number."""
+        opt = self.optimizer
+        if isinstance(opt, SGD):
+            lr = float(opt.lr)
+            if lr != self._lr_value:
+                self._lr_ref.fill(lr)
+                self._lr_value = lr
+            return
+        steps = {st["step"] for st in opt.state.values()}
+        if len(steps) > 1:
+            self._give_up("the parameters' Adam update counts differ (one scalar set "
+                          "serves them all)")
+            return
+        t = (steps.pop() if steps else 0) + 1
+        host = np.array(opt.step_scalars(t), dtype=self._dtype)
+        self._scalars_ref.set(host, stream=self.stream)
+
+    def _give_up(self, reason):
+        """Eager steps from now on, with values passed to kernels as before."""
+        self.reason = reason
+        self.graph = None
+        self.optimizer.lr_ref = self.optimizer.scalars_ref = None
 
     def __call__(self, x, y):
         """One training step on the batch ``(x, y)`` (device or host arrays); returns
@@ -100,8 +126,8 @@ class GraphedStep:
         caller = cp.cuda.get_current_stream()
         self.stream.wait_event(caller.record())
         with self.stream:
-            self._sync_lr()
-            if self.graph is None and self._warmed >= self.warmup:
+            self._sync_scalars()
+            if self.graph is None and self.reason is None and self._warmed >= self.warmup:
                 self._capture(x, y)
             if self.graph is not None and (x.shape, x.dtype, y.shape) == self._shapes:
                 self._x[...] = x
@@ -143,8 +169,7 @@ class GraphedStep:
                 for name, st in self.optimizer.state.items():
                     st["step"] = steps.get(name, st["step"])
                 self.optimizer.zero_grad()
-                self.optimizer.lr_ref = None  # eager from now on: lr by value
-                self.reason = f"the step cannot be captured: {type(e).__name__}: {e}"
+                self._give_up(f"the step cannot be captured: {type(e).__name__}: {e}")
                 return
             self.graph = self.stream.end_capture()
         self._loss = loss

@@ -10,7 +10,9 @@ Updates work in place. Each parameter is updated by one fused kernel: on CPU wit
 (``mpidl.engine._fused``), on GPU a CuPy kernel (``mpidl.engine._fused_gpu``); both are
 bitwise equal to the array-operation sequence used otherwise; ``fused=False`` forces the
 sequence. ``SGD.lr_ref`` (a one-element CuPy array, normally None) makes the GPU kernel
-read the learning rate from device memory, so a captured CUDA graph follows ``lr``.
+read the learning rate from device memory, and ``Adam.scalars_ref`` (three elements:
+``step_scalars(t)``) the values that change per update, so a captured CUDA graph
+follows the schedule and the bias correction.
 
 Row-sparse gradients (``SparseGrad``, from Embedding): SGD updates the touched rows only,
 and so does its momentum ("lazy" momentum: an untouched row's velocity neither decays nor
@@ -69,7 +71,8 @@ class Optimizer:
             self.params[name] = p
         self._lr = _check_lr(lr)
         self.fused = fused
-        self.lr_ref = None
+        self.lr_ref = None  # SGD: the learning rate in device memory (CUDA graphs)
+        self.scalars_ref = None  # Adam: step_scalars(t) in device memory (CUDA graphs)
         self.state = {}
         self._scratch = {}
 
@@ -348,15 +351,29 @@ class Adam(Optimizer):
     def _active_slots(self, **_):
         return self.slots
 
-    def _dense(self, name, p, g, st):
-        t = st["step"]
-        b1, b2, eps, wd, lr = self.beta1, self.beta2, self.eps, self.weight_decay, self.lr
+    def step_scalars(self, t):
+        """``(step_size, inv_sqrt_bc2, decay)`` of update number ``t``: what changes from
+        one update to the next (bias corrections, the learning rate)."""
+        b1, b2, wd, lr = self.beta1, self.beta2, self.weight_decay, self.lr
         step_size = lr / (1.0 - b1 ** t)
         inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - b2 ** t)
-        l2 = 0.0 if self.decoupled else wd
         decay = 1.0 - lr * wd if self.decoupled else 1.0
+        return step_size, inv_sqrt_bc2, decay
+
+    def _dense(self, name, p, g, st):
+        b1, b2, eps, wd = self.beta1, self.beta2, self.eps, self.weight_decay
+        step_size, inv_sqrt_bc2, decay = self.step_scalars(st["step"])
+        l2 = 0.0 if self.decoupled else wd
         data, m, v = p.data, st["exp_avg"], st["exp_avg_sq"]
         kernels = self._fused_kernels(data, g)
+        if kernels is _fused_gpu and self.scalars_ref is not None:
+            kernels.adam_ref(data.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
+                             self.scalars_ref, b1, b2, eps, l2,
+                             self.decoupled and wd != 0.0)
+            return
+        if self.scalars_ref is not None:
+            raise RuntimeError("Adam.scalars_ref (per-step values read from device memory, "
+                               "for CUDA graphs) needs contiguous CuPy arrays and fused=None")
         if kernels is not None:
             kernels.adam(data.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1),
                         step_size, b1, b2, inv_sqrt_bc2, eps, l2, decay)

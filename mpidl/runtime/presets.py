@@ -49,8 +49,8 @@ OPTIONS = [
            "(parameter server): presets of a step's parts; default: local on one rank, "
            "allreduce on several", "parallelism"),
     Option("cuda_graph", bool, False, "--device gpu, one process: capture the whole "
-           "training step in a CUDA graph and replay it (SGD; falls back to eager steps, "
-           "saying why, when the step cannot be captured)", "parallelism"),
+           "training step in a CUDA graph and replay it (SGD, Adam, AdamW; falls back to "
+           "eager steps, saying why, when the step cannot be captured)", "parallelism"),
     Option("sync_bn", bool, False, "synchronize BatchNorm statistics over the data-parallel "
            "group (forward and backward), so N ranks with batch b train exactly like one "
            "process with batch N*b", "parallelism"),
