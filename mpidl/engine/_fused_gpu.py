@@ -395,6 +395,12 @@ def _xent_module():
     return cupy_module().RawModule(code=_XENT_SOURCE, options=_NO_FMA)
 
 
+def _per_item(fn, count, args):
+    """Run the RawKernel ``fn`` with one thread per item of ``count`` (none for 0)."""
+    if count > 0:
+        fn(((count + 255) // 256,), (256,), args)
+
+
 def _suffix(dtype):
     return "f32" if dtype.itemsize == 4 else "f64"
 
@@ -418,11 +424,8 @@ def softmax_xent_backward(probs, labels):
     """In place: ``probs`` becomes ``(probs - onehot(labels)) / N``, in one launch."""
     cp = cupy_module()
     n, k = probs.shape
-    total = n * k
-    dtype = probs.dtype.type
-    fn = _xent_module().get_function("xent_backward_" + _suffix(probs.dtype))
-    fn(((total + 255) // 256,), (256,),
-       (probs, labels, cp.int64(n), cp.int32(k), dtype(1.0 / n)))
+    _per_item(_xent_module().get_function("xent_backward_" + _suffix(probs.dtype)), n * k,
+              (probs, labels, cp.int64(n), cp.int32(k), probs.dtype.type(1.0 / n)))
     return probs
 
 
@@ -563,12 +566,9 @@ def maxpool_forward(x_nhwc, ho, wo, kernel, stride, padding):
     n, h, w, c = x_nhwc.shape
     out = cp.empty((n, ho, wo, c), dtype=x_nhwc.dtype)
     idx = cp.empty((n, ho, wo, c), dtype=cp.uint8)
-    total = out.size
-    if total:
-        fn = _pool_module().get_function("maxpool_forward_" + _suffix(x_nhwc.dtype))
-        fn(((total + 255) // 256,), (256,),
-           (x_nhwc, cp.int64(n)) + _pool_args((h, w, c, ho, wo) + kernel + stride + padding)
-           + (out, idx))
+    _per_item(_pool_module().get_function("maxpool_forward_" + _suffix(x_nhwc.dtype)),
+              out.size, (x_nhwc, cp.int64(n))
+              + _pool_args((h, w, c, ho, wo) + kernel + stride + padding) + (out, idx))
     return out, idx
 
 
@@ -580,13 +580,10 @@ def maxpool_backward(dy_nhwc, idx, h, w, kernel, stride, padding):
     cp = cupy_module()
     n, ho, wo, c = idx.shape
     dx = cp.empty((n, h, w, c), dtype=dy_nhwc.dtype)
-    total = dx.size
-    if total:
-        fn = _pool_module().get_function("maxpool_backward_" + _suffix(dy_nhwc.dtype))
-        fn(((total + 255) // 256,), (256,),
-           (cp.ascontiguousarray(dy_nhwc), idx, cp.int64(n))
-           + _pool_args((h, w, c, ho, wo) + kernel + stride + padding
-                        + (int(kernel == stride),)) + (dx,))
+    _per_item(_pool_module().get_function("maxpool_backward_" + _suffix(dy_nhwc.dtype)),
+              dx.size, (cp.ascontiguousarray(dy_nhwc), idx, cp.int64(n))
+              + _pool_args((h, w, c, ho, wo) + kernel + stride + padding
+                           + (int(kernel == stride),)) + (dx,))
     return dx
 
 
@@ -595,12 +592,9 @@ def col2im(dcols, n, h, w, c, ho, wo, kernel, stride, padding):
     C-contiguous im2col matrix ``(n*ho*wo, kh*kw*c)``, in one launch."""
     cp = cupy_module()
     dx = cp.empty((n, h, w, c), dtype=dcols.dtype)
-    total = dx.size
-    if total:
-        fn = _pool_module().get_function("col2im_" + _suffix(dcols.dtype))
-        fn(((total + 255) // 256,), (256,),
-           (dcols, cp.int64(n)) + _pool_args((h, w, c, ho, wo) + kernel + stride + padding)
-           + (dx,))
+    _per_item(_pool_module().get_function("col2im_" + _suffix(dcols.dtype)), dx.size,
+              (dcols, cp.int64(n)) + _pool_args((h, w, c, ho, wo) + kernel + stride + padding)
+              + (dx,))
     return dx
 
 

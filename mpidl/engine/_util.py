@@ -3,6 +3,7 @@
 import numpy as np
 
 from mpidl.backend import array_module, is_gpu_array
+from mpidl.engine import _fused_gpu
 
 
 def float_dtype(dtype):
@@ -44,8 +45,6 @@ def colsum(a2):
     """Column sums of a tall ``(rows, C)`` matrix as a GEMV with a vector of ones: NumPy's
     own ``sum(axis=0)`` walks such a matrix row by row and is ~20x slower for C ~ 32."""
     if is_gpu_array(a2):
-        from mpidl.engine import _fused_gpu  # noqa: PLC0415
-
         return _fused_gpu.column_sums(a2)
     xp = array_module(a2)
     return xp.ones(a2.shape[0], dtype=a2.dtype) @ a2
@@ -54,7 +53,5 @@ def colsum(a2):
 def column_dot(a2, b2):
     """``sum_i a2[i, j] * b2[i, j]`` for each column j of two ``(rows, C)`` matrices."""
     if is_gpu_array(a2):
-        from mpidl.engine import _fused_gpu  # noqa: PLC0415
-
         return _fused_gpu.column_sums(a2, b2)
     return array_module(a2).einsum("ij,ij->j", a2, b2)
