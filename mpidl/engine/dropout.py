@@ -35,12 +35,15 @@ class Dropout(Layer):
         calls = int(to_numpy(self._buffers["calls"]))
         rng = np.random.default_rng((self.seed, self.stream, calls))
         self._buffers["calls"] = xp.asarray(np.int64(calls + 1))
-        keep = rng.random(x.shape, dtype=np.float32) >= self.p
-        mask = keep.astype(x.dtype)
+        mask = self._draw(x.shape, rng).astype(x.dtype)
         mask *= 1.0 / (1.0 - self.p)
         mask = xp.asarray(mask)
         self.save_for_backward(mask)
         return x * mask
+
+    def _draw(self, shape, rng):
+        """The boolean keep-mask of one forward (tensor parallelism draws a wider one)."""
+        return rng.random(shape, dtype=np.float32) >= self.p
 
     def backward(self, dy):
         (mask,) = self.saved_for_backward()

@@ -36,6 +36,7 @@ from mpidl.runtime import averaging as averaging_part
 from mpidl.runtime import hogwild as hogwild_part
 from mpidl.runtime import precision as precision_part
 from mpidl.runtime import schedule as schedule_part
+from mpidl.runtime import tensor_parallel as tp_part
 from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.runtime import Runtime
@@ -68,7 +69,8 @@ def cli_options():
     """Every part's settings, for ``mpidl.config`` and the command line."""
     return (OPTIONS + schedule_part.OPTIONS + fused.OPTIONS + rowsparse.OPTIONS
             + compressed.OPTIONS + pushpull.OPTIONS + averaging_part.OPTIONS
-            + zero_part.OPTIONS + hogwild_part.OPTIONS + precision_part.OPTIONS)
+            + zero_part.OPTIONS + hogwild_part.OPTIONS + precision_part.OPTIONS
+            + tp_part.OPTIONS)
 
 
 def names():
@@ -91,6 +93,10 @@ def build(name, comm=None, strict=True, **options):
     given = {k: v for k, v in options.items() if v is not None}
     averaging_part.check_options(name, given)
     zero_part.check_options(name, given)
+    if (given.get("tensor_parallel") or 1) > 1 and name not in ("local", "allreduce"):
+        raise ConfigError(f"--tensor-parallel {given['tensor_parallel']} cannot be used with "
+                          f"--strategy {name}: tensor parallelism splits layers over ranks "
+                          "that train together (--strategy allreduce)")
     preset, takes = PRESETS[name]
     unused = sorted(k for k in given if k not in takes)
     if unused and strict:
@@ -141,10 +147,11 @@ def _precision(precision, loss_scale, loss_scale_window, refuse=None):
 
 
 def local(comm, unused, accumulate=1, straggler=None, precision=None, loss_scale=None,
-          loss_scale_window=None, cuda_graph=False):
+          loss_scale_window=None, cuda_graph=False, tensor_parallel=1):
     prec = _precision(precision, loss_scale, loss_scale_window,
                       ("--cuda-graph", "the captured step is the plain float32 one")
                       if cuda_graph else None)
+    tp_part.check_degree(tensor_parallel, _size(comm))
     if _size(comm) > 1:
         raise ConfigError(f"strategy 'local' trains on one process, but {comm.size} ranks "
                           "were started: use --strategy allreduce (the default for more than "
@@ -175,7 +182,11 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
               overlap="auto", compression=None, ratio=None, sparse_grads=None, sync_bn=False,
               sync=None, period=None, warmup_steps=None, outer_lr=None, outer_momentum=None,
               verify_averaging=False, zero=0, precision=None, loss_scale=None,
-              loss_scale_window=None):
+              loss_scale_window=None, tensor_parallel=1):
+    tp = tp_part.check_degree(tensor_parallel, _size(comm))
+    if tp > 1:
+        _check_tensor_parallel(tp, zero=zero, compression=compression, sync=sync,
+                               precision=precision)
     refuse = None
     if zero:
         refuse = (f"--zero {zero}", "the sharded optimizer steps the working copies, not "
@@ -216,11 +227,28 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
     averaging = averaging_part.build_averaging(
         sync, period, warmup_steps, outer_lr, outer_momentum, algorithm=algorithm,
         bucket_mb=fused.check_bucket_mb(bucket_mb), verify=verify_averaging)
+    part = tp_part.TensorParallel(tp) if tp > 1 else None
     rt = Runtime(comm, "allreduce" if averaging is None else f"allreduce+{averaging.name}",
                  sched, syncs, Replicated, sync_bn=sync_bn, unused=unused, averaging=averaging,
-                 precision=prec)
+                 precision=prec, tensor_parallel=part)
     rt.compressor = compressor
+    if part is not None:
+        rt.checks.append(lambda model, optimizer: part.check(model))
     return rt
+
+
+def _check_tensor_parallel(tp, **given):
+    """One line for what does not compose with tensor parallelism yet."""
+    what = {"zero": given["zero"] and f"--zero {given['zero']}",
+            "compression": given["compression"] not in (None, "none")
+            and f"--compression {given['compression']}",
+            "sync": given["sync"] not in (None, "allreduce") and f"--sync {given['sync']}",
+            "precision": given["precision"] not in (None, "fp32")
+            and f"--precision {given['precision']}"}
+    for flag in what.values():
+        if flag:
+            raise ConfigError(f"--tensor-parallel {tp} with {flag} is not built yet: drop one "
+                              "of them")
 
 
 def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode, sync_bn):
@@ -324,8 +352,8 @@ class _NotSparse(_Sparse):
 
 _COMMON = _names(schedule_part.OPTIONS) | _names(precision_part.OPTIONS)
 PRESETS = {
-    "local": (local, _COMMON | {"cuda_graph"}),
-    "allreduce": (allreduce, _COMMON | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
+    "local": (local, _COMMON | {"cuda_graph"} | _names(tp_part.OPTIONS)),
+    "allreduce": (allreduce, _COMMON | _names(tp_part.OPTIONS) | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
                   | _names(compressed.OPTIONS) | {"sync_bn"} | _names(averaging_part.OPTIONS)
                   | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)),
     "ps": (ps, _COMMON | _names(pushpull.OPTIONS) | _names(compressed.OPTIONS)

@@ -52,13 +52,15 @@ class Runtime:
 
     def __init__(self, comm, name, schedule, syncs, placement_cls, *, role="trainer",
                  server=None, roles=None, sync_bn=False, options=None, unused=(),
-                 averaging=None, precision=None):
+                 averaging=None, precision=None, tensor_parallel=None):
         self.comm = comm                      # the world Communicator (None: one process)
         self.name = name                      # the preset's name, for logs
         self.schedule = schedule
         self.syncs = list(syncs)              # [(selector, GradSync)]; see presets
         self.averaging = averaging            # a ModelAveraging (local SGD, DiLoCo) or None
         self.precision = precision            # a precision.Precision (bf16, fp16) or None
+        self.tp = tensor_parallel             # a tensor_parallel.TensorParallel or None
+        self.tp_group = None                  # its group (the mesh's tp axis)
         self._step_syncs = self.syncs         # the syncs the current step runs
         self.placement_cls = placement_cls
         self.role = role
@@ -105,7 +107,10 @@ class Runtime:
         trainers = self.trainer_ranks
         if not self.trains_on_data:
             return 0, len(trainers)
-        return trainers.index(self.rank), len(trainers)
+        mine = trainers.index(self.rank)
+        if self.tp is not None:  # a tensor-parallel group shares one piece (tp innermost)
+            return mine // self.tp.degree, len(trainers) // self.tp.degree
+        return mine, len(trainers)
 
     # -- set-up
     def check(self, model, optimizer):
@@ -123,6 +128,10 @@ class Runtime:
         self.named_params = model.named_parameters()
         self.schedule.setup(model)
         self._build_groups()
+        if self.tp is not None:  # the model, built whole, is cut into this rank's slices
+            self.tp.setup(model, self.tp_group)
+            self.loss = loss = self.tp.loss(loss)
+            self.named_params = model.named_parameters()
         if self.compressor is not None and self.comm is not None:
             # momentum applied once: a momentum-correcting memory (onebit, dgc) takes it
             # over from whoever runs the optimizer (this rank, or this parameter server)
@@ -193,8 +202,10 @@ class Runtime:
         if self.comm is None:
             return
         servers = self.roles.get("server", [])
-        self.mesh = Mesh(self.comm, roles={"server": len(servers)} if servers else None)
+        self.mesh = Mesh(self.comm, roles={"server": len(servers)} if servers else None,
+                         tp=1 if self.tp is None else self.tp.degree)
         self.group = self.mesh.group("dp")
+        self.tp_group = self.mesh.group("tp") if self.tp is not None else None
         self.role_group = self.mesh.group(self.role)
         self.ps_comm = self.comm
 
@@ -442,7 +453,52 @@ class Runtime:
             lines += self.precision.describe()
         if self.averaging is not None:
             lines += self.averaging.describe()
+        if self.tp is not None:
+            lines += self.tp.describe()
         return lines
+
+    def adapt_task(self, task):
+        """Give the trainer's task the losses this layout needs (after ``setup``): with
+        logits split over a tensor-parallel group, the parallel cross-entropy."""
+        if self.tp is not None and self.tp.output_slice is not None:
+            task.loss = self.loss
+            task.eval_loss = self.tp.loss(task.eval_loss)
+        return task
+
+    # -- the whole model, whatever the layout (checkpoints, --save)
+    def full_state(self, model, optimizer=None):
+        """Collective over the ranks that hold pieces of one model: (model state,
+        optimizer state) of the whole model, as one process would hold them, on the
+        root; on other ranks None. Without tensor parallelism: the local states."""
+        if self.tp is None:
+            if not self.is_root:
+                return None, None
+            return (dict(model.state_dict()),
+                    None if optimizer is None else optimizer.state_dict())
+        model_state = self.tp.full_state(dict(model.state_dict()))
+        opt_state = None
+        if optimizer is not None:
+            opt_state = self.tp.full_optimizer_state(optimizer.state_dict())
+        if not self.is_root:
+            return None, None
+        return model_state, opt_state
+
+    def load_full_state(self, model, optimizer, model_state, opt_state=None):
+        """Load a whole model's state (and its optimizer's) saved under any layout into
+        this rank's part of the model."""
+        if self.tp is not None:
+            model_state = self.tp.local_state(model_state)
+            if opt_state is not None:
+                opt_state = self.tp.local_optimizer_state(opt_state)
+        model.load_state_dict(model_state)
+        if opt_state is not None:
+            optimizer.load_state_dict(opt_state)
+
+    def full_shapes(self, model):
+        """{name: shape} of the whole model's state (what a checkpoint holds)."""
+        if self.tp is not None:
+            return self.tp.full_shapes(model)
+        return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
     # -- collectives for the trainer (over the training ranks)
     def _before_collective(self):

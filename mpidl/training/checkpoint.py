@@ -261,12 +261,14 @@ def remove_stale_temporaries(directory):
 # -- the final model
 
 def save_model(path, model, meta=None):
-    """The model's parameters and buffers as a plain .npz ({"0.weight": array, ...}).
+    """The model's parameters and buffers as a plain .npz ({"0.weight": array, ...});
+    ``model``: a model, or its ``state_dict`` (a whole one, gathered from its pieces).
 
     ``meta`` (model name, input shape, ...) is stored as JSON in the member ``__meta__``;
     ``numpy.load(path)["0.weight"]`` reads a parameter without mpidl.
     """
-    arrays = {name: to_numpy(a) for name, a in model.state_dict().items()}
+    state = model.state_dict() if hasattr(model, "state_dict") else model
+    arrays = {name: to_numpy(a) for name, a in state.items()}
     if meta is not None:
         arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
     return write_npz_atomic(path, arrays)

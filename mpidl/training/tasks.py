@@ -11,7 +11,6 @@ same trainer.
 import math
 
 from mpidl.engine.losses import SoftmaxCrossEntropy
-from mpidl.engine.metrics import accuracy
 
 
 class ClassificationTask:
@@ -27,7 +26,7 @@ class ClassificationTask:
         """{name: number} for one evaluation batch; summed over batches and ranks."""
         logits = model(x)
         return {"loss_sum": float(self.eval_loss.forward(logits, y)) * len(y),
-                "correct": accuracy(logits, y), "n": len(y)}
+                "correct": self.eval_loss.correct(logits, y), "n": len(y)}
 
     def eval_metrics(self, totals):
         n = totals.get("n", 0)

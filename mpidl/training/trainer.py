@@ -212,6 +212,7 @@ class Trainer:
         rt.checkpoints = self.checkpointing or (
             self.preemption is not None and self.paths.get("stop_checkpoint_dir") is not None)
         rt.setup(self.model, self.optimizer, self.task.loss)
+        rt.adapt_task(self.task)
         if cfg.resume:
             self.restore()
         self.callbacks.on_fit_start(self)
@@ -409,6 +410,7 @@ class Trainer:
         mine = {"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}
         per_rank = self.runtime.gather(mine)
         runtime_state = self.runtime.state_dict()
+        model_state, optimizer_state = self.runtime.full_state(self.model, self.optimizer)
         self.checkpoints_written += 1
         path = None
         if self.is_root and not self.parameters_finite():
@@ -426,8 +428,8 @@ class Trainer:
                 "config": self.resume_config(),
                 "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
                              "elapsed": self.elapsed(), "last": self.last},
-                "model": dict(self.model.state_dict()),
-                "optimizer": self.optimizer.state_dict(),
+                "model": model_state,
+                "optimizer": optimizer_state,
                 "ranks": per_rank,
                 "runtime": runtime_state,
             }
@@ -449,7 +451,7 @@ class Trainer:
         """CheckpointError unless ``state`` is a training checkpoint that fits this model
         (names and shapes)."""
         ckpt.check_training_state(path, state)
-        own = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        own = self.runtime.full_shapes(self.model)
         saved = state.get("model") or {}
         if set(saved) != set(own):
             raise ckpt.CheckpointError(f"{path}: its model has other parameters than this one")
@@ -486,8 +488,8 @@ class Trainer:
         if path is None:
             self.log.info(f"--resume: no checkpoint in {directory}; starting from scratch")
             return False
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.runtime.load_full_state(self.model, self.optimizer, state["model"],
+                                     state["optimizer"])
         mine = state["ranks"][self.shard_rank_index()]
         set_rng_states(self.model, mine["rng"])
         self.runtime.load_state_dict(state.get("runtime"))
@@ -518,12 +520,15 @@ class Trainer:
 
     def save_model(self):
         path = self.paths.get("save")
-        if not path or not self.is_root:
+        if not path:
+            return None
+        state, _ = self.runtime.full_state(self.model)  # collective: every rank is here
+        if not self.is_root:
             return None
         meta = dict(self.model_meta, step=self.step, epochs=self.epoch,
                     test_acc=self.last.get("test_acc"))
         try:
-            ckpt.save_model(path, self.model, meta)
+            ckpt.save_model(path, state, meta)
         except OSError as e:  # the final checkpoint (written just before) holds the model
             kept = (f"; the final checkpoint in {self.paths['checkpoint_dir']} holds the "
                     "trained model: mpidl train --resume with the same settings and another "
