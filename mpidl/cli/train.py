@@ -132,6 +132,12 @@ def _local_rank(world):
     return world.rank
 
 
+def layout_note(cfg, ranks):
+    """How the ranks are laid out, when it is more than data parallelism."""
+    t = getattr(cfg, "tensor_parallel", 1) or 1
+    return "" if t == 1 else f" (tensor parallel {t} x data parallel {ranks // t})"
+
+
 def prepare(args, world):
     """Phase 1 (local): everything that can go wrong because of the input. Returns phase 2."""
     from mpidl import backend  # noqa: PLC0415
@@ -230,7 +236,7 @@ def prepare(args, world):
             log.info(
                 f"training {cfg.model} on {dataset.name} ({len(dataset.train_y)} train / "
                 f"{len(dataset.test_y)} test, input {dataset.input_shape}) | {world.size} "
-                f"rank(s), strategy {name}, device {backend.device()}, {cfg.dtype} | batch "
+                f"rank(s), strategy {name}{layout_note(cfg, world.size)}, device {backend.device()}, {cfg.dtype} | batch "
                 f"{cfg.batch_size}/rank = {trainer.loader.global_batch_size} global, "
                 f"{trainer.steps_per_epoch} steps/epoch x {cfg.epochs} epochs | "
                 f"{cfg.optimizer} lr {trainer.base_lr:g} ({cfg.schedule}, warm-up "

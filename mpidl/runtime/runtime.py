@@ -432,6 +432,8 @@ class Runtime:
                     out["bytes_sent_per_step"] *= self.averaging.exchange_fraction()
         for _, sync in self.syncs:
             out.update(sync.metrics())
+        if self.tp is not None:
+            out["tensor_parallel"] = self.tp.degree
         if self.precision is not None:
             out.update(self.precision.metrics())
         if self.averaging is not None:

@@ -95,11 +95,11 @@ class Slice:
         return self.lo + self.counts[self.index]
 
     def take(self, a):
-        """This rank's piece of the whole array ``a`` (a contiguous copy)."""
-        xp = array_module(a)
+        """This rank's piece of the whole array ``a``: a copy, so the whole array is not
+        kept alive behind a view."""
         index = [slice(None)] * a.ndim
         index[self.dim] = slice(self.lo, self.hi)
-        return xp.ascontiguousarray(a[tuple(index)])
+        return a[tuple(index)].copy()
 
     def join(self, pieces):
         """The whole array from every rank's piece (host arrays, in rank order)."""
