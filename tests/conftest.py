@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -8,3 +10,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CuPy and a CUDA device (skipped otherwise)")
     config.addinivalue_line("markers", "slurm: needs the single-node Slurm cluster (tests/slurm)")
     config.addinivalue_line("markers", "slow: trains on real data; minutes, not seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``slow`` tests (exhaustive grids, long training runs) run only when asked for:
+    ``pytest -m slow ...`` or ``MPIDL_SLOW=1``; CI runs their representative slices."""
+    if "slow" in (config.getoption("markexpr") or "") or os.environ.get("MPIDL_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with pytest -m slow (or MPIDL_SLOW=1)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

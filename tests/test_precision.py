@@ -356,11 +356,7 @@ def test_bf16_rounding_on_gpu_matches_cpu():
 @pytest.mark.slow
 @pytest.mark.skipif(not fashion_available(), reason="needs Fashion-MNIST")
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
-def test_ten_epochs_within_half_a_point_of_fp32(request, model, tmp_path):
-    if "slow" not in (request.config.getoption("markexpr") or "") and \
-            os.environ.get("MPIDL_SLOW") != "1":
-        pytest.skip("three 10-epoch runs: pytest -m slow tests/test_precision.py "
-                    "(or MPIDL_SLOW=1)")
+def test_ten_epochs_within_half_a_point_of_fp32(model, tmp_path):
     acc = {}
     for fmt in ("fp32", "bf16", "fp16"):
         out = tmp_path / fmt

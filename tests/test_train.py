@@ -224,10 +224,7 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path):
 @needs_fashion
 @pytest.mark.parametrize("model, target, timeout", [("mlp", 0.885, 3600),
                                                     ("cnn", 0.915, 4 * 3600)])
-def test_full_fashion_mnist_accuracy(request, tmp_path, model, target, timeout):
-    if "slow" not in (request.config.getoption("markexpr") or "") and \
-            os.environ.get("MPIDL_SLOW") != "1":
-        pytest.skip("full 10-epoch run: pytest -m slow tests/test_train.py (or MPIDL_SLOW=1)")
+def test_full_fashion_mnist_accuracy(tmp_path, model, target, timeout):
     launch = train(["--model", model, "--epochs", "10", "--seed", "1",
                     "--out-dir", tmp_path], timeout=timeout).check()
     best = json_lines(launch.output)[-1]["test_acc"]

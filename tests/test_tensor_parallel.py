@@ -1,0 +1,203 @@
+"""Tensor parallelism (``--tensor-parallel T``): slices, planning, refusals, and real ranks.
+
+The multi-rank cases launch ``tests/ranks/tp_check.py`` (one process's reference beside
+T x DP ranks, replicated parameters checked bitwise across the tensor-parallel group
+after every step) and ``mpidl train`` itself (the saved whole model against a
+one-process run, 100 steps, float64; a checkpoint written at T = 2 x DP = 2 resumed at
+T = 1 and T = 4).
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from mpirun import fashion_available, run_command, run_ranks
+from mpidl.engine import Linear, ReLU, Sequential
+from mpidl.engine.models import build_model
+from mpidl.errors import ConfigError
+from mpidl.runtime import build
+from mpidl.runtime.tensor_parallel import Slice, TensorParallel, check_degree
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TP_CHECK = os.path.join(HERE, "ranks", "tp_check.py")
+MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
+
+
+# -- slices and planning (one process) -------------------------------------------------------
+
+def test_uneven_slices_cover_the_width_in_order():
+    pieces = [Slice(1, 1024, 1, 3, i) for i in range(3)]
+    assert [(s.lo, s.hi) for s in pieces] == [(0, 342), (342, 683), (683, 1024)]
+    a = np.arange(2 * 1024).reshape(2, 1024)
+    taken = [s.take(a) for s in pieces]
+    assert all(t.flags.c_contiguous and t.base is None for t in taken)  # copies, not views
+    np.testing.assert_array_equal(pieces[0].join(taken), a)
+
+
+def test_slices_of_whole_heads():
+    # 5 heads of 3 (q, k, v) x 4 columns over 2 ranks: 3 heads and 2 heads
+    pieces = [Slice(1, 5, 12, 2, i) for i in range(2)]
+    assert [(s.lo, s.hi) for s in pieces] == [(0, 36), (36, 60)]
+
+
+@pytest.mark.parametrize("t, ranks", [(0, 4), (3, 4), (2, 3)])
+def test_degree_must_divide_the_ranks(t, ranks):
+    with pytest.raises(ConfigError, match="tensor-parallel"):
+        check_degree(t, ranks)
+
+
+def test_plan_refuses_a_layer_narrower_than_the_degree():
+    model = build_model("mlp", input_shape=(1, 4, 4), num_classes=3, hidden=(8, 8))
+    TensorParallel(3).check(model)  # 8 hidden units and 3 classes: fine
+    with pytest.raises(ConfigError, match=r"the output Linear 5 has 3 classes, fewer than the 4"):
+        TensorParallel(4).check(model)
+
+
+def test_refused_combinations_are_one_line():
+    with pytest.raises(ConfigError, match="--tensor-parallel 2 cannot be used with --strategy ps"):
+        build("ps", None, tensor_parallel=2)
+    with pytest.raises(ConfigError, match="does not divide the 1 rank"):
+        build("local", None, tensor_parallel=2)
+
+
+def test_pairs_are_column_then_row_and_the_last_linear_slices_the_classes():
+    rng = np.random.default_rng(0)
+    model = Sequential(Linear(6, 8, rng=rng), ReLU(), Linear(8, 8, rng=rng), ReLU(),
+                       Linear(8, 4, rng=rng))
+
+    class Group:  # the planner only reads size and rank when it cuts
+        size, rank = 2, 1
+
+    part = TensorParallel(2)
+    part._plan(model, Group())
+    assert part.layers == [("0", "column"), ("2", "row"), ("4", "column, logits sliced")]
+    assert model.layers[0].weight.data.shape == (6, 4)
+    assert model.layers[2].weight.data.shape == (4, 8)
+    assert model.layers[2].bias.placement.kind == "replicated"
+    assert model.layers[4].weight.data.shape == (8, 2)
+    assert part.output_slice.lo == 2
+
+
+# -- real ranks --------------------------------------------------------------------------------
+
+CASES = [  # (ranks, model, T, steps, optimizer, dropout)
+    (2, "mlp", 2, 100, "sgd", 0.0),
+    (3, "mlp", 3, 100, "adam", 0.2),   # uneven slices, dropout inside the pairs
+    (4, "cnn", 4, 30, "sgd", 0.0),
+    (4, "mlp", 2, 50, "adam", 0.0),    # DP x TP = 2 x 2
+    (4, "cnn", 2, 30, "sgd", 0.0),     # DP x TP = 2 x 2, BatchNorm synchronized
+]
+
+
+@pytest.mark.parametrize("ranks, model, t, steps, optimizer, dropout", CASES)
+def test_tensor_parallel_equals_one_process(ranks, model, t, steps, optimizer, dropout):
+    launch = run_ranks(ranks, [TP_CHECK, model, t, steps, optimizer, dropout], timeout=240)
+    launch.check()
+    assert f"tp_check {model} T={t}" in launch.output, launch.output
+
+
+def train_cmd(n, out, *args, dtype="float64"):
+    return ([os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(n)] + MPIDL
+            + ["train", "--no-progress", "--dtype", dtype, "--out-dir", str(out), *args])
+
+
+def max_relative_difference(a_path, b_path):
+    a, b = np.load(a_path), np.load(b_path)
+    names = [k for k in a.files if k != "__meta__"]
+    assert sorted(names) == sorted(k for k in b.files if k != "__meta__")
+    worst = 0.0
+    for k in names:
+        assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)
+        if a[k].dtype.kind == "f":
+            worst = max(worst, float(np.abs(a[k] - b[k]).max() / np.abs(a[k]).max()))
+        else:
+            assert np.array_equal(a[k], b[k]), k
+    return worst
+
+
+def needs_fashion():
+    if not fashion_available():
+        pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+
+
+MLP_100 = ["--model", "mlp", "--batch-size", "32", "--limit-train", "3200", "--limit-test",
+           "500", "--epochs", "1"]
+
+
+def test_cli_mlp_t3_uneven_equals_one_process(tmp_path):
+    """The 1024-wide MLP over 3 ranks (342/341/341 columns), 100 steps, float64."""
+    needs_fashion()
+    run_command(train_cmd(1, tmp_path / "one", *MLP_100), timeout=300).check()
+    launch = run_command(train_cmd(3, tmp_path / "tp3", *MLP_100, "--tensor-parallel", "3"),
+                         timeout=300).check()
+    assert "tensor parallel 3 x data parallel 1" in launch.output, launch.output
+    last = json.loads(open(tmp_path / "tp3" / "metrics.jsonl").readlines()[-1])
+    assert last["tensor_parallel"] == 3 and last["step"] == 100
+    assert max_relative_difference(tmp_path / "one" / "model.npz",
+                                   tmp_path / "tp3" / "model.npz") <= 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, t", [("mlp", 2), ("mlp", 4), ("cnn", 2), ("cnn", 3),
+                                      ("cnn", 4)])
+def test_cli_equals_one_process_grid(tmp_path, model, t):
+    needs_fashion()
+    args = ["--model", model, "--batch-size", "32", "--limit-train", "3200",
+            "--limit-test", "200", "--epochs", "1"]
+    run_command(train_cmd(1, tmp_path / "one", *args), timeout=900).check()
+    run_command(train_cmd(t, tmp_path / "tp", *args, "--tensor-parallel", str(t)),
+                timeout=900).check()
+    assert max_relative_difference(tmp_path / "one" / "model.npz",
+                                   tmp_path / "tp" / "model.npz") <= 1e-12
+
+
+def test_checkpoint_of_t2_dp2_resumes_at_t1_and_t4(tmp_path):
+    """Saved at T = 2 x DP = 2 and killed after step 55, resumed from step 50 at
+    T = 1 x DP = 2 and at T = 4 x DP = 2: both equal an uninterrupted T = 1 run."""
+    needs_fashion()
+    common = ["--model", "mlp", "--batch-size", "16", "--limit-train", "3200",
+              "--limit-test", "200", "--epochs", "1", "--checkpoint-every", "10"]
+    run_command(train_cmd(2, tmp_path / "ref", *common), timeout=300).check()
+    crashed = run_command(train_cmd(4, tmp_path / "saved", *common, "--tensor-parallel", "2"),
+                          env={"MPIDL_FAIL_AT": "1:55"}, timeout=300)
+    assert crashed.returncode != 0
+    for ranks, t in ((2, 1), (8, 4)):
+        out = tmp_path / f"t{t}"
+        shutil.copytree(tmp_path / "saved" / "checkpoints", out / "checkpoints")
+        launch = run_command(train_cmd(ranks, out, *common, "--tensor-parallel", str(t),
+                                       "--resume"),
+                             timeout=300).check()
+        assert "step 50" in launch.output, launch.output
+        assert max_relative_difference(tmp_path / "ref" / "model.npz",
+                                       out / "model.npz") <= 1e-12
+
+
+def test_tensor_parallel_model_loads_into_one_process(tmp_path):
+    """--save of a T = 2 run is the whole model: --init gives one process the same test
+    loss (its one step at lr 1e-30 leaves every float64 weight's bits as they are)."""
+    needs_fashion()
+    args = ["--model", "mlp", "--batch-size", "32", "--limit-train", "640", "--limit-test",
+            "300", "--epochs", "1"]
+    run_command(train_cmd(2, tmp_path / "tp", *args, "--tensor-parallel", "2"),
+                timeout=300).check()
+    trained = json.loads(open(tmp_path / "tp" / "metrics.jsonl").readlines()[-1])
+    run_command(train_cmd(1, tmp_path / "one", "--model", "mlp", "--batch-size", "32",
+                          "--limit-train", "32", "--limit-test", "300", "--epochs", "1",
+                          "--init", str(tmp_path / "tp" / "model.npz"), "--lr", "1e-30"),
+                timeout=300).check()
+    reloaded = json.loads(open(tmp_path / "one" / "metrics.jsonl").readlines()[-1])
+    assert reloaded["test_loss"] == pytest.approx(trained["test_loss"], rel=1e-12)
+    assert reloaded["test_acc"] == trained["test_acc"]
+
+
+def test_degree_not_dividing_the_ranks_is_one_line(tmp_path):
+    launch = run_command(train_cmd(3, tmp_path / "bad", "--model", "mlp", "--dataset",
+                                   "synthetic", "--tensor-parallel", "2", dtype="float32"),
+                         timeout=120)
+    assert launch.returncode == 2, launch.output
+    lines = [ln for ln in launch.output.splitlines() if "tensor-parallel 2 does not divide" in ln]
+    assert lines and "launch a multiple of 2 ranks" in lines[0], launch.output
