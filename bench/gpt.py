@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -74,7 +75,7 @@ def plan(budget_s, sec_per_step, start_s, eval_s, windows, global_batch):
 def shown(cmd, ranks):
     """The command as a user types it (mpiexec and mpidl from the venv's PATH)."""
     i = cmd.index("train")
-    return " ".join((["mpiexec", "-n", str(ranks)] if ranks > 1 else []) + ["mpidl"] + cmd[i:])
+    return shlex.join((["mpiexec", "-n", str(ranks)] if ranks > 1 else []) + ["mpidl"] + cmd[i:])
 
 
 def main():
@@ -110,11 +111,12 @@ def main():
         "--epochs", "1", "--limit-train", str(cal_steps * global_batch)], timeout=1800)
     rec = cal[-1]
     sec_per_step = rec["epoch_time"] / rec["step"]
-    eval_s = max(0.0, rec["epoch_wall"] - rec["epoch_time"])  # one evaluation
-    start_s = cal_s - rec["epoch_wall"]  # launch and loading
+    eval_s = max(0.0, rec["elapsed"] - rec["epoch_wall"])  # one evaluation
+    start_s = max(0.0, cal_s - rec["elapsed"])  # launch, loading, set-up
     epochs, limit = plan(a.minutes * 60, sec_per_step, start_s, eval_s, windows, global_batch)
     cmd, recs, seconds, out_dir = train(a, a.work, "run", [
-        "--epochs", str(epochs), "--limit-train", str(limit)], timeout=int(a.minutes * 60 * 3) + 600)
+        "--epochs", str(epochs), "--limit-train", str(limit)],
+        timeout=int(a.minutes * 60 * 3) + 600)
     final = recs[-1]
     base = bigram_baseline(dataset)
     model_path = os.path.join(out_dir, "model.npz")
@@ -144,7 +146,7 @@ def main():
         "improvement_over_bigram": improvement, "beats_bigram_by_25_percent": improvement >= 0.25,
         "per_epoch": [{k: r[k] for k in ("epoch", "step", "train_loss", "test_nats_per_char",
                                          "test_bits_per_char", "elapsed")} for r in recs],
-        "sample_command": " ".join(["mpidl"] + sample_cmd[3:]),
+        "sample_command": shlex.join(["mpidl"] + sample_cmd[3:]),
         "sample": sample.stdout,
         "machine": describe_machine(),
     }

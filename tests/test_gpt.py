@@ -283,7 +283,8 @@ def test_two_ranks_equal_one_process_at_the_global_batch(tmp_path, tie):
     """float64, AdamW, 2 epochs: every parameter within 1e-12 of the one-process run."""
     data = corpus(tmp_path)
     common = SMALL + ["--data-dir", data, "--dtype", "float64", "--epochs", "2",
-                      "--limit-train", "48", "--limit-test", "8"] + (["--tie-weights"] if tie else [])
+                      "--limit-train", "48", "--limit-test", "8"]
+    common += ["--tie-weights"] if tie else []
     one, two = tmp_path / "one.npz", tmp_path / "two.npz"
     r = mpidl("train", *common, "--batch-size", "8", "--save", one, "--out-dir", tmp_path / "a")
     assert r.returncode == 0, r.stderr

@@ -58,7 +58,8 @@ def test_resnet_uses_residual_blocks():
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_same_seed_same_model(name):
     shape = input_shape(name)
-    a, b = build_model(name, seed=5, input_shape=shape), build_model(name, seed=5, input_shape=shape)
+    a = build_model(name, seed=5, input_shape=shape)
+    b = build_model(name, seed=5, input_shape=shape)
     c = build_model(name, seed=6, input_shape=shape)
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert na == nb

@@ -95,9 +95,10 @@ class TokenCrossEntropy(SoftmaxCrossEntropy):
         xp = array_module(logits)
         labels = xp.asarray(labels)
         if logits.ndim < 2 or labels.shape != logits.shape[:-1]:
+            lead = tuple(int(d) for d in logits.shape[:-1])
             raise ShapeError(f"TokenCrossEntropy expects labels of the logits' leading shape "
-                             f"{tuple(int(d) for d in logits.shape[:-1])} (logits {shape_str(logits)}), "
-                             f"got labels of shape {shape_str(labels)}")
+                             f"{lead} (logits {shape_str(logits)}), got labels of shape "
+                             f"{shape_str(labels)}")
         self._shape = logits.shape
         return super().forward_array(logits.reshape(-1, logits.shape[-1]),
                                      labels.reshape(-1), check_labels)
