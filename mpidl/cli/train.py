@@ -386,6 +386,9 @@ def build_model_and_optimizer(cfg, dataset, init=None):
              f" does not fit dataset {dataset.name!r} (input shape {dataset.input_shape}, "
              f"{dataset.num_classes} classes)")
     options = model_options(cfg)
+    if init is not None and "model_options" in init[1]:  # rebuilt as saved, unless flags say
+        options = {**init[1]["model_options"],
+                   **{k: v for k, v in options.items() if k in cfg.given}}
     try:
         builder = model_builder(cfg.model)
     except ValueError as e:
