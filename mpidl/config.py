@@ -40,12 +40,25 @@ OPTIONS = [
            "or FILE.py:FUNC, your own model: FUNC(input_shape, num_classes, rng, dtype) "
            "returns an mpidl Layer", "model and data", metavar="NAME|FILE.py:FUNC"),
     Option("dataset", str, "fashion-mnist", "fashion-mnist, mnist, cifar10, digits "
-           "(scikit-learn) or synthetic", "model and data"),
+           "(scikit-learn), synthetic, or text (characters of UTF-8 text, for gpt-tiny)",
+           "model and data"),
     Option("data_dir", str, None, "folder holding the dataset files (default: "
-           "/usr/share/datasets/<dataset>, or $MPIDL_DATA_DIR/<dataset>)", "model and data",
-           metavar="DIR"),
+           "/usr/share/datasets/<dataset>, or $MPIDL_DATA_DIR/<dataset>); for --dataset "
+           "text a UTF-8 file or a folder of them (default: Debian's fortunes, "
+           "/usr/share/games/fortunes)", "model and data", metavar="DIR"),
     Option("dropout", float, None, "dropout probability of the models that have dropout "
-           "layers (mlp, cnn); default: the model's own (0)", "model and data", metavar="P"),
+           "layers (mlp, cnn, gpt-tiny); default: the model's own (0)", "model and data",
+           metavar="P"),
+    Option("layers", int, None, "transformer blocks (gpt-tiny)", "model and data",
+           metavar="N"),
+    Option("heads", int, None, "attention heads per block; must divide --width (gpt-tiny)",
+           "model and data", metavar="H"),
+    Option("width", int, None, "model width: embedding and residual stream (gpt-tiny)",
+           "model and data", metavar="D"),
+    Option("context", int, None, "characters per training window and the longest sequence "
+           "the model takes (gpt-tiny, --dataset text)", "model and data", metavar="T"),
+    Option("tie_weights", bool, False, "the output layer uses the token embedding's weight "
+           "(gpt-tiny)", "model and data"),
     Option("init", str, None, "start from the weights of a model saved by mpidl train "
            "(--save); the network is rebuilt as it was saved (model, input shape, classes)",
            "model and data", metavar="FILE.npz"),
@@ -144,7 +157,10 @@ def strategy_kwargs(cfg):
 #: settings that change which samples a step sees: a checkpoint only resumes if they match
 RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "accumulate",
                "seed", "dtype", "optimizer", "dropout", "strategy", "sync", "period",
-               "warmup_steps", "precision")
+               "warmup_steps", "precision", "layers", "heads", "width", "context",
+               "tie_weights")
+#: settings that are options of the model builders (passed to the builder when set)
+MODEL_OPTIONS = ("dropout", "layers", "heads", "width", "context", "tie_weights")
 
 
 class TrainConfig(SimpleNamespace):
@@ -273,6 +289,9 @@ def validate(cfg):
         bad("keep_checkpoints", "must be at least 1")
     if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
         bad("dropout", "must be in [0, 1)")
+    for name in ("layers", "heads", "width", "context"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            bad(name, "must be at least 1")
     if cfg.nesterov and (cfg.optimizer != "sgd" or cfg.momentum == 0):
         bad("nesterov", "needs --optimizer sgd with --momentum > 0")
     precision = getattr(cfg, "precision", "fp32")

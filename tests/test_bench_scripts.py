@@ -259,3 +259,22 @@ def test_local_sgd_bench_quick_writes_exact_byte_fractions_and_plot(tmp_path):
     assert abs(runs["local-sgd H=1"]["test_acc"] - ref["test_acc"]) <= 1 / 64
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.stat().st_size > 0
+
+
+def test_gpt_bench_quick_writes_losses_baseline_and_sample(tmp_path):
+    """bench/gpt.py --quick on a small text, one rank: calibration, the run, the bigram on
+    the same validation characters, a sample from mpidl sample, the JSON."""
+    text = tmp_path / "t.txt"
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "ran", "far"]
+    rng = np.random.default_rng(0)
+    text.write_text(" ".join(words[i] for i in rng.integers(0, 9, 1500)) + "\n")
+    out = tmp_path / "gpt.json"
+    bench("gpt.py", "--quick", "--ranks", "1", "--minutes", "0.1", "--data-dir", text,
+          "--prompt", "the ", "--tokens", "20", "--work", tmp_path / "work", "--out", out)
+    r = json.loads(out.read_text())
+    assert r["steps"] >= 1 and r["ranks"] == 1
+    assert r["bigram_nats_per_char"] > 0 and r["valid_nats_per_char"] > 0
+    assert r["improvement_over_bigram"] == pytest.approx(
+        1 - r["valid_nats_per_char"] / r["bigram_nats_per_char"])
+    assert r["sample"].startswith("the ") and len(r["sample"].rstrip("\n")) == 24
+    assert r["command"].startswith("mpidl train --model gpt-tiny --dataset text")

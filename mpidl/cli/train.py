@@ -171,7 +171,7 @@ def prepare(args, world):
     except backend.BackendError as e:
         raise ConfigError(f"--device {cfg.device}: {e}") from None
 
-    dataset = load_dataset(cfg.dataset, cfg.data_dir)
+    dataset = load_dataset(cfg.dataset, cfg.data_dir, **dataset_options(cfg))
     if cfg.limit_train or cfg.limit_test:
         dataset = dataset.limit(cfg.limit_train, cfg.limit_test)
 
@@ -193,7 +193,10 @@ def prepare(args, world):
     cfg.strategy = name
     meta = {"model": cfg.model, "dataset": dataset.name,
             "input_shape": list(dataset.input_shape), "num_classes": dataset.num_classes,
-            "dtype": cfg.dtype, "seed": cfg.seed, "mpidl_config": cfg.to_dict()}
+            "dtype": cfg.dtype, "seed": cfg.seed, "model_options": model_options(cfg),
+            "task": dataset.task, "mpidl_config": cfg.to_dict()}
+    if dataset.vocab is not None:  # what mpidl sample needs to turn ids into text
+        meta["vocab"] = dataset.vocab
 
     def job():
         from mpidl.cli.errors import Agreement  # noqa: PLC0415
@@ -388,14 +391,23 @@ def build_model_and_optimizer(cfg, dataset, init=None):
                                       if init is not None else "") +
              f" does not fit dataset {dataset.name!r} (input shape {dataset.input_shape}, "
              f"{dataset.num_classes} classes)")
-    options = {} if cfg.dropout is None else {"dropout": cfg.dropout}
+    options = model_options(cfg)
+    if init is not None and "model_options" in init[1]:  # rebuilt as saved, unless flags say
+        options = {**init[1]["model_options"],
+                   **{k: v for k, v in options.items() if k in cfg.given}}
     try:
         builder = model_builder(cfg.model)
     except ValueError as e:
         raise ConfigError(f"--model {cfg.model}: {e}") from None
-    if options and "dropout" not in inspect.signature(builder).parameters:
-        raise ConfigError(f"--dropout: model {cfg.model!r} has no dropout layers "
-                          f"(models with dropout: {', '.join(_with_dropout(MODELS))})")
+    takes = inspect.signature(builder).parameters
+    for name in options:
+        if name not in takes:
+            flag = "--" + name.replace("_", "-")
+            if name == "dropout":
+                raise ConfigError(f"--dropout: model {cfg.model!r} has no dropout layers "
+                                  f"(models with dropout: {', '.join(_taking(MODELS, name))})")
+            raise ConfigError(f"{flag}: model {cfg.model!r} has no such option (models that "
+                              f"take {flag}: {', '.join(_taking(MODELS, name))})")
     try:
         model = build_model(cfg.model, input_shape=input_shape, num_classes=num_classes,
                             seed=cfg.seed, dtype=cfg.dtype, **options)
@@ -411,17 +423,34 @@ def build_model_and_optimizer(cfg, dataset, init=None):
     return model, make_optimizer(cfg, model)
 
 
-def _with_dropout(models):
-    return [n for n, f in models.items() if "dropout" in inspect.signature(f).parameters]
+def _taking(models, option):
+    return [n for n, f in models.items() if option in inspect.signature(f).parameters]
+
+
+def model_options(cfg):
+    """The model builder's keyword arguments among the settings: those that are set."""
+    from mpidl.config import MODEL_OPTIONS  # noqa: PLC0415
+
+    return {name: getattr(cfg, name) for name in MODEL_OPTIONS
+            if getattr(cfg, name, None) not in (None, False)}
+
+
+def dataset_options(cfg):
+    """Keyword arguments of ``load_dataset`` that come from the settings: a text
+    dataset's windows are the model's context."""
+    if cfg.dataset.lower() == "text":
+        return {"context": cfg.context}
+    return {}
 
 
 def check_model_fits(model, dataset, where, dtype):
-    """Run two test images through the model (eval mode): a ShapeError is the user's."""
+    """Run two test samples through the model (eval mode): a ShapeError is the user's."""
     from mpidl.backend import to_device  # noqa: PLC0415
+    from mpidl.data.loader import input_dtype  # noqa: PLC0415
     from mpidl.engine import ShapeError  # noqa: PLC0415
 
-    x = to_device(dataset.test_x[:2] if len(dataset.test_x) else dataset.train_x[:2],
-                  dtype=dtype)
+    x = dataset.test_x[:2] if len(dataset.test_x) else dataset.train_x[:2]
+    x = to_device(x, dtype=input_dtype(x, dtype))
     model.eval()
     try:
         out = model(x)
@@ -429,9 +458,11 @@ def check_model_fits(model, dataset, where, dtype):
         raise UserError(f"{where}: {e}") from None
     finally:
         model.train()
-    if out.ndim != 2 or out.shape[1] != dataset.num_classes:
-        raise UserError(f"{where}: the model outputs shape {tuple(out.shape[1:])} per image, "
-                        f"expected ({dataset.num_classes},) class scores")
+    per_sample = tuple(dataset.train_y.shape[1:]) + (dataset.num_classes,)
+    if tuple(out.shape[1:]) != per_sample:
+        what = "class scores" if len(per_sample) == 1 else "scores per position"
+        raise UserError(f"{where}: the model outputs shape {tuple(out.shape[1:])} per "
+                        f"sample, expected {per_sample} {what}")
 
 
 def make_optimizer(cfg, model):

@@ -1,4 +1,5 @@
-"""Named datasets: Fashion-MNIST (default), MNIST, CIFAR-10, scikit-learn digits, synthetic.
+"""Named datasets: Fashion-MNIST (default), MNIST, CIFAR-10, scikit-learn digits, synthetic,
+and character-level text (``mpidl.data.text``).
 
 ``load_dataset(name, data_dir=None)`` returns a ``Dataset`` whose arrays live on the host
 (NumPy): images as float32 (N, C, H, W) standardized per channel with the training set's
@@ -15,6 +16,7 @@ from mpidl import env
 from mpidl.data.cifar import CLASSES as CIFAR_CLASSES
 from mpidl.data.cifar import read_cifar10
 from mpidl.data.idx import read_idx
+from mpidl.data.text import text_dataset
 from mpidl.errors import DataError
 
 SYSTEM_DATA_ROOT = "/usr/share/datasets"
@@ -30,7 +32,12 @@ IDX_FILES = {  # role -> base name; ".gz" or raw, and the "train-images.idx3-uby
 
 @dataclass
 class Dataset:
-    """A train/test split on the host: x float32 (N, *input_shape), y int64 (N,)."""
+    """A train/test split on the host: x float32 (N, *input_shape), y int64 (N,).
+
+    ``task``: what the labels are: ``"classification"`` (a class per sample) or
+    ``"language-model"`` (``mpidl.data.text``: x and y int64 (N, T), y the next token of
+    each position; ``vocab`` the characters of ids 0 .. len(vocab) - 1).
+    """
 
     name: str
     train_x: np.ndarray
@@ -40,6 +47,8 @@ class Dataset:
     num_classes: int
     classes: list = field(default_factory=list)
     source: str = ""
+    task: str = "classification"
+    vocab: str = None
 
     @property
     def input_shape(self):
@@ -51,7 +60,7 @@ class Dataset:
             return a if n is None or n <= 0 else a[:n]
         return Dataset(self.name, cut(self.train_x, n_train), cut(self.train_y, n_train),
                        cut(self.test_x, n_test), cut(self.test_y, n_test), self.num_classes,
-                       self.classes, self.source)
+                       self.classes, self.source, self.task, self.vocab)
 
     def __repr__(self):
         return (f"Dataset({self.name!r}, train={len(self.train_y)}, test={len(self.test_y)}, "
@@ -208,6 +217,7 @@ DATASETS = {
     "cifar10": cifar10,
     "digits": digits,
     "synthetic": synthetic,
+    "text": text_dataset,
 }
 _ALIASES = {"fashion_mnist": "fashion-mnist", "fashionmnist": "fashion-mnist",
             "cifar-10": "cifar10", "cifar": "cifar10"}

@@ -28,7 +28,8 @@ def epoch_permutation(n, seed, epoch):
 
 
 class BatchLoader:
-    """Mini-batches of (x, y) for one shard, moved to the device just before use.
+    """Mini-batches of (x, y) for one shard, moved to the device just before use
+    (floating-point x in ``dtype``; integer x, such as token ids, keeps its type).
 
     ``shard=(index, count)``: this loader's piece of every global batch (see the module
     docstring). ``shuffle=False`` keeps the data's order (evaluation, tests).
@@ -103,7 +104,7 @@ class BatchLoader:
         for step in range(start, self.steps_per_epoch):
             x, y = self.host_batch(epoch, step, order)
             if self.device:
-                x, y = to_device(x, dtype=self.dtype), to_device(y)
+                x, y = to_device(x, dtype=input_dtype(x, self.dtype)), to_device(y)
             yield step, x, y
 
 
@@ -125,5 +126,11 @@ def eval_batches(x, y, batch_size, shard=(0, 1), dtype=None, device=True):
         e = min(s + batch_size, hi)
         bx, by = x[s:e], y[s:e]
         if device:
-            bx, by = to_device(bx, dtype=dtype), to_device(by)
+            bx, by = to_device(bx, dtype=input_dtype(bx, dtype)), to_device(by)
         yield bx, by
+
+
+def input_dtype(x, dtype):
+    """The dtype a batch of inputs goes to the device in: ``dtype`` (the model's) for
+    floating-point inputs, their own for integer ones (token ids stay ids)."""
+    return dtype if np.asarray(x).dtype.kind == "f" else None

@@ -85,6 +85,34 @@ class SoftmaxCrossEntropy(Loss):
     _probs = None
 
 
+class TokenCrossEntropy(SoftmaxCrossEntropy):
+    """``SoftmaxCrossEntropy`` over the last axis of logits ``(..., classes)`` against
+    integer labels of the leading shape (a language model's ``(B, T, vocab)`` logits and
+    ``(B, T)`` next-token ids): the mean over every token, and a gradient of the logits'
+    shape. 2-D logits work as in ``SoftmaxCrossEntropy``."""
+
+    def forward_array(self, logits, labels, check_labels=True):
+        xp = array_module(logits)
+        labels = xp.asarray(labels)
+        if logits.ndim < 2 or labels.shape != logits.shape[:-1]:
+            lead = tuple(int(d) for d in logits.shape[:-1])
+            raise ShapeError(f"TokenCrossEntropy expects labels of the logits' leading shape "
+                             f"{lead} (logits {shape_str(logits)}), got labels of shape "
+                             f"{shape_str(labels)}")
+        self._shape = logits.shape
+        return super().forward_array(logits.reshape(-1, logits.shape[-1]),
+                                     labels.reshape(-1), check_labels)
+
+    def backward(self):
+        return super().backward().reshape(self._shape)
+
+    @staticmethod
+    def correct(output, labels):
+        """Number of tokens whose highest-scoring class is the label."""
+        xp = array_module(output)
+        return int((output.argmax(axis=-1) == xp.asarray(labels)).sum())
+
+
 class MSELoss(Loss):
     """Mean squared error over all elements (PyTorch's ``reduction="mean"``)."""
 

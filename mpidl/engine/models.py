@@ -8,16 +8,18 @@ Fashion-MNIST (inputs scaled to [0, 1]); the CLI uses it for its defaults.
 
 import math
 
-from mpidl.engine.activations import ReLU
+from mpidl.engine.activations import GELU, ReLU
+from mpidl.engine.attention import CausalAttention, PositionEmbedding, TiedHead
 from mpidl.engine.conv import Conv2d
 from mpidl.engine.dropout import Dropout
+from mpidl.engine.embedding import Embedding
 from mpidl.engine.init import as_generator
 from mpidl.engine.linear import Linear
 from mpidl.engine.module import Sequential
-from mpidl.engine.normalization import BatchNorm2d
+from mpidl.engine.normalization import BatchNorm2d, LayerNorm
 from mpidl.engine.pooling import GlobalAvgPool2d, MaxPool2d
 from mpidl.engine.reshape import Flatten
-from mpidl.engine.residual import basic_block
+from mpidl.engine.residual import Residual, basic_block
 from mpidl.engine.user_models import check_model, is_model_file, load_model_function
 
 
@@ -80,7 +82,74 @@ def resnet_tiny(input_shape, num_classes, rng, dtype, widths=(16, 32, 64), stem_
     return Sequential(*layers)
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "resnet-tiny": resnet_tiny}
+def _normal(std):
+    """An initializer drawing N(0, std^2) (GPT-2's scheme: small weights keep the
+    residual stream near the embeddings' scale at the start)."""
+    def init(rng, shape, fan_in=None, fan_out=None):
+        return rng.normal(0.0, std, size=shape)
+    return init
+
+
+def gpt_tiny(input_shape, num_classes, rng, dtype, layers=4, heads=4, width=128,
+             context=None, dropout=0.0, tie_weights=False):
+    """A decoder-only, pre-LayerNorm transformer over token ids ``(B, T)`` -> logits
+    ``(B, T, num_classes)`` (GPT-2's layout, character-level here).
+
+    One flat ``Sequential``, so parallel runtimes can walk it: token ``Embedding``,
+    ``PositionEmbedding``, ``Dropout``, then per layer an attention block
+    ``Residual(LayerNorm, Linear qkv, CausalAttention, Linear proj, Dropout)`` and an MLP
+    block ``Residual(LayerNorm, Linear 4x, GELU, Linear, Dropout)``, then ``LayerNorm`` and
+    the head (a ``Linear``, or with ``tie_weights`` a ``TiedHead`` reading the token
+    Embedding's weight). In each block the two Linears are the only parameterized layers
+    after the LayerNorm, column-splittable then row-splittable; the qkv columns are
+    grouped per head (see ``CausalAttention``). The Dropout layers are there at p = 0
+    too, so parameter and buffer names do not depend on ``dropout``. Weights are
+    N(0, 0.02), the projections into the residual stream N(0, 0.02 / sqrt(2 layers)).
+    ``context`` (default: the input length) is the longest sequence the model takes.
+    """
+    if len(input_shape) != 1:
+        raise ValueError(f"model 'gpt-tiny' takes token ids (context,), got input_shape "
+                         f"{tuple(input_shape)}")
+    context = int(input_shape[0] if context is None else context)
+    layers, heads, width = int(layers), int(heads), int(width)
+    if min(layers, heads, width, context) < 1:
+        raise ValueError(f"gpt-tiny needs layers, heads, width and context >= 1, got "
+                         f"layers={layers}, heads={heads}, width={width}, context={context}")
+    if width % heads:
+        raise ValueError(f"gpt-tiny's width {width} does not split into {heads} heads; "
+                         "pick a width that is a multiple of --heads")
+    if input_shape[0] > context:
+        raise ValueError(f"gpt-tiny with context {context} cannot take sequences of "
+                         f"{input_shape[0]} tokens; raise --context")
+    w_init, proj_init = _normal(0.02), _normal(0.02 / math.sqrt(2 * layers))
+
+    def drop():
+        return Dropout(dropout, seed=int(rng.integers(2**31)))
+
+    embedding = Embedding(num_classes, width, init=w_init, rng=rng, dtype=dtype)
+    model = [embedding, PositionEmbedding(context, width, init=w_init, rng=rng, dtype=dtype),
+             drop()]
+    for _ in range(layers):
+        attention = Sequential(
+            LayerNorm(width, dtype=dtype),
+            Linear(width, 3 * width, init=w_init, rng=rng, dtype=dtype),
+            CausalAttention(width // heads),
+            Linear(width, width, init=proj_init, rng=rng, dtype=dtype),
+            drop())
+        mlp_block = Sequential(
+            LayerNorm(width, dtype=dtype),
+            Linear(width, 4 * width, init=w_init, rng=rng, dtype=dtype),
+            GELU(),
+            Linear(4 * width, width, init=proj_init, rng=rng, dtype=dtype),
+            drop())
+        model += [Residual(attention, activation=False), Residual(mlp_block, activation=False)]
+    model.append(LayerNorm(width, dtype=dtype))
+    model.append(TiedHead(embedding) if tie_weights else
+                 Linear(width, num_classes, init=w_init, rng=rng, dtype=dtype))
+    return Sequential(*model)
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "resnet-tiny": resnet_tiny, "gpt-tiny": gpt_tiny}
 
 # Recipes tuned single-process on Fashion-MNIST (the loader's per-channel standardized
 # pixels, no augmentation, seed 0). Test accuracy after 10 epochs: mlp 90.2 %, cnn 92.2 %
@@ -95,6 +164,11 @@ MODEL_DEFAULTS = {
     "resnet-tiny": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False,
                     "weight_decay": 5e-4, "batch_size": 128, "epochs": 10,
                     "schedule": "cosine", "warmup_epochs": 0},
+    # character-level text (--dataset text, Debian's fortunes), sized for 2 CPU ranks
+    "gpt-tiny": {"dataset": "text", "optimizer": "adamw", "lr": 2e-3, "weight_decay": 0.01,
+                 "batch_size": 16, "epochs": 4, "schedule": "cosine", "warmup_epochs": 0.1,
+                 "eval_batch_size": 64, "layers": 4, "heads": 4, "width": 128,
+                 "context": 128},
 }
 
 

@@ -3,7 +3,7 @@
 The trainer owns data order, the learning-rate schedule, evaluation, metrics, the
 progress bar and checkpoints; the runtime (``mpidl.runtime``) owns what a step does
 across ranks, and the *task* (``mpidl.training.tasks``) what is learned and measured
-(classification today). Callbacks (``mpidl.training.callbacks``) see every step end,
+(classification or language modelling). Callbacks (``mpidl.training.callbacks``) see every step end,
 evaluation, epoch end and checkpoint, so benchmarks and experiments extend the loop
 instead of copying it. A checkpoint holds everything the loop needs to continue at the exact batch
 where it stopped — model (with buffers such as BatchNorm statistics and Dropout's mask
@@ -32,7 +32,7 @@ from mpidl.training.callbacks import CallbackList
 from mpidl.training.log import get_logger
 from mpidl.training.metrics import EpochStats, MetricsWriter, truncate_metrics
 from mpidl.training.progress import Progress
-from mpidl.training.tasks import ClassificationTask
+from mpidl.training.tasks import task_for
 
 FAIL_ENV = "MPIDL_FAIL_AT"
 CRASH_IN_CHECKPOINT_ENV = "MPIDL_CRASH_IN_CHECKPOINT"
@@ -95,7 +95,8 @@ class Trainer:
     ``model``, ``optimizer``: an mpidl ``Layer`` and an engine optimizer over its
     parameters. ``dataset``: any object with ``train_x, train_y, test_x, test_y`` host
     arrays (``mpidl.data.Dataset``). ``runtime``: an ``mpidl.runtime.Runtime`` (default:
-    one process). ``task``: what is learned (default ``ClassificationTask``).
+    one process). ``task``: what is learned (default: ``task_for(dataset)``, the
+    dataset's ``task``, classification when it names none).
     ``config``: an object with settings as attributes (``mpidl train``'s resolved
     configuration); ``settings`` keywords override it, and anything not given takes the
     command line's default (``epochs``, ``batch_size``, ``lr``, ``schedule``,
@@ -128,7 +129,7 @@ class Trainer:
         self.runtime = runtime
         if hasattr(runtime, "check"):  # before any communication (ConfigError)
             runtime.check(model, optimizer)
-        self.task = task if task is not None else ClassificationTask()
+        self.task = task if task is not None else task_for(dataset)
         self.dataset = dataset
         self.paths = dict(paths or {})
         self.model_meta = dict(model_meta or {})
