@@ -57,6 +57,15 @@ def test_plan_refuses_a_layer_narrower_than_the_degree():
         TensorParallel(4).check(model)
 
 
+def test_plan_refuses_more_ranks_than_attention_heads():
+    model = build_model("gpt-tiny", input_shape=(8,), num_classes=20, layers=1, heads=4,
+                        width=16, context=8)
+    TensorParallel(3).check(model)  # 2, 1 and 1 heads
+    with pytest.raises(ConfigError, match=r"layer 3\.body\.1 has 4 attention heads, fewer "
+                                          r"than the 8 ranks"):
+        TensorParallel(8).check(model)
+
+
 def test_refused_combinations_are_one_line():
     with pytest.raises(ConfigError, match="--tensor-parallel 2 cannot be used with --strategy ps"):
         build("ps", None, tensor_parallel=2)
@@ -90,6 +99,9 @@ CASES = [  # (ranks, model, T, steps, optimizer, dropout)
     (4, "cnn", 4, 30, "sgd", 0.0),
     (4, "mlp", 2, 50, "adam", 0.0),    # DP x TP = 2 x 2
     (4, "cnn", 2, 30, "sgd", 0.0),     # DP x TP = 2 x 2, BatchNorm synchronized
+    (3, "gpt-tiny", 3, 100, "sgd", 0.0),   # 4 heads over 3 ranks, vocabulary 11
+    (4, "gpt-tiny", 2, 30, "adam", 0.0),   # DP x TP = 2 x 2
+    (2, "gpt-tied", 2, 30, "adam", 0.1),   # the head tied to the vocabulary-parallel embedding
 ]
 
 
@@ -105,18 +117,33 @@ def train_cmd(n, out, *args, dtype="float64"):
             + ["train", "--no-progress", "--dtype", dtype, "--out-dir", str(out), *args])
 
 
-def max_relative_difference(a_path, b_path):
+def max_relative_difference(a_path, b_path, heads=None):
+    """The largest difference of two saved models, relative to each tensor's largest
+    value. ``heads``: for a gpt-tiny of that many heads, the attention's key biases are
+    left out and returned apart (see ``test_cli_gpt_tiny_equals_one_process``)."""
     a, b = np.load(a_path), np.load(b_path)
     names = [k for k in a.files if k != "__meta__"]
     assert sorted(names) == sorted(k for k in b.files if k != "__meta__")
-    worst = 0.0
+    worst = key_bias = 0.0
     for k in names:
         assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)
-        if a[k].dtype.kind == "f":
-            worst = max(worst, float(np.abs(a[k] - b[k]).max() / np.abs(a[k]).max()))
-        else:
+        if a[k].dtype.kind != "f":
             assert np.array_equal(a[k], b[k]), k
-    return worst
+            continue
+        scale = np.abs(a[k]).max()
+        if scale == 0:
+            assert np.array_equal(a[k], b[k]), k
+            continue
+        diff = np.abs(a[k] - b[k]) / scale
+        qkv_bias = heads and k.endswith(".body.1.bias") and k.replace(
+            "bias", "weight") in names and b[k.replace("bias", "weight")].shape[1] == \
+            3 * b[k.replace("bias", "weight")].shape[0]
+        if qkv_bias:
+            per_head = diff.reshape(heads, 3, -1)
+            key_bias = max(key_bias, float(per_head[:, 1].max()))
+            diff = per_head[:, [0, 2]]
+        worst = max(worst, float(diff.max()))
+    return (worst, key_bias) if heads else worst
 
 
 def needs_fashion():
@@ -143,16 +170,23 @@ def test_cli_mlp_t3_uneven_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, t", [("mlp", 2), ("mlp", 4), ("cnn", 2), ("cnn", 3),
-                                      ("cnn", 4)])
+                                      ("cnn", 4), ("gpt-tiny", 2), ("gpt-tiny", 3),
+                                      ("gpt-tiny", 4)])
 def test_cli_equals_one_process_grid(tmp_path, model, t):
+    """Issue 14, point 1 in full: the zoo's models at their default sizes, 100 steps."""
     needs_fashion()
     args = ["--model", model, "--batch-size", "32", "--limit-train", "3200",
             "--limit-test", "200", "--epochs", "1"]
-    run_command(train_cmd(1, tmp_path / "one", *args), timeout=900).check()
+    run_command(train_cmd(1, tmp_path / "one", *args), timeout=1800).check()
     run_command(train_cmd(t, tmp_path / "tp", *args, "--tensor-parallel", str(t)),
-                timeout=900).check()
-    assert max_relative_difference(tmp_path / "one" / "model.npz",
-                                   tmp_path / "tp" / "model.npz") <= 1e-12
+                timeout=1800).check()
+    if model == "gpt-tiny":  # AdamW: the keys' bias apart (test_cli_gpt_tiny_...)
+        worst, key_bias = max_relative_difference(tmp_path / "one" / "model.npz",
+                                                  tmp_path / "tp" / "model.npz", heads=4)
+        assert worst <= 1e-12 and key_bias <= 1e-9, (worst, key_bias)
+    else:
+        assert max_relative_difference(tmp_path / "one" / "model.npz",
+                                       tmp_path / "tp" / "model.npz") <= 1e-12
 
 
 def test_checkpoint_of_t2_dp2_resumes_at_t1_and_t4(tmp_path):

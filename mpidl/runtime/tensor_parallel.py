@@ -230,7 +230,10 @@ class RowParallelLinear(_ParallelLinear):
 class VocabParallelEmbedding(Layer):
     """An ``Embedding`` whose rows ``[lo, hi)`` live here: ids outside give zeros, one
     all-reduce sums the pieces (one row plus zeros: that row, bitwise). Its gradient is
-    the row-sparse gradient of the ids that fall in this rank's rows."""
+    the row-sparse gradient of the ids that fall in this rank's rows (exchanged as one,
+    ``sparse_grad``)."""
+
+    sparse_grad = True
 
     def __init__(self, embedding, group, name):
         super().__init__()
@@ -274,6 +277,44 @@ class VocabParallelEmbedding(Layer):
     def __repr__(self):
         return (f"VocabParallelEmbedding({self.num_embeddings_full}, {self.embedding_dim}, "
                 f"rows {self.slice.lo}..{self.slice.hi} on tp rank {self.group.rank})")
+
+
+class ParallelTiedHead(Layer):
+    """The output projection tied to a vocabulary-parallel ``Embedding``: logits of this
+    rank's vocabulary rows (``x @ weight_slice.T``, sliced like a column-parallel head);
+    backward all-reduces the input gradient (Megatron's *f*)."""
+
+    def __init__(self, head, embedding, group, name):
+        super().__init__()
+        self.group, self.name = group, name
+        self.embedding_dim = head.embedding_dim
+        self.slice = embedding.slice
+        self.weight = self._params["weight"] = head.weight  # the embedding's, already cut
+        self.needs_input_grad = head.needs_input_grad
+
+    def forward(self, x):
+        w = self.weight.data
+        x, _ = as_input(x, w.dtype, w)
+        if x.ndim < 2 or x.shape[-1] != self.embedding_dim:
+            raise ShapeError(f"tied head {self.name!r} expects {self.embedding_dim} input "
+                             f"features, got shape {tuple(x.shape)}")
+        self.save_for_backward(x)
+        y = matmul(x.reshape(-1, self.embedding_dim), w.T)
+        return y.reshape(x.shape[:-1] + (w.shape[0],))
+
+    def backward(self, dy):
+        (x,) = self.saved_for_backward()
+        x2 = x.reshape(-1, self.embedding_dim)
+        dy2 = dy.reshape(-1, self.weight.data.shape[0])
+        self.weight.accumulate(matmul(dy2.T, x2))
+        if not self.needs_input_grad:
+            return None
+        dx = matmul(dy2, self.weight.data)
+        return self.group.allreduce(dx, out=dx, name=f"tp.{self.name}.dx").reshape(x.shape)
+
+    def __repr__(self):
+        return (f"ParallelTiedHead(vocabulary {self.slice.lo}..{self.slice.hi} on tp rank "
+                f"{self.group.rank})")
 
 
 class ShardedDropout(Dropout):
@@ -374,6 +415,14 @@ class ParallelSoftmaxCrossEntropy(Loss):
         return f"ParallelSoftmaxCrossEntropy(classes {self.slice.lo}..{self.slice.hi})"
 
 
+def _tied_head_type():
+    try:
+        from mpidl.engine.attention import TiedHead  # noqa: PLC0415
+    except ImportError:
+        return ()
+    return (TiedHead,)
+
+
 def _attention_types():
     try:
         from mpidl.engine.attention import CausalAttention  # noqa: PLC0415
@@ -402,6 +451,8 @@ class TensorParallel:
         """Walk the model; with ``group`` None only check, else replace layers."""
         t = self.degree
         att_types = _attention_types()
+        tied_types = _tied_head_type()
+        embeddings = {}  # id(weight Parameter) -> its VocabParallelEmbedding
 
         def need(n, what, name):
             if n < t:
@@ -446,7 +497,19 @@ class TensorParallel:
                     need(child.num_embeddings, "rows", f"Embedding {name}")
                     if group is not None:
                         layers[i] = VocabParallelEmbedding(child, group, name)
+                        embeddings[id(child.weight)] = layers[i]
                         self.layers.append((name, "vocab-parallel"))
+                    pending = None
+                elif top and i == len(layers) - 1 and isinstance(child, tied_types):
+                    if group is not None:  # the tied Embedding was cut just before
+                        emb = embeddings.get(id(child.weight))
+                        if emb is None:
+                            raise ConfigError(f"--tensor-parallel {t}: the tied head {name} "
+                                              "shares its weight with no Embedding of this "
+                                              "model")
+                        layers[i] = ParallelTiedHead(child, emb, group, name)
+                        self.output_slice = emb.slice
+                        self.layers.append((name, "tied head, logits sliced"))
                     pending = None
                 elif pending is not None and isinstance(child, ELEMENTWISE + att_types):
                     between.append(child)

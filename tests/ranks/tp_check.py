@@ -26,19 +26,32 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidl.comm import Communicator
-from mpidl.engine import SGD, Adam, SoftmaxCrossEntropy
+from mpidl.engine import SGD, Adam
+from mpidl.engine.losses import TokenCrossEntropy
 from mpidl.engine.models import build_model
 from mpidl.runtime import build
 
 TOL = 1e-12
 B = 6  # per data-parallel rank
-SHAPES = {"mlp": (1, 8, 8), "cnn": (1, 8, 8)}
-OPTIONS = {"mlp": dict(hidden=(40, 31)), "cnn": dict(channels=(4, 6), hidden=21)}
+SHAPES = {"mlp": (1, 8, 8), "cnn": (1, 8, 8), "gpt-tiny": (7,), "gpt-tied": (7,)}
+OPTIONS = {"mlp": dict(hidden=(40, 31)), "cnn": dict(channels=(4, 6), hidden=21),
+           "gpt-tiny": dict(layers=2, heads=4, width=24, context=8),  # 4 heads of 6
+           "gpt-tied": dict(layers=1, heads=4, width=16, context=8, tie_weights=True)}
+CLASSES = {"gpt-tiny": 11, "gpt-tied": 13}  # a vocabulary T does not divide
+
+
+def batch(name, rng, shape):
+    """Inputs and labels: images and classes, or token ids and next-token ids."""
+    k = CLASSES.get(name, 10)
+    if name.startswith("gpt"):
+        return rng.integers(0, k, shape), rng.integers(0, k, shape)
+    return rng.standard_normal(shape), rng.integers(0, k, shape[:2])
 
 
 def make(name, optimizer, dropout):
     opts = dict(OPTIONS[name], dropout=dropout)
-    model = build_model(name, input_shape=SHAPES[name], num_classes=10, seed=3,
+    model = build_model("gpt-tiny" if name.startswith("gpt") else name,
+                        input_shape=SHAPES[name], num_classes=CLASSES.get(name, 10), seed=3,
                         dtype="float64", **opts)
     named = model.named_parameters()
     opt = (SGD(named, lr=0.05, momentum=0.9, weight_decay=1e-4) if optimizer == "sgd"
@@ -56,16 +69,15 @@ def main():
     comm = Communicator(MPI.COMM_WORLD)
     dp = comm.size // t
     rng = np.random.default_rng(11)
-    x = rng.standard_normal((steps, B * dp) + SHAPES[name])
-    y = rng.integers(0, 10, (steps, B * dp))
+    x, y = batch(name, rng, (steps, B * dp) + SHAPES[name])
 
     ref, ref_opt = make(name, optimizer, dropout)
     ref_rt = build("local")
-    ref_rt.setup(ref, ref_opt, SoftmaxCrossEntropy())
+    ref_rt.setup(ref, ref_opt, TokenCrossEntropy())
     model, opt = make(name, optimizer, dropout)
     # BatchNorm over the global batch, as one process computes it
     rt = build("allreduce", comm, tensor_parallel=t, sync_bn=True)
-    rt.setup(model, opt, SoftmaxCrossEntropy())
+    rt.setup(model, opt, TokenCrossEntropy())
     index, count = rt.shard()
     assert count == dp, (count, dp)
     tp = rt.tp_group
