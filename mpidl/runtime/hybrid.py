@@ -307,7 +307,12 @@ class Hybrid(TensorParallel):
         """ConfigError when the model has no conv->FC boundary, or a layer of the FC block
         is narrower than the number of ranks."""
         self.find_boundary(model)
-        self._plan(model, None)
+        try:
+            self._plan(model, None)
+        except ConfigError as e:  # the walk speaks of --tensor-parallel: say what was given
+            raise ConfigError(str(e).replace(f"--tensor-parallel {self.degree}",
+                                             f"{FLAG} on {self.degree} ranks").replace(
+                "use a smaller --tensor-parallel", "launch fewer ranks or widen it")) from None
 
     def _column(self, linear, group, name, unit=1):
         if name == self._boundary_name:

@@ -36,7 +36,8 @@ SHAPE = (1, 8, 8)
 
 
 def model():
-    m = cnn(SHAPE, 5, np.random.default_rng(3), "float64", channels=(3, 4), hidden=10)
+    m = cnn(SHAPE, 5, np.random.default_rng(3), "float64", channels=(3, 4), hidden=10,
+            dropout=0.3)
     m.needs_input_grad = False
     return m
 
