@@ -4,7 +4,8 @@ Checks, float64, on a small cnn (two conv + BatchNorm stages, a 2-layer FC block
 widths N does not always divide):
 
 * equivalence: STEPS SGD steps (momentum, weight decay) of the hybrid, each rank on its
-  piece of the global batch (uneven pieces when N does not divide it; --sync-bn so the
+  piece of the global batch (uneven pieces when N does not divide it; the convolutions'
+  gradients overlapped with backward or not; --sync-bn so the
   BatchNorm statistics are the global batch's), against one process at the global batch
   computed here on every rank from the same seed and data: every parameter of the whole
   model (gathered from the slices) within TOL relative (max |a - b| / max |b|), the
@@ -78,10 +79,10 @@ def piece(a, counts, rank):
     return a[lo:lo + counts[rank]]
 
 
-def check_equivalence(comm, n_global):
+def check_equivalence(comm, n_global, overlap="off"):
     p, rank = comm.size, comm.rank
     counts, _ = even_split(n_global, p)
-    rt, m, opt = hybrid(comm, algorithm="ring", sync_bn=True)
+    rt, m, opt = hybrid(comm, algorithm="ring", sync_bn=True, overlap=overlap)
     x, y = data(n_global, STEPS)
     ref, ref_losses = reference(n_global)
     fc_replicated = [n for n, q in m.named_parameters()
@@ -108,8 +109,8 @@ def check_equivalence(comm, n_global):
             else:
                 assert np.array_equal(a, b), k
         assert worst <= TOL, f"batch {n_global} on {p} ranks: relative error {worst:.3g}"
-        print(f"equivalence p={p} global batch {n_global} pieces {counts}: max relative "
-              f"{worst:.2e} over {STEPS} steps", flush=True)
+        print(f"equivalence p={p} global batch {n_global} pieces {counts} overlap {overlap}: "
+              f"max relative {worst:.2e} over {STEPS} steps", flush=True)
     return rt, m
 
 
@@ -167,7 +168,7 @@ def main():
     rt, m = check_equivalence(comm, n_global)
     ref, _ = reference(n_global)
     check_eval(comm, rt, m, ref)
-    check_equivalence(comm, 4 * p)  # even pieces
+    check_equivalence(comm, 4 * p, overlap="on")  # even pieces, overlapped conv sync
     check_bytes(comm, 4 * p)
     check_bytes(comm, 3 * p + 1)
     check_bytes(comm, 0, accumulate=2)
