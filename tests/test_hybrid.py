@@ -13,8 +13,10 @@
   ``bytes_sent_per_step`` is the same formula.
 * What the hybrid cannot do is one line: a ConfigError from Python, exit status 2 from
   the command line.
+* bench/hybrid.py --quick writes its JSON (formula == counters at every width).
 """
 
+import json
 import os
 import re
 import sys
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 
 from mpidl.engine import BatchNorm1d, Conv2d, Flatten, Linear, ReLU, Sequential
-from mpidl.engine.models import cnn, mlp
+from mpidl.engine.models import cnn, mlp, resnet_tiny
 from mpidl.errors import ConfigError
 from mpidl.runtime import build
 from mpidl.runtime.hybrid import (Hybrid, ring_allgather_bytes, ring_allreduce_bytes,
@@ -82,8 +84,6 @@ def test_cli_save_equals_one_process_and_logs_the_formula(tmp_path):
                                        "--out-dir", tmp_path / "one"], timeout=180).check()
     assert "hybrid conv-dp-fc-mp: convolutions data parallel" in hybrid.output
     total, dp = _flags(hybrid.output)
-    import json  # noqa: PLC0415
-
     last = [json.loads(ln) for ln in open(tmp_path / "h.jsonl") if ln.strip()][-1]
     assert last["bytes_sent_per_step"] == total and dp > 0, (last, hybrid.output)
     a, b = np.load(tmp_path / "h.npz"), np.load(tmp_path / "one.npz")
@@ -152,8 +152,6 @@ def test_models_without_a_conv_fc_boundary_are_refused(model, match):
 
 def test_cnn_and_resnet_have_a_boundary():
     assert Hybrid(4).find_boundary(cnn((1, 8, 8), 10, _rng(), "float32")) == 9
-    from mpidl.engine.models import resnet_tiny  # noqa: PLC0415
-
     Hybrid(4).check(resnet_tiny((3, 8, 8), 10, _rng(), "float32"))
 
 
@@ -165,3 +163,15 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path):
     errors = [ln for ln in launch.output.splitlines() if "error" in ln.lower()]
     assert errors and all("no convolution before its first fully connected layer" in ln
                           for ln in errors), launch.output
+
+
+def test_bench_quick_run_writes_json_and_png(tmp_path):
+    out = tmp_path / "hybrid.json"
+    launch = run_command([sys.executable, os.path.join(os.path.dirname(HERE), "bench",
+                                                       "hybrid.py"), "--quick", "--out", out],
+                         timeout=180).check()
+    res = json.loads(out.read_text())
+    assert res["formula_equals_counters"] is True, launch.output
+    assert [r["width"] for r in res["rows"]] == [64, 256] and len(res["launches"]) == 1
+    assert res["latency_s"] > 0 and res["bandwidth_Bps"] > 0
+    assert "crossover width measured" in launch.output
