@@ -23,14 +23,18 @@ import sys
 
 import numpy as np
 import pytest
+from mpirun import mpiexec_path, run_command, run_ranks
 
 from mpidl.engine import BatchNorm1d, Conv2d, Flatten, Linear, ReLU, Sequential
 from mpidl.engine.models import cnn, mlp, resnet_tiny
 from mpidl.errors import ConfigError
 from mpidl.runtime import build
-from mpidl.runtime.hybrid import (Hybrid, ring_allgather_bytes, ring_allreduce_bytes,
-                                  ring_reduce_scatter_bytes)
-from mpirun import mpiexec_path, run_command, run_ranks
+from mpidl.runtime.hybrid import (
+    Hybrid,
+    ring_allgather_bytes,
+    ring_allreduce_bytes,
+    ring_reduce_scatter_bytes,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECK = os.path.join(HERE, "ranks", "hybrid_check.py")
@@ -175,3 +179,5 @@ def test_bench_quick_run_writes_json_and_png(tmp_path):
     assert [r["width"] for r in res["rows"]] == [64, 256] and len(res["launches"]) == 1
     assert res["latency_s"] > 0 and res["bandwidth_Bps"] > 0
     assert "crossover width measured" in launch.output
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "hybrid.png").stat().st_size > 0
