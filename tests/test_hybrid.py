@@ -29,12 +29,8 @@ from mpidl.engine import BatchNorm1d, Conv2d, Flatten, Linear, ReLU, Sequential
 from mpidl.engine.models import cnn, mlp, resnet_tiny
 from mpidl.errors import ConfigError
 from mpidl.runtime import build
-from mpidl.runtime.hybrid import (
-    Hybrid,
-    ring_allgather_bytes,
-    ring_allreduce_bytes,
-    ring_reduce_scatter_bytes,
-)
+from mpidl.runtime.hybrid import (Hybrid, ring_allgather_bytes, ring_allreduce_bytes,
+                                  ring_reduce_scatter_bytes)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECK = os.path.join(HERE, "ranks", "hybrid_check.py")

@@ -52,14 +52,9 @@ from mpidl.errors import ConfigError
 from mpidl.options import Option
 from mpidl.runtime.fusion import MiB, plan
 from mpidl.runtime.sync.fused import FusedAllreduce
-from mpidl.runtime.tensor_parallel import (
-    ELEMENTWISE,
-    ColumnParallelLinear,
-    ParallelSoftmaxCrossEntropy,
-    RowParallelLinear,
-    TensorParallel,
-    _attention_types,
-)
+from mpidl.runtime.tensor_parallel import (ELEMENTWISE, ColumnParallelLinear,
+                                           ParallelSoftmaxCrossEntropy, RowParallelLinear,
+                                           TensorParallel, _attention_types)
 
 MODES = ("conv-dp-fc-mp",)
 FLAG = "--hybrid conv-dp-fc-mp"
