@@ -23,7 +23,6 @@ import sys
 
 import numpy as np
 import pytest
-from mpirun import mpiexec_path, run_command, run_ranks
 
 from mpidl.engine import BatchNorm1d, Conv2d, Flatten, Linear, ReLU, Sequential
 from mpidl.engine.models import cnn, mlp, resnet_tiny
@@ -31,6 +30,7 @@ from mpidl.errors import ConfigError
 from mpidl.runtime import build
 from mpidl.runtime.hybrid import (Hybrid, ring_allgather_bytes, ring_allreduce_bytes,
                                   ring_reduce_scatter_bytes)
+from mpirun import mpiexec_path, run_command, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECK = os.path.join(HERE, "ranks", "hybrid_check.py")
