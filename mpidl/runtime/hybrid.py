@@ -83,8 +83,7 @@ def check_options(name, given):
               "zero": bool(given.get("zero")),
               "compression": given.get("compression") not in (None, "none"),
               "sync": given.get("sync") not in (None, "allreduce"),
-              "precision": given.get("precision") not in (None, "fp32"),
-              "cuda_graph": bool(given.get("cuda_graph"))}
+              "precision": given.get("precision") not in (None, "fp32")}
     for key, bad in refuse.items():
         if bad:
             value = given[key]
