@@ -1,7 +1,8 @@
 """The conv-DP/FC-MP hybrid (``--hybrid conv-dp-fc-mp``, ``mpidl.runtime.hybrid``).
 
 * On p = 2, 3, 4 real ranks (tests/ranks/hybrid_check.py), float64, a small cnn with
-  BatchNorm and dropout in the FC block, 20 steps: the whole model (gathered from the
+  BatchNorm and dropout in the FC block (and a net whose one FC layer is split by classes:
+  sliced logits, the parallel cross-entropy), 20 steps: the whole model (gathered from the
   slices) equals one process at the global batch within 1e-12 relative, for even and
   uneven batch pieces; the FC block's replicated biases are bitwise identical on every
   rank; the evaluation (test set split over the ranks, some running empty batches) sums
@@ -14,6 +15,7 @@
 * What the hybrid cannot do is one line: a ConfigError from Python, exit status 2 from
   the command line.
 * bench/hybrid.py --quick writes its JSON (formula == counters at every width).
+* slow: the zoo's cnn (with dropout) on 4 ranks through the command line, 60 steps.
 """
 
 import json
@@ -46,11 +48,12 @@ def small(input_shape, num_classes, rng, dtype):
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_equals_one_process_and_counted_bytes_equal_the_formula(p):
     out = run_ranks(p, [CHECK], timeout=180).check().output
-    for pieces in ("even", "uneven"):
-        n = 4 * p if pieces == "even" else 3 * p + 1
-        assert re.search(rf"equivalence p={p} global batch {n} .* over 20 steps", out), out
-    assert f"eval p={p}: 11 samples" in out, out
-    assert out.count(f"bytes p={p} ") == 3 and "counted == formula" in out, out
+    for kind, n in (("cnn", 4 * p), ("cnn", 3 * p + 1), ("head", 3 * p + 1)):
+        assert re.search(rf"equivalence {kind} p={p} global batch {n} .* over 20 steps",
+                         out), out
+    assert out.count(f"eval p={p}: 11 samples") == 2, out
+    assert out.count(f"bytes cnn p={p} ") == 3 and f"bytes head p={p} " in out, out
+    assert "counted == formula" in out, out
 
 
 def test_ring_byte_formulas_by_hand():
@@ -97,6 +100,22 @@ def test_cli_save_equals_one_process_and_logs_the_formula(tmp_path):
         else:
             assert np.array_equal(a[k], b[k]), k
     assert worst <= 1e-12, (worst, hybrid.output, one.output)
+
+
+@pytest.mark.slow
+def test_cli_full_cnn_on_4_ranks_equals_one_process(tmp_path):
+    """The zoo's cnn as it is (hidden 128: 32 columns per rank), 60 steps, float64."""
+    common = ["--model", "cnn", "--dataset", "synthetic", "--limit-train", "480",
+              "--limit-test", "100", "--epochs", "2", "--dtype", "float64", "--dropout", "0.25"]
+    run_command([mpiexec_path(), "-n", "4"] + MPIDL + common + [
+        "--batch-size", "4", "--hybrid", "conv-dp-fc-mp", "--sync-bn", "--save",
+        tmp_path / "h.npz", "--out-dir", tmp_path / "h"], timeout=900).check()
+    run_command(MPIDL + common + ["--batch-size", "16", "--save", tmp_path / "one.npz",
+                                  "--out-dir", tmp_path / "one"], timeout=900).check()
+    a, b = np.load(tmp_path / "h.npz"), np.load(tmp_path / "one.npz")
+    worst = max(float(np.abs(a[k] - b[k]).max() / np.abs(b[k]).max()) for k in b.files
+                if k != "__meta__" and b[k].dtype.kind == "f" and b[k].size)
+    assert worst <= 1e-12, worst
 
 
 # -- refusals ---------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """``--hybrid conv-dp-fc-mp`` on N ranks against one process (run under mpiexec).
 
 Checks, float64, on a small cnn (two conv + BatchNorm stages, a 2-layer FC block whose
-widths N does not always divide):
+widths N does not always divide), and on a one-stage net whose only FC layer is split by
+classes (sliced logits, the parallel cross-entropy):
 
 * equivalence: STEPS SGD steps (momentum, weight decay) of the hybrid, each rank on its
   piece of the global batch (uneven pieces when N does not divide it; the convolutions'
@@ -26,7 +27,8 @@ import numpy as np
 
 from mpidl.comm import Communicator
 from mpidl.comm.layout import even_split
-from mpidl.engine import SGD, SoftmaxCrossEntropy
+from mpidl.engine import (SGD, BatchNorm2d, Conv2d, Flatten, Linear, MaxPool2d, ReLU,
+                          Sequential, SoftmaxCrossEntropy)
 from mpidl.engine.models import cnn
 from mpidl.runtime import build
 from mpidl.training.tasks import ClassificationTask
@@ -36,9 +38,17 @@ TOL = 1e-12
 SHAPE = (1, 8, 8)
 
 
-def model():
-    m = cnn(SHAPE, 5, np.random.default_rng(3), "float64", channels=(3, 4), hidden=10,
-            dropout=0.3)
+def model(kind="cnn"):
+    """``cnn``: two conv stages, Linear-ReLU-Dropout-Linear (a column/row pair, logits
+    whole); ``head``: one conv stage and a single Linear, column-parallel over the classes
+    (logits sliced, the parallel cross-entropy)."""
+    rng = np.random.default_rng(3)
+    if kind == "cnn":
+        m = cnn(SHAPE, 5, rng, "float64", channels=(3, 4), hidden=10, dropout=0.3)
+    else:
+        m = Sequential(Conv2d(1, 3, 3, padding=1, bias=False, rng=rng, dtype="float64"),
+                       BatchNorm2d(3, dtype="float64"), ReLU(), MaxPool2d(2), Flatten(),
+                       Linear(48, 5, rng=rng, dtype="float64"))
     m.needs_input_grad = False
     return m
 
@@ -53,8 +63,8 @@ def data(n_global, steps, seed=7):
             rng.integers(0, 5, size=(steps, n_global)))
 
 
-def reference(n_global):
-    m = model()
+def reference(n_global, kind="cnn"):
+    m = model(kind)
     opt, loss = optimizer(m), SoftmaxCrossEntropy()
     x, y = data(n_global, STEPS)
     losses = []
@@ -66,8 +76,8 @@ def reference(n_global):
     return m, losses
 
 
-def hybrid(comm, **options):
-    m = model()
+def hybrid(comm, kind="cnn", **options):
+    m = model(kind)
     opt = optimizer(m)
     rt = build("allreduce", comm, hybrid="conv-dp-fc-mp", **options)
     rt.setup(m, opt, SoftmaxCrossEntropy())
@@ -79,15 +89,16 @@ def piece(a, counts, rank):
     return a[lo:lo + counts[rank]]
 
 
-def check_equivalence(comm, n_global, overlap="off"):
+def check_equivalence(comm, n_global, overlap="off", kind="cnn"):
     p, rank = comm.size, comm.rank
     counts, _ = even_split(n_global, p)
-    rt, m, opt = hybrid(comm, algorithm="ring", sync_bn=True, overlap=overlap)
+    rt, m, opt = hybrid(comm, kind, algorithm="ring", sync_bn=True, overlap=overlap)
     x, y = data(n_global, STEPS)
-    ref, ref_losses = reference(n_global)
+    ref, ref_losses = reference(n_global, kind)
     fc_replicated = [n for n, q in m.named_parameters()
                      if rt.tp.in_fc(n) and n not in rt.tp.slices]
-    assert fc_replicated, "the FC block should have replicated biases"
+    assert bool(fc_replicated) == (kind == "cnn"), fc_replicated  # the row layer's bias
+    assert (rt.tp.output_slice is not None) == (kind == "head")
     for s in range(STEPS):
         loss = rt.train_step(piece(x[s], counts, rank), piece(y[s], counts, rank))
         assert abs(loss - ref_losses[s]) <= TOL * abs(ref_losses[s]), (s, loss, ref_losses[s])
@@ -109,15 +120,16 @@ def check_equivalence(comm, n_global, overlap="off"):
             else:
                 assert np.array_equal(a, b), k
         assert worst <= TOL, f"batch {n_global} on {p} ranks: relative error {worst:.3g}"
-        print(f"equivalence p={p} global batch {n_global} pieces {counts} overlap {overlap}: "
+        print(f"equivalence {kind} p={p} global batch {n_global} pieces {counts} overlap "
+              f"{overlap}: "
               f"max relative {worst:.2e} over {STEPS} steps", flush=True)
     return rt, m
 
 
-def check_bytes(comm, n_global, accumulate=1):
+def check_bytes(comm, n_global, accumulate=1, kind="cnn"):
     """Counted bytes of one step == the formula, on every rank."""
     p, rank = comm.size, comm.rank
-    rt, m, _ = hybrid(comm, algorithm="ring", accumulate=accumulate)
+    rt, m, _ = hybrid(comm, kind, algorithm="ring", accumulate=accumulate)
     counts, _ = even_split(n_global, p)
     if accumulate > 1:  # every rank's piece splits into equal micro-batches
         counts = [accumulate * (1 + (r % 2)) for r in range(p)]
@@ -134,7 +146,7 @@ def check_bytes(comm, n_global, accumulate=1):
     assert rt.metrics()["bytes_sent_per_step"] == counted
     totals = comm.mpi.gather(counted, root=0)
     if rank == 0:
-        print(f"bytes p={p} pieces {counts} accumulate {accumulate}: counted == formula "
+        print(f"bytes {kind} p={p} pieces {counts} accumulate {accumulate}: counted == formula "
               f"per rank {totals}; data parallel {rt.tp.dp_bytes_per_step(0)} on rank 0",
               flush=True)
 
@@ -172,6 +184,9 @@ def main():
     check_bytes(comm, 4 * p)
     check_bytes(comm, 3 * p + 1)
     check_bytes(comm, 0, accumulate=2)
+    rt, m = check_equivalence(comm, n_global, kind="head")  # logits sliced by class
+    check_eval(comm, rt, m, reference(n_global, "head")[0])
+    check_bytes(comm, n_global, kind="head")
     comm.close()
     return 0
 
