@@ -13,8 +13,10 @@ import pytest
 
 from mpidl.errors import ConfigError
 from mpidl.runtime import averaging, build, cli_options, presets
+from mpidl.runtime import hybrid as hybrid_part
 from mpidl.runtime import precision as precision_part
 from mpidl.runtime import schedule as schedule_part
+from mpidl.runtime import tensor_parallel as tp_part
 from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.sync import (FusedAllreduce, GradSync, PerTensorCompressed, PushPull,
@@ -56,8 +58,10 @@ def test_each_preset_takes_exactly_its_parts_options():
     def names(opts):
         return {o.name for o in opts}
     common = names(schedule_part.OPTIONS) | names(precision_part.OPTIONS)
-    assert presets.PRESETS["local"][1] == common | {"cuda_graph"}
-    assert presets.PRESETS["allreduce"][1] == (common | names(fused.OPTIONS)
+    tp = names(tp_part.OPTIONS)
+    assert presets.PRESETS["local"][1] == common | {"cuda_graph"} | tp
+    assert presets.PRESETS["allreduce"][1] == (common | tp | names(hybrid_part.OPTIONS)
+                                               | names(fused.OPTIONS)
                                                | names(rowsparse.OPTIONS)
                                                | names(compressed.OPTIONS) | {"sync_bn"}
                                                | names(averaging.OPTIONS)

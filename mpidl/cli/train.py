@@ -134,6 +134,9 @@ def _local_rank(world):
 
 def layout_note(cfg, ranks):
     """How the ranks are laid out, when it is more than data parallelism."""
+    if getattr(cfg, "hybrid", None) and ranks > 1:
+        return (f" (hybrid {cfg.hybrid}: convolutions data parallel, fully connected "
+                f"layers tensor parallel, over {ranks} ranks)")
     t = getattr(cfg, "tensor_parallel", 1) or 1
     return "" if t == 1 else f" (tensor parallel {t} x data parallel {ranks // t})"
 

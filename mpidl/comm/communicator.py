@@ -68,7 +68,7 @@ from .. import env
 from . import algorithms, auto, counters, stall
 from .consistency import DESC_BYTES, compare_windows, describe, digest, encode, raise_mismatch
 from .consistency import check as _consistency_check
-from .layout import even_split
+from .layout import displacements, even_split
 from .ops import check_op, mpi_datatype, own_reduction, reduction
 from .p2p import PointToPoint
 from .progress import EagerProgress, Handle, ProgressThread
@@ -708,20 +708,31 @@ class Communicator(PointToPoint):
                      back=back, result=out, nbytes=src.nbytes)
 
     # ------------------------------------------------------------------ reduce_scatter
-    def reduce_scatter(self, x, out=None, op="sum", algorithm="auto", name=None):
+    def reduce_scatter(self, x, out=None, op="sum", algorithm="auto", name=None,
+                       counts=None):
         """Reduce ``x`` (flattened, n elements) over all ranks; return this rank's chunk:
         ``counts[rank]`` elements at ``displs[rank]`` of ``layout.even_split(n, p)`` (the
-        first ``n % p`` ranks get one element more)."""
-        return self._blocking(self._prep_rs(x, out, op, algorithm), name)
+        first ``n % p`` ranks get one element more), or of ``counts`` when given (one
+        count per rank, summing to n: chunks on other boundaries, such as whole samples)."""
+        return self._blocking(self._prep_rs(x, out, op, algorithm, counts), name)
 
-    def ireduce_scatter(self, x, out=None, op="sum", algorithm="auto", name=None):
-        return self._nonblocking(self._prep_rs(x, out, op, algorithm), name)
+    def ireduce_scatter(self, x, out=None, op="sum", algorithm="auto", name=None,
+                        counts=None):
+        return self._nonblocking(self._prep_rs(x, out, op, algorithm, counts), name)
 
-    def _prep_rs(self, x, out, op, algorithm):
+    def _prep_rs(self, x, out, op, algorithm, counts=None):
         xp, gpu = _module(x)
         check_op(op, x.dtype)
         alg = self._resolve("reduce_scatter", algorithm, x.nbytes, x.dtype)
-        counts, displs = even_split(x.size, self.size)
+        if counts is None:
+            counts, displs = even_split(x.size, self.size)
+        else:
+            counts = tuple(int(c) for c in counts)
+            if len(counts) != self.size or min(counts) < 0 or sum(counts) != x.size:
+                raise ValueError(f"reduce_scatter: counts {counts} must give each of the "
+                                 f"{self.size} ranks a count >= 0, summing to the {x.size} "
+                                 "elements of x")
+            displs = displacements(counts)
         mine = counts[self.rank]
         if out is None:
             out = xp.empty(mine, dtype=x.dtype)

@@ -1,5 +1,7 @@
 """Shape-only layers."""
 
+import math
+
 from mpidl.engine._util import shape_str
 from mpidl.engine.module import Layer, ShapeError
 
@@ -11,7 +13,9 @@ class Flatten(Layer):
         if x.ndim < 1:
             raise ShapeError(f"Flatten needs a batch axis, got a scalar (shape {shape_str(x)})")
         self.save_for_backward(x.shape)
-        return x.reshape(x.shape[0], -1)
+        # the width spelled out: -1 is ambiguous for an empty batch (the hybrid's
+        # evaluation runs some on ranks with fewer test samples)
+        return x.reshape(x.shape[0], math.prod(x.shape[1:]))
 
     def backward(self, dy):
         (shape,) = self.saved_for_backward()

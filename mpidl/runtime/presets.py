@@ -34,6 +34,7 @@ from mpidl.errors import ConfigError
 from mpidl.options import Option
 from mpidl.runtime import averaging as averaging_part
 from mpidl.runtime import hogwild as hogwild_part
+from mpidl.runtime import hybrid as hybrid_part
 from mpidl.runtime import precision as precision_part
 from mpidl.runtime import schedule as schedule_part
 from mpidl.runtime import tensor_parallel as tp_part
@@ -70,7 +71,7 @@ def cli_options():
     return (OPTIONS + schedule_part.OPTIONS + fused.OPTIONS + rowsparse.OPTIONS
             + compressed.OPTIONS + pushpull.OPTIONS + averaging_part.OPTIONS
             + zero_part.OPTIONS + hogwild_part.OPTIONS + precision_part.OPTIONS
-            + tp_part.OPTIONS)
+            + tp_part.OPTIONS + hybrid_part.OPTIONS)
 
 
 def names():
@@ -93,6 +94,7 @@ def build(name, comm=None, strict=True, **options):
     given = {k: v for k, v in options.items() if v is not None}
     averaging_part.check_options(name, given)
     zero_part.check_options(name, given)
+    hybrid_part.check_options(name, given)
     if (given.get("tensor_parallel") or 1) > 1 and name not in ("local", "allreduce"):
         raise ConfigError(f"--tensor-parallel {given['tensor_parallel']} cannot be used with "
                           f"--strategy {name}: tensor parallelism splits layers over ranks "
@@ -182,7 +184,7 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
               overlap="auto", compression=None, ratio=None, sparse_grads=None, sync_bn=False,
               sync=None, period=None, warmup_steps=None, outer_lr=None, outer_momentum=None,
               verify_averaging=False, zero=0, precision=None, loss_scale=None,
-              loss_scale_window=None, tensor_parallel=1):
+              loss_scale_window=None, tensor_parallel=1, hybrid=None):
     tp = tp_part.check_degree(tensor_parallel, _size(comm))
     if tp > 1:
         _check_tensor_parallel(tp, zero=zero, compression=compression, sync=sync,
@@ -204,6 +206,9 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
     algorithm = fused.check_algorithm(algorithm)
     sparse_mode = rowsparse.check_sparse_mode(sparse_grads)
     zero = zero_part.check_stage(zero or 0)
+    if hybrid and comm is not None:  # (check_options refused what it cannot do)
+        return hybrid_part.runtime(comm, unused, sched, algorithm, bucket_mb, overlap,
+                                   sync_bn, accumulate)
     if zero:
         return _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
                      sync_bn)
@@ -355,7 +360,8 @@ PRESETS = {
     "local": (local, _COMMON | {"cuda_graph"} | _names(tp_part.OPTIONS)),
     "allreduce": (allreduce, _COMMON | _names(tp_part.OPTIONS) | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
                   | _names(compressed.OPTIONS) | {"sync_bn"} | _names(averaging_part.OPTIONS)
-                  | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)),
+                  | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)
+                  | _names(hybrid_part.OPTIONS)),
     "ps": (ps, _COMMON | _names(pushpull.OPTIONS) | _names(compressed.OPTIONS)
            | set(PS_TUNING)),
     "hogwild": (hogwild, _COMMON | {"servers"} | _names(hogwild_part.OPTIONS)),

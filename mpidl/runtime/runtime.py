@@ -108,7 +108,7 @@ class Runtime:
         if not self.trains_on_data:
             return 0, len(trainers)
         mine = trainers.index(self.rank)
-        if self.tp is not None:  # a tensor-parallel group shares one piece (tp innermost)
+        if self.tp is not None and not self.tp.over_dp:  # a tp group shares one piece
             return mine // self.tp.degree, len(trainers) // self.tp.degree
         return mine, len(trainers)
 
@@ -140,8 +140,8 @@ class Runtime:
                 memory.adopt_momentum(optimizer)
         index, _ = self.shard()
         for _, layer in model.modules():  # each share of the data its own dropout masks
-            if isinstance(layer, Dropout):
-                layer.stream = index
+            if isinstance(layer, Dropout):  # (but not a layer every share goes through)
+                layer.stream = 0 if getattr(layer, "whole_batch", False) else index
         if self.role == "server":
             self.server.setup(self)
             return
@@ -151,6 +151,8 @@ class Runtime:
             convert_sync_batchnorm(model, self.group)
         if self.broadcast_at_start and self.group is not None and self.group.size > 1:
             for _, p in self.named_params:
+                if _sliced_over_dp(p):  # the hybrid's slices differ by design
+                    continue
                 self.group.bcast(p.data, root=0)
             for _, buf in model.named_buffers():
                 if hasattr(buf, "shape") and buf.ndim > 0 and buf.flags.c_contiguous:
@@ -202,10 +204,12 @@ class Runtime:
         if self.comm is None:
             return
         servers = self.roles.get("server", [])
+        over_dp = self.tp is not None and self.tp.over_dp
         self.mesh = Mesh(self.comm, roles={"server": len(servers)} if servers else None,
-                         tp=1 if self.tp is None else self.tp.degree)
+                         tp=1 if self.tp is None or over_dp else self.tp.degree)
         self.group = self.mesh.group("dp")
-        self.tp_group = self.mesh.group("tp") if self.tp is not None else None
+        self.tp_group = (None if self.tp is None else self.group if over_dp
+                         else self.mesh.group("tp"))
         self.role_group = self.mesh.group(self.role)
         self.ps_comm = self.comm
 
@@ -462,10 +466,28 @@ class Runtime:
     def adapt_task(self, task):
         """Give the trainer's task the losses this layout needs (after ``setup``): with
         logits split over a tensor-parallel group, the parallel cross-entropy."""
-        if self.tp is not None and self.tp.output_slice is not None:
+        if self.tp is not None and (self.tp.output_slice is not None or self.tp.over_dp):
             task.loss = self.loss
             task.eval_loss = self.tp.loss(task.eval_loss)
         return task
+
+    def start_lines(self, batch_size):
+        """Lines for the log before training, on the root (the hybrid's bytes per step
+        from its formula, beside plain data parallelism's); ``batch_size``: per rank and
+        micro-batch. Local, no communication."""
+        lines = getattr(self.tp, "start_lines", None)
+        return [] if lines is None or not self.trains_on_data else lines(batch_size)
+
+    def eval_batches(self, x, y, batch_size, dtype=None):
+        """This rank's (x, y) batches of an evaluation set: its contiguous piece. When a
+        forward is collective over ranks holding different pieces (the hybrid), every
+        rank runs as many batches as the rank with the most, the extra ones empty."""
+        from mpidl.data.loader import eval_batches  # noqa: PLC0415
+
+        index, count = self.shard()
+        batches = eval_batches(x, y, batch_size, (index, count), dtype=dtype)
+        lockstep = getattr(self.tp, "lockstep", None)
+        return batches if lockstep is None else lockstep(batches, x, y, batch_size, dtype)
 
     # -- the whole model, whatever the layout (checkpoints, --save)
     def full_state(self, model, optimizer=None):
@@ -642,3 +664,8 @@ class Runtime:
                                    f"{counts}; every rank must see the same number of "
                                    "batches (use mpidl.data.BatchLoader's sharding)")
 
+
+def _sliced_over_dp(p):
+    """A parameter whose ranks of the data-parallel group hold different slices."""
+    pl = getattr(p, "placement", None)
+    return pl is not None and pl.kind == "sharded" and pl.axis == "dp"

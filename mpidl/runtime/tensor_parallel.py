@@ -125,6 +125,10 @@ class _ParallelLinear(Layer):
     """A ``Linear`` whose weight (and bias, when sliced) hold this rank's piece. Takes over
     the whole layer's ``Parameter`` objects."""
 
+    #: the all-reduce algorithm (the conv-DP/FC-MP hybrid sets --algorithm, so that the
+    #: bytes it counts follow its formula)
+    algorithm = "auto"
+
     def __init__(self, linear, group, name, weight_slice, bias_slice):
         super().__init__()
         self.group, self.name = group, name
@@ -149,7 +153,8 @@ class _ParallelLinear(Layer):
                              f"got {got} (input shape {tuple(x.shape)})")
 
     def _allreduce(self, a, what):
-        return self.group.allreduce(a, out=a, name=f"tp.{self.name}.{what}")
+        return self.group.allreduce(a, out=a, algorithm=self.algorithm,
+                                    name=f"tp.{self.name}.{what}")
 
     def __repr__(self):
         return (f"{type(self).__name__}({self.in_features_full}, {self.out_features_full}, "
@@ -344,6 +349,8 @@ class ParallelSoftmaxCrossEntropy(Loss):
     logit (two sums in one call); the gradient is this rank's slice of
     ``(softmax - onehot) / N``. Same mean as ``SoftmaxCrossEntropy`` up to rounding."""
 
+    algorithm = "auto"  # of the max and sums all-reduces (see _ParallelLinear)
+
     def __init__(self, group, sl):
         self.group, self.slice = group, sl
         self._probs = None
@@ -367,7 +374,8 @@ class ParallelSoftmaxCrossEntropy(Loss):
                              f"classes, got label {bad}")
         g = self.group
         row_max = logits2.max(axis=1)
-        g.allreduce(row_max, out=row_max, op="max", name="tp.loss.max")
+        g.allreduce(row_max, out=row_max, op="max", algorithm=self.algorithm,
+                    name="tp.loss.max")
         shifted = logits2 - row_max[:, None]
         probs = xp.exp(shifted)
         mine = (labels >= lo) & (labels < hi)
@@ -375,7 +383,7 @@ class ParallelSoftmaxCrossEntropy(Loss):
         sums = xp.empty((2, n), dtype=logits2.dtype)
         sums[0] = probs.sum(axis=1)
         sums[1] = xp.where(mine, shifted[rows, xp.where(mine, labels - lo, 0)], 0)
-        g.allreduce(sums, out=sums, name="tp.loss.sums")
+        g.allreduce(sums, out=sums, algorithm=self.algorithm, name="tp.loss.sums")
         probs /= sums[0][:, None]
         self._probs, self._mine, self._local = probs, mine, labels - lo
         self._shape = logits.shape
@@ -434,6 +442,11 @@ def _attention_types():
 class TensorParallel:
     """The runtime part: cuts the model at setup, and moves whole states in and out."""
 
+    #: False: the group is the mesh's tp axis, whose ranks share one piece of the data.
+    #: True (``mpidl.runtime.hybrid``): the group is the data-parallel group itself, every
+    #: rank its own data; the mesh has no tp axis and sliced parameters are not broadcast.
+    over_dp = False
+
     def __init__(self, degree):
         self.degree = degree
         self.group = None
@@ -484,8 +497,8 @@ class TensorParallel:
                         need(layers[pending].out_features, "output features",
                              f"Linear {prefix}{pending}")
                     if group is not None:
-                        col = ColumnParallelLinear(layers[pending], group, f"{prefix}{pending}",
-                                                   col_unit)
+                        col = self._column(layers[pending], group, f"{prefix}{pending}",
+                                           col_unit)
                         layers[pending] = col
                         for j in range(pending + 1, i):
                             if isinstance(layers[j], Dropout):
@@ -520,12 +533,17 @@ class TensorParallel:
                 last = layers[pending]
                 need(last.out_features, "classes", f"the output Linear {prefix}{pending}")
                 if group is not None:
-                    col = ColumnParallelLinear(last, group, f"{prefix}{pending}")
+                    col = self._column(last, group, f"{prefix}{pending}")
                     layers[pending] = col
                     self.output_slice = col.slice
                     self.layers.append((f"{prefix}{pending}", "column, logits sliced"))
 
         walk(model, "", True)
+
+    def _column(self, linear, group, name, unit=1):
+        """The column-parallel layer that replaces ``linear`` (a subclass may make another
+        kind for some layers: the hybrid's first fully connected layer gathers its input)."""
+        return ColumnParallelLinear(linear, group, name, unit)
 
     # -- set-up (collective over nothing: the model is cut locally)
     def setup(self, model, group):

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpidl import backend, env
-from mpidl.data import BatchLoader, eval_batches
+from mpidl.data import BatchLoader
 from mpidl.errors import AgreedUserError, ConfigError, TrainingDiverged
 from mpidl.training import checkpoint as ckpt
 from mpidl.training.callbacks import CallbackList
@@ -214,6 +214,9 @@ class Trainer:
             self.preemption is not None and self.paths.get("stop_checkpoint_dir") is not None)
         rt.setup(self.model, self.optimizer, self.task.loss)
         rt.adapt_task(self.task)
+        if self.is_root:
+            for line in rt.start_lines(cfg.batch_size):
+                self.log.info(line)
         if cfg.resume:
             self.restore()
         self.callbacks.on_fit_start(self)
@@ -385,9 +388,9 @@ class Trainer:
         self.model.eval()
         sums = {}
         try:
-            for x, y in eval_batches(self.dataset.test_x, self.dataset.test_y,
-                                     self.cfg.eval_batch_size, (self.index, self.count),
-                                     dtype=self.cfg.dtype):
+            for x, y in self.runtime.eval_batches(self.dataset.test_x, self.dataset.test_y,
+                                                  self.cfg.eval_batch_size,
+                                                  dtype=self.cfg.dtype):
                 for k, v in self.task.eval_sums(self.model, x, y).items():
                     sums[k] = sums.get(k, 0) + v
         finally:
