@@ -173,41 +173,95 @@ def test_cli_mlp_t3_uneven_equals_one_process(tmp_path):
                                       ("cnn", 4), ("gpt-tiny", 2), ("gpt-tiny", 3),
                                       ("gpt-tiny", 4)])
 def test_cli_equals_one_process_grid(tmp_path, model, t):
-    """Issue 14, point 1 in full: the zoo's models at their default sizes, 100 steps."""
+    """Issue 14, point 1 in full: the zoo's models at their default sizes, 100 steps of
+    SGD with momentum (gpt-tiny's own AdamW: ``test_cli_gpt_tiny_adamw_default_size``)."""
     needs_fashion()
     args = ["--model", model, "--batch-size", "32", "--limit-train", "3200",
             "--limit-test", "200", "--epochs", "1"]
+    if model == "gpt-tiny":
+        args += ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9",
+                 "--weight-decay", "0"]
     run_command(train_cmd(1, tmp_path / "one", *args), timeout=1800).check()
     run_command(train_cmd(t, tmp_path / "tp", *args, "--tensor-parallel", str(t)),
                 timeout=1800).check()
-    if model == "gpt-tiny":  # AdamW: the keys' bias apart (test_cli_gpt_tiny_...)
-        worst, key_bias = max_relative_difference(tmp_path / "one" / "model.npz",
-                                                  tmp_path / "tp" / "model.npz", heads=4)
-        assert worst <= 1e-12 and key_bias <= 1e-9, (worst, key_bias)
-    else:
-        assert max_relative_difference(tmp_path / "one" / "model.npz",
-                                       tmp_path / "tp" / "model.npz") <= 1e-12
+    worst = max_relative_difference(tmp_path / "one" / "model.npz",
+                                    tmp_path / "tp" / "model.npz")
+    print(f"{model} T={t}: worst relative difference {worst:.3g}")
+    assert worst <= 1e-12
+
+
+@pytest.mark.slow
+def test_cli_gpt_tiny_adamw_default_size(tmp_path):
+    """gpt-tiny at its default size and recipe (AdamW), T = 3, 100 steps: within 1e-10.
+    Adam divides each step by the root of the gradient's running square, so where a
+    gradient is near zero (the keys' bias, whose exact gradient is zero; rarely-used
+    rows) the rounding of reordered sums becomes a step of its own size; the measured
+    differences are in the README."""
+    args = ["--model", "gpt-tiny", "--batch-size", "32", "--limit-train", "3200",
+            "--limit-test", "200", "--epochs", "1"]
+    run_command(train_cmd(1, tmp_path / "one", *args), timeout=1800).check()
+    run_command(train_cmd(3, tmp_path / "tp", *args, "--tensor-parallel", "3"),
+                timeout=1800).check()
+    worst, key_bias = max_relative_difference(tmp_path / "one" / "model.npz",
+                                              tmp_path / "tp" / "model.npz", heads=4)
+    print(f"gpt-tiny AdamW T=3: worst {worst:.3g}, keys' bias {key_bias:.3g}")
+    assert worst <= 1e-10 and key_bias <= 1e-10
+
+
+CKPT = ["--model", "mlp", "--batch-size", "16", "--limit-train", "3200", "--limit-test", "200",
+        "--epochs", "1", "--checkpoint-every", "10"]
 
 
 def test_checkpoint_of_t2_dp2_resumes_at_t1_and_t4(tmp_path):
-    """Saved at T = 2 x DP = 2 and killed after step 55, resumed from step 50 at
-    T = 1 x DP = 2 and at T = 4 x DP = 2: both equal an uninterrupted T = 1 run."""
+    """Saved at T = 2 x DP = 2 (two shard files and an index per checkpoint) and killed
+    after step 55, resumed from step 50 at T = 1 x DP = 2 and at T = 4 x DP = 2: both equal
+    an uninterrupted T = 1 run. With a shard of step 50 deleted, the resume names it and
+    goes back to step 40."""
     needs_fashion()
-    common = ["--model", "mlp", "--batch-size", "16", "--limit-train", "3200",
-              "--limit-test", "200", "--epochs", "1", "--checkpoint-every", "10"]
-    run_command(train_cmd(2, tmp_path / "ref", *common), timeout=300).check()
-    crashed = run_command(train_cmd(4, tmp_path / "saved", *common, "--tensor-parallel", "2"),
+    run_command(train_cmd(2, tmp_path / "ref", *CKPT), timeout=300).check()
+    crashed = run_command(train_cmd(4, tmp_path / "saved", *CKPT, "--tensor-parallel", "2"),
                           env={"MPIDL_FAIL_AT": "1:55"}, timeout=300)
     assert crashed.returncode != 0
+    saved = tmp_path / "saved" / "checkpoints"
+    index = np.load(saved / "ckpt-000000050.npz")
+    shard = np.load(saved / "ckpt-000000050-shard-1-of-2.npz")
+    assert "model/1.weight" not in index.files and "model/1.weight" in shard.files
+    assert shard["model/1.weight"].shape == (784, 512)  # its columns of the whole 1024
     for ranks, t in ((2, 1), (8, 4)):
         out = tmp_path / f"t{t}"
-        shutil.copytree(tmp_path / "saved" / "checkpoints", out / "checkpoints")
-        launch = run_command(train_cmd(ranks, out, *common, "--tensor-parallel", str(t),
-                                       "--resume"),
-                             timeout=300).check()
+        shutil.copytree(saved, out / "checkpoints")
+        launch = run_command(train_cmd(ranks, out, *CKPT, "--tensor-parallel", str(t),
+                                       "--resume"), timeout=300).check()
         assert "step 50" in launch.output, launch.output
         assert max_relative_difference(tmp_path / "ref" / "model.npz",
                                        out / "model.npz") <= 1e-12
+    out = tmp_path / "lost"
+    shutil.copytree(saved, out / "checkpoints")
+    os.unlink(out / "checkpoints" / "ckpt-000000050-shard-1-of-2.npz")
+    launch = run_command(train_cmd(4, out, *CKPT, "--tensor-parallel", "2", "--resume"),
+                         timeout=300).check()
+    assert ("its index names shard ckpt-000000050-shard-1-of-2.npz, which is missing"
+            in launch.output), launch.output
+    assert "resumed from" in launch.output and "step 40" in launch.output, launch.output
+
+
+def test_crash_while_writing_shards_keeps_the_previous_checkpoint(tmp_path):
+    """Killed in the middle of writing checkpoint 3's shards (step 30): no index of step
+    30 exists, the resume starts from step 20, and the run ends as an uninterrupted one."""
+    needs_fashion()
+    args = CKPT + ["--limit-train", "960"]  # 60 steps of 16
+    run_command(train_cmd(2, tmp_path / "ref", *args, "--tensor-parallel", "2"),
+                timeout=300).check()
+    crashed = run_command(train_cmd(2, tmp_path / "run", *args, "--tensor-parallel", "2"),
+                          env={"MPIDL_CRASH_IN_CHECKPOINT": "3:2000"}, timeout=300)
+    assert crashed.returncode != 0
+    names = sorted(os.listdir(tmp_path / "run" / "checkpoints"))
+    assert "ckpt-000000020.npz" in names and "ckpt-000000030.npz" not in names, names
+    launch = run_command(train_cmd(2, tmp_path / "run", *args, "--tensor-parallel", "2",
+                                   "--resume"), timeout=300).check()
+    assert "step 20" in launch.output, launch.output
+    assert max_relative_difference(tmp_path / "ref" / "model.npz",
+                                   tmp_path / "run" / "model.npz") == 0.0
 
 
 def test_tensor_parallel_model_loads_into_one_process(tmp_path):

@@ -436,7 +436,7 @@ class Runtime:
                     out["bytes_sent_per_step"] *= self.averaging.exchange_fraction()
         for _, sync in self.syncs:
             out.update(sync.metrics())
-        if self.tp is not None:
+        if self.tp is not None and not self.tp.over_dp:
             out["tensor_parallel"] = self.tp.degree
         if self.precision is not None:
             out.update(self.precision.metrics())
@@ -506,6 +506,33 @@ class Runtime:
         if not self.is_root:
             return None, None
         return model_state, opt_state
+
+    def checkpoint_parts(self, model, optimizer):
+        """What this rank puts in a checkpoint (local): ``model``/``optimizer`` (the
+        root's go into the checkpoint file), ``shard`` (this rank's slices, to write as a
+        shard file, or None) with its ``index`` of ``count``, and ``shards`` (the index's
+        entry, or None). Without tensor parallelism the root holds the whole states and
+        there are no shards; with it, the ranks holding the root's model's pieces each
+        write their slices, and the root's file is the index."""
+        from types import SimpleNamespace  # noqa: PLC0415
+
+        if self.tp is None:
+            model_state, opt_state = self.full_state(model, optimizer)
+            return SimpleNamespace(model=model_state, optimizer=opt_state, shard=None,
+                                   shards=None)
+        whole, opt_state, shard, slices = self.tp.split_state(dict(model.state_dict()),
+                                                              optimizer.state_dict())
+        g = self.tp_group
+        mine = self.tp.over_dp or self.shard()[0] == 0  # in the root's group
+        return SimpleNamespace(model=whole, optimizer=opt_state,
+                               shard=shard if mine else None, index=g.rank, count=g.size,
+                               shards={"count": g.size, "slices": slices})
+
+    def shards_written(self):
+        """Collective over the tensor-parallel group: every shard is on disk (the root
+        writes the index only after)."""
+        with self.tp_group.waiting("in the barrier after writing checkpoint shards"):
+            self.tp_group.mpi.Barrier()
 
     def load_full_state(self, model, optimizer, model_state, opt_state=None):
         """Load a whole model's state (and its optimizer's) saved under any layout into

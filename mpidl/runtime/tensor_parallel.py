@@ -152,9 +152,38 @@ class _ParallelLinear(Layer):
                              f"{self.group.rank}) expects {self.in_features} input features, "
                              f"got {got} (input shape {tuple(x.shape)})")
 
+    #: which side sums over the group: the output (row-parallel, *g*) or the input's
+    #: gradient (column-parallel, *f*)
+    reduces_output = False
+
     def _allreduce(self, a, what):
         return self.group.allreduce(a, out=a, algorithm=self.algorithm,
                                     name=f"tp.{self.name}.{what}")
+
+    def forward(self, x):
+        x, _ = as_input(x, self.dtype, self.weight.data)
+        self._check(x)
+        self.save_for_backward(x)
+        y = matmul(x.reshape(-1, self.in_features), self.weight.data)
+        if self.reduces_output:
+            y = self._allreduce(y, "y")
+        if self.bias is not None:  # (a row-parallel bias is whole: added once, after)
+            y += self.bias.data
+        return y.reshape(x.shape[:-1] + (self.out_features,))
+
+    def backward(self, dy):
+        (x,) = self.saved_for_backward()
+        x2 = x.reshape(-1, self.in_features)
+        dy2 = dy.reshape(-1, self.out_features)
+        self.weight.accumulate(matmul(x2.T, dy2))
+        if self.bias is not None:
+            self.bias.accumulate(_bias_grad(dy2))
+        if not self.needs_input_grad:
+            return None
+        dx = matmul(dy2, self.weight.data.T)
+        if not self.reduces_output:
+            dx = self._allreduce(dx, "dx")
+        return dx.reshape(x.shape[:-1] + (self.in_features,))
 
     def __repr__(self):
         return (f"{type(self).__name__}({self.in_features_full}, {self.out_features_full}, "
@@ -175,32 +204,13 @@ class ColumnParallelLinear(_ParallelLinear):
                          Slice(0, n // unit, unit, group.size, group.rank))
         self.slice = cols
 
-    def forward(self, x):
-        x, _ = as_input(x, self.dtype, self.weight.data)
-        self._check(x)
-        self.save_for_backward(x)
-        y = matmul(x.reshape(-1, self.in_features), self.weight.data)
-        if self.bias is not None:
-            y += self.bias.data
-        return y.reshape(x.shape[:-1] + (self.out_features,))
-
-    def backward(self, dy):
-        (x,) = self.saved_for_backward()
-        x2 = x.reshape(-1, self.in_features)
-        dy2 = dy.reshape(-1, self.out_features)
-        self.weight.accumulate(matmul(x2.T, dy2))
-        if self.bias is not None:
-            self.bias.accumulate(_bias_grad(dy2))
-        if not self.needs_input_grad:
-            return None
-        dx = matmul(dy2, self.weight.data.T)
-        return self._allreduce(dx, "dx").reshape(x.shape)
-
 
 class RowParallelLinear(_ParallelLinear):
     """Input rows ``[lo, hi)``: this rank's slice of the input in, the whole output out
     after one all-reduce (Megatron's *g*); the bias is whole and added after the sum, so
     its gradient is the same bits on every rank."""
+
+    reduces_output = True
 
     def __init__(self, linear, group, name, unit=1):
         n = linear.in_features
@@ -209,27 +219,6 @@ class RowParallelLinear(_ParallelLinear):
         rows = Slice(0, n // unit, unit, group.size, group.rank)
         super().__init__(linear, group, name, rows, None)
         self.slice = rows
-
-    def forward(self, x):
-        x, _ = as_input(x, self.dtype, self.weight.data)
-        self._check(x)
-        self.save_for_backward(x)
-        y = matmul(x.reshape(-1, self.in_features), self.weight.data)
-        y = self._allreduce(y, "y")
-        if self.bias is not None:
-            y += self.bias.data
-        return y.reshape(x.shape[:-1] + (self.out_features,))
-
-    def backward(self, dy):
-        (x,) = self.saved_for_backward()
-        x2 = x.reshape(-1, self.in_features)
-        dy2 = dy.reshape(-1, self.out_features)
-        self.weight.accumulate(matmul(x2.T, dy2))
-        if self.bias is not None:
-            self.bias.accumulate(_bias_grad(dy2))
-        if not self.needs_input_grad:
-            return None
-        return matmul(dy2, self.weight.data.T).reshape(x.shape[:-1] + (self.in_features,))
 
 
 class VocabParallelEmbedding(Layer):
@@ -598,6 +587,24 @@ class TensorParallel:
                                   f"{sl.dim}; the whole model has {sl.full}")
             out[k] = sl.take(a) if sl is not None else a
         return out
+
+    def split_state(self, model_state, opt_state):
+        """A checkpoint's parts, local: (unsliced model state, optimizer state without
+        the sliced parameters' arrays, this rank's shard {"model", "optimizer"} of
+        slices, the index's ``slices`` entry {name: [dim, whole size]})."""
+        whole = {k: v for k, v in model_state.items() if k not in self.slices}
+        shard = {"model": {k: to_numpy(v) for k, v in model_state.items()
+                           if k in self.slices}, "optimizer": {}}
+        kept = {}
+        for name, st in opt_state.get("state", {}).items():
+            if name in self.slices:
+                shard["optimizer"][name] = {k: to_numpy(v) for k, v in st.items()
+                                            if hasattr(v, "shape")}
+                kept[name] = {k: v for k, v in st.items() if not hasattr(v, "shape")}
+            else:
+                kept[name] = st
+        slices = {k: [sl.dim, sl.full] for k, sl in self.slices.items() if k in model_state}
+        return whole, dict(opt_state, state=kept), shard, slices
 
     def full_optimizer_state(self, sd):
         """An optimizer's ``state_dict`` with every per-parameter array made whole (on the

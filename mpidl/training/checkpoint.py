@@ -6,6 +6,14 @@ everything else (numbers, strings, big integers of RNG states, the nesting itsel
 JSON document in the member ``__tree__``. Loading needs no pickle, so a checkpoint cannot
 run code, and ``numpy.load`` alone can inspect one.
 
+Sharded (tensor parallelism): every rank holding a piece of the model writes its slices
+as ``ckpt-<step>-shard-<i>-of-<n>.npz`` (the same format), and only then does the root
+write ``ckpt-<step>.npz``, the index: the unsliced tensors, the rest of the state, and
+``shards`` (the shard files and, per sliced tensor, the dimension it is cut along and
+its whole size). ``load`` joins the shards, so a reader gets the whole model whatever
+layout wrote it; a missing or unreadable shard makes the checkpoint unreadable, and
+``latest`` falls back to the one before.
+
 Atomic write: the file is written under a temporary name in the same folder, flushed and
 fsync'ed, then ``os.replace``'d onto its final name, and the folder is fsync'ed. A crash
 at any moment leaves either the previous checkpoints only, or the previous ones and the
@@ -28,6 +36,7 @@ from mpidl.errors import UserError
 FORMAT = "mpidl-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d+)\.npz$")
+_SHARD = re.compile(r"^ckpt-(\d+)-shard-\d+-of-\d+\.npz$")
 _TMP_PREFIX = ".tmp-ckpt-"
 
 
@@ -153,6 +162,62 @@ def write_npz_atomic(path, arrays, crash_after_bytes=None):
     return path
 
 
+def shard_name(step, index, count):
+    return f"ckpt-{int(step):09d}-shard-{index}-of-{count}.npz"
+
+
+def _arrays_of(step, state):
+    tree, arrays = encode(state)
+    doc = json.dumps({"format": FORMAT, "version": VERSION, "step": int(step), "state": tree})
+    arrays["__tree__"] = np.frombuffer(doc.encode("utf-8"), dtype=np.uint8)
+    return arrays
+
+
+def save_shard(directory, step, index, count, state, crash_after_bytes=None):
+    """Write this rank's slices of checkpoint ``step`` (``index`` of ``count`` shards)
+    atomically; the index written after every shard makes the checkpoint."""
+    path = os.path.join(directory, shard_name(step, index, count))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        return write_npz_atomic(path, _arrays_of(step, state), crash_after_bytes)
+    except OSError as e:
+        raise CheckpointWriteError(f"cannot write checkpoint shard {path} ({e.strerror or e});"
+                                   f" the earlier checkpoints in {directory} are kept; fix "
+                                   "that and run again with --resume") from None
+
+
+def _join_shards(path, state):
+    """Replace the index's sharded entries by the whole tensors joined from its shards."""
+    info = state.pop("shards")
+    directory = os.path.dirname(path)
+    pieces = []
+    for name in info["files"]:
+        shard = os.path.join(directory, name)
+        if not os.path.exists(shard):
+            raise CheckpointError(f"{path}: its index names shard {name}, which is missing; "
+                                  "the checkpoint cannot be put back together")
+        try:
+            pieces.append(load(shard))
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: its shard {name} cannot be read ({e})") from None
+    for name, (dim, full) in info["slices"].items():
+        try:
+            whole = np.concatenate([p["model"][name] for p in pieces], axis=dim)
+            slots = {slot: np.concatenate([p["optimizer"][name][slot] for p in pieces],
+                                          axis=dim)
+                     for slot in (pieces[0]["optimizer"].get(name) or {})}
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"{path}: the shards of {name!r} do not fit together "
+                                  f"({type(e).__name__}: {e})") from None
+        if whole.shape[dim] != full:
+            raise CheckpointError(f"{path}: the shards of {name!r} hold {whole.shape[dim]} "
+                                  f"along dimension {dim}, the index says {full}")
+        state["model"][name] = whole
+        if slots:
+            state["optimizer"]["state"].setdefault(name, {}).update(slots)
+    return state
+
+
 def save(directory, step, state, keep=None, crash_after_bytes=None):
     """Write ``state`` as checkpoint ``step`` in ``directory``; keep the newest ``keep``.
 
@@ -161,9 +226,7 @@ def save(directory, step, state, keep=None, crash_after_bytes=None):
     the newest ``keep`` checkpoints up to this step; a checkpoint with a higher step
     number (an unreadable one a resume skipped) is never what pushes this one out.
     """
-    tree, arrays = encode(state)
-    doc = json.dumps({"format": FORMAT, "version": VERSION, "step": int(step), "state": tree})
-    arrays["__tree__"] = np.frombuffer(doc.encode("utf-8"), dtype=np.uint8)
+    arrays = _arrays_of(step, state)
     path = checkpoint_path(directory, step)
     kept = f"; the earlier checkpoints in {directory} are kept"
     try:
@@ -188,7 +251,20 @@ def save(directory, step, state, keep=None, crash_after_bytes=None):
                 os.unlink(old[1])
             except OSError:
                 pass
+        _remove_orphan_shards(directory, step)
     return path
+
+
+def _remove_orphan_shards(directory, step):
+    """Shards of earlier steps whose index is gone (pruned, or never written: a crash)."""
+    have = {s for s, _ in list_checkpoints(directory)}
+    for name in os.listdir(directory):
+        m = _SHARD.match(name)
+        if m and int(m.group(1)) < step and int(m.group(1)) not in have:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
 
 
 def load(path):
@@ -206,6 +282,8 @@ def load(path):
                                       f"mpidl reads up to {VERSION}")
             arrays = {k: z[k] for k in z.files if k != "__tree__"}
             state = decode(doc["state"], arrays)
+        if isinstance(state, dict) and "shards" in state:
+            state = _join_shards(path, state)
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile,

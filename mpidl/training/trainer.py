@@ -414,29 +414,36 @@ class Trainer:
         mine = {"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}
         per_rank = self.runtime.gather(mine)
         runtime_state = self.runtime.state_dict()
-        model_state, optimizer_state = self.runtime.full_state(self.model, self.optimizer)
+        parts = self.runtime.checkpoint_parts(self.model, self.optimizer)
         self.checkpoints_written += 1
+        crash = None
+        if self.crash_in_checkpoint and self.crash_in_checkpoint[0] == self.checkpoints_written:
+            crash = (self.crash_in_checkpoint[1] if len(self.crash_in_checkpoint) > 1
+                     else 4096)
+        directory = self.paths["checkpoint_dir"]
+        if parts.shard is not None:  # tensor parallelism: slices first, then the index
+            ckpt.save_shard(directory, self.step, parts.index, parts.count, parts.shard,
+                            crash_after_bytes=crash)
+            self.runtime.shards_written()
         path = None
         if self.is_root and not self.parameters_finite():
             self.log.warning(f"not writing a checkpoint at step {self.step}: the parameters "
                              "are not finite (training diverged); the last finite "
-                             f"checkpoint stays the newest in {self.paths['checkpoint_dir']}")
+                             f"checkpoint stays the newest in {directory}")
         elif self.is_root:
-            crash = None
-            if self.crash_in_checkpoint and \
-                    self.crash_in_checkpoint[0] == self.checkpoints_written:
-                crash = (self.crash_in_checkpoint[1] if len(self.crash_in_checkpoint) > 1
-                         else 4096)
             state = {
                 "run": self.run_id,
                 "config": self.resume_config(),
                 "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
                              "elapsed": self.elapsed(), "last": self.last},
-                "model": model_state,
-                "optimizer": optimizer_state,
+                "model": parts.model,
+                "optimizer": parts.optimizer,
                 "ranks": per_rank,
                 "runtime": runtime_state,
             }
+            if parts.shards is not None:
+                state["shards"] = dict(parts.shards, files=[
+                    ckpt.shard_name(self.step, i, parts.count) for i in range(parts.count)])
             path = ckpt.save(self.paths["checkpoint_dir"], self.step, state,
                              keep=self.cfg.keep_checkpoints, crash_after_bytes=crash)
             self.log.debug(f"checkpoint {path}")
