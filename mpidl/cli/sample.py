@@ -6,9 +6,7 @@ weights and prints the prompt followed by N sampled characters. ``--seed`` makes
 repeatable, ``--temperature`` and ``--top-k`` shape the draws (``mpidl.engine.generate``).
 """
 
-import os
 import sys
-import zipfile
 
 from mpidl.errors import UserError
 
@@ -39,17 +37,10 @@ def register(subparsers):
 def load_language_model(path):
     """(model, meta) of a text model file; a UserError names what is wrong with it."""
     from mpidl.engine.models import build_model  # noqa: PLC0415
-    from mpidl.training.checkpoint import load_model_arrays  # noqa: PLC0415
+    from mpidl.training.checkpoint import read_model_file  # noqa: PLC0415
 
-    if not os.path.isfile(path):
-        raise UserError(f"--model {path}: no such file (give the .npz that mpidl train "
-                        "--save wrote, e.g. runs/NAME/model.npz)")
-    try:
-        arrays, meta = load_model_arrays(path)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError,
-            zipfile.BadZipFile) as e:
-        raise UserError(f"--model {path}: not a model file saved by mpidl train "
-                        f"({type(e).__name__}: {e})") from None
+    arrays, meta = read_model_file(path, "--model", " (give the .npz that mpidl train "
+                                   "--save wrote, e.g. runs/NAME/model.npz)")
     if "vocab" not in meta:
         what = f"a {meta['model']!r} model trained on {meta.get('dataset')!r}" \
             if meta.get("model") else "no mpidl text-model metadata"

@@ -14,7 +14,6 @@ import os
 import sys
 import tempfile
 import time
-import zipfile
 
 from mpidl import config
 from mpidl.config import OPTIONS, resolve, strategy_kwargs
@@ -361,16 +360,9 @@ def check_output_paths(paths, flags, resume=False):
 
 def read_init(path):
     """(arrays, meta) of a model file saved by ``mpidl train``; errors name the file."""
-    from mpidl.training.checkpoint import load_model_arrays  # noqa: PLC0415
+    from mpidl.training.checkpoint import read_model_file  # noqa: PLC0415
 
-    if not os.path.isfile(path):
-        raise ConfigError(f"--init {path}: no such file")
-    try:
-        arrays, meta = load_model_arrays(path)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError,
-            zipfile.BadZipFile) as e:
-        raise ConfigError(f"--init {path}: not a model file saved by mpidl train "
-                          f"({type(e).__name__}: {e})") from None
+    arrays, meta = read_model_file(path, "--init")
     if not meta.get("model") or "input_shape" not in meta:
         raise ConfigError(f"--init {path}: the file has no mpidl metadata (model name, input "
                           "shape); save models with mpidl train --save")

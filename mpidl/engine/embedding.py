@@ -6,6 +6,19 @@ from mpidl.engine.init import initialize
 from mpidl.engine.module import Layer, ShapeError, SparseGrad
 
 
+def check_ids(ids, rows, what="Embedding"):
+    """ShapeError unless ``ids`` are integers in [0, rows)."""
+    if ids.dtype.kind not in "iu":
+        raise ShapeError(f"{what} expects integer ids, got dtype {ids.dtype} "
+                         f"(input shape {shape_str(ids)})")
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= rows:
+            bad = lo if lo < 0 else hi
+            raise ShapeError(f"{what} has {rows} rows, got id {bad} "
+                             f"(input shape {shape_str(ids)})")
+
+
 class Embedding(Layer):
     """``y[..., :] = weight[ids[...]]`` for integer ``ids`` of any shape.
 
@@ -27,17 +40,8 @@ class Embedding(Layer):
             self.dtype))
 
     def forward(self, ids):
-        xp = array_module(self.weight.data)
-        ids = xp.asarray(ids)
-        if ids.dtype.kind not in "iu":
-            raise ShapeError(f"Embedding expects integer ids, got dtype {ids.dtype} "
-                             f"(input shape {shape_str(ids)})")
-        if ids.size:
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.num_embeddings:
-                bad = lo if lo < 0 else hi
-                raise ShapeError(f"Embedding has {self.num_embeddings} rows, got id {bad} "
-                                 f"(input shape {shape_str(ids)})")
+        ids = array_module(self.weight.data).asarray(ids)
+        check_ids(ids, self.num_embeddings)
         self.save_for_backward(ids)
         return self.weight.data[ids]
 

@@ -41,6 +41,7 @@ from types import SimpleNamespace
 from mpidl.backend import to_device
 from mpidl.comm.layout import even_split
 from mpidl.engine._util import as_input
+from mpidl.engine.attention import CausalAttention
 from mpidl.engine.conv import Conv2d
 from mpidl.engine.dropout import Dropout
 from mpidl.engine.embedding import Embedding
@@ -54,7 +55,7 @@ from mpidl.runtime.fusion import MiB, plan
 from mpidl.runtime.sync.fused import FusedAllreduce
 from mpidl.runtime.tensor_parallel import (ELEMENTWISE, ColumnParallelLinear,
                                            ParallelSoftmaxCrossEntropy, RowParallelLinear,
-                                           TensorParallel, _attention_types)
+                                           TensorParallel)
 
 MODES = ("conv-dp-fc-mp",)
 FLAG = "--hybrid conv-dp-fc-mp"
@@ -278,7 +279,7 @@ class Hybrid(TensorParallel):
             raise ConfigError(f"{FLAG}: the model has no convolution before its first fully "
                               f"connected layer ({k}), so there is no conv->FC boundary; use "
                               "--tensor-parallel or plain data parallelism")
-        split = (Linear, Embedding) + _attention_types()
+        split = (Linear, Embedding, CausalAttention)
         for i in range(len(layers)):
             for sub, m in layers[i].modules(f"{i}."):
                 where = sub.rstrip(".") or str(i)

@@ -41,7 +41,8 @@ from mpidl.backend import array_module, is_gpu_array, to_numpy
 from mpidl.comm.layout import even_split
 from mpidl.engine.activations import GELU, LeakyReLU, ReLU, Sigmoid, Tanh
 from mpidl.engine.dropout import Dropout
-from mpidl.engine.embedding import Embedding
+from mpidl.engine.attention import CausalAttention, TiedHead
+from mpidl.engine.embedding import Embedding, check_ids
 from mpidl.engine.linear import Linear
 from mpidl.engine.losses import Loss, SoftmaxCrossEntropy
 from mpidl.engine._util import as_input, colsum
@@ -243,15 +244,7 @@ class VocabParallelEmbedding(Layer):
     def forward(self, ids):
         xp = array_module(self.weight.data)
         ids = xp.asarray(ids)
-        if ids.dtype.kind not in "iu":
-            raise ShapeError(f"Embedding {self.name!r} expects integer ids, got dtype "
-                             f"{ids.dtype}")
-        if ids.size:
-            lo_id, hi_id = int(ids.min()), int(ids.max())
-            if lo_id < 0 or hi_id >= self.num_embeddings_full:
-                bad = lo_id if lo_id < 0 else hi_id
-                raise ShapeError(f"Embedding {self.name!r} has {self.num_embeddings_full} "
-                                 f"rows, got id {bad} (input shape {tuple(ids.shape)})")
+        check_ids(ids, self.num_embeddings_full, f"Embedding {self.name!r}")
         lo, hi = self.slice.lo, self.slice.hi
         mine = (ids >= lo) & (ids < hi)
         local = xp.where(mine, ids - lo, 0)
@@ -273,38 +266,23 @@ class VocabParallelEmbedding(Layer):
                 f"rows {self.slice.lo}..{self.slice.hi} on tp rank {self.group.rank})")
 
 
-class ParallelTiedHead(Layer):
+class ParallelTiedHead(TiedHead):
     """The output projection tied to a vocabulary-parallel ``Embedding``: logits of this
-    rank's vocabulary rows (``x @ weight_slice.T``, sliced like a column-parallel head);
-    backward all-reduces the input gradient (Megatron's *f*)."""
+    rank's vocabulary rows (the tied weight is already this rank's slice), sliced like a
+    column-parallel head; backward all-reduces the input gradient (Megatron's *f*)."""
 
     def __init__(self, head, embedding, group, name):
-        super().__init__()
+        super().__init__(head)  # the head's weight: the embedding's, already cut
         self.group, self.name = group, name
-        self.embedding_dim = head.embedding_dim
         self.slice = embedding.slice
-        self.weight = self._params["weight"] = head.weight  # the embedding's, already cut
+        self.num_embeddings = self.weight.data.shape[0]
         self.needs_input_grad = head.needs_input_grad
 
-    def forward(self, x):
-        w = self.weight.data
-        x, _ = as_input(x, w.dtype, w)
-        if x.ndim < 2 or x.shape[-1] != self.embedding_dim:
-            raise ShapeError(f"tied head {self.name!r} expects {self.embedding_dim} input "
-                             f"features, got shape {tuple(x.shape)}")
-        self.save_for_backward(x)
-        y = matmul(x.reshape(-1, self.embedding_dim), w.T)
-        return y.reshape(x.shape[:-1] + (w.shape[0],))
-
     def backward(self, dy):
-        (x,) = self.saved_for_backward()
-        x2 = x.reshape(-1, self.embedding_dim)
-        dy2 = dy.reshape(-1, self.weight.data.shape[0])
-        self.weight.accumulate(matmul(dy2.T, x2))
-        if not self.needs_input_grad:
+        dx = super().backward(dy)
+        if dx is None:
             return None
-        dx = matmul(dy2, self.weight.data)
-        return self.group.allreduce(dx, out=dx, name=f"tp.{self.name}.dx").reshape(x.shape)
+        return self.group.allreduce(dx, out=dx, name=f"tp.{self.name}.dx")
 
     def __repr__(self):
         return (f"ParallelTiedHead(vocabulary {self.slice.lo}..{self.slice.hi} on tp rank "
@@ -412,22 +390,6 @@ class ParallelSoftmaxCrossEntropy(Loss):
         return f"ParallelSoftmaxCrossEntropy(classes {self.slice.lo}..{self.slice.hi})"
 
 
-def _tied_head_type():
-    try:
-        from mpidl.engine.attention import TiedHead  # noqa: PLC0415
-    except ImportError:
-        return ()
-    return (TiedHead,)
-
-
-def _attention_types():
-    try:
-        from mpidl.engine.attention import CausalAttention  # noqa: PLC0415
-    except ImportError:
-        return ()
-    return (CausalAttention,)
-
-
 class TensorParallel:
     """The runtime part: cuts the model at setup, and moves whole states in and out."""
 
@@ -452,8 +414,8 @@ class TensorParallel:
     def _plan(self, model, group):
         """Walk the model; with ``group`` None only check, else replace layers."""
         t = self.degree
-        att_types = _attention_types()
-        tied_types = _tied_head_type()
+        att_types = (CausalAttention,)
+        tied_types = (TiedHead,)
         embeddings = {}  # id(weight Parameter) -> its VocabParallelEmbedding
 
         def need(n, what, name):

@@ -352,6 +352,21 @@ def save_model(path, model, meta=None):
     return write_npz_atomic(path, arrays)
 
 
+def read_model_file(path, flag, hint=""):
+    """(arrays, meta) of a model file saved by ``mpidl train``, for the command-line flag
+    ``flag`` that names it; a ConfigError names the flag and the file."""
+    from mpidl.errors import ConfigError  # noqa: PLC0415
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: no such file{hint}")
+    try:
+        return load_model_arrays(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError,
+            zipfile.BadZipFile) as e:
+        raise ConfigError(f"{flag} {path}: not a model file saved by mpidl train "
+                          f"({type(e).__name__}: {e})") from None
+
+
 def load_model_arrays(path):
     """({name: array}, meta) from a file written by ``save_model``."""
     loaded = np.load(path, allow_pickle=False)
