@@ -82,7 +82,9 @@ OPTIONS = [
     Option("weight_decay", float, 0.0, "L2 weight decay (decoupled for adamw)",
            metavar="WD"),
     Option("schedule", str, "constant", "learning-rate schedule over the steps: constant, "
-           "step, cosine, linear (see the engine's make_schedule)"),
+           "step, cosine, linear (see the engine's make_schedule); a pipeline schedule "
+           "name (gpipe, 1f1b, interleaved[:v], zb) sets the pipeline's; both: "
+           "--schedule cosine,1f1b"),
     Option("warmup_epochs", float, 0.0, "linear learning-rate warm-up from ~0 over this many "
            "epochs (fractions allowed)", metavar="E"),
     Option("scale_lr", bool, False, "large-batch rule: multiply lr by the number of "
@@ -244,13 +246,47 @@ def resolve(flags=None, config_path=None, use_model_defaults=True):
     model = flags.get("model", from_file.get("model", values["model"]))
     if use_model_defaults:
         values.update(model_defaults(model))
+    lr_schedule = values.get("schedule")
     values.update(from_file)
     values.update(flags)
+    _split_schedule(values, lr_schedule, from_file, flags)
     cfg = TrainConfig(**values)
     cfg.config = os.path.abspath(config_path) if config_path else None
     cfg.given = sorted(set(from_file) | set(flags))  # what the user set explicitly
     validate(cfg)
     return cfg
+
+
+def _split_schedule(values, lr_schedule, *sources):
+    """``--schedule`` names the learning-rate schedule, the pipeline's, or both
+    (``cosine,1f1b``): the pipeline's part goes to ``pipeline_schedule``; without a
+    learning-rate part the model's default stays. ``--micro-batches M`` is
+    ``--accumulate M``: one setting, so a checkpoint resumes under either."""
+    from mpidl.runtime.pipeline_schedule import is_pipeline_schedule  # noqa: PLC0415
+
+    given = next((src["schedule"] for src in reversed(sources) if "schedule" in src), None)
+    if given is not None:
+        parts = [p.strip() for p in str(given).split(",") if p.strip()]
+        pipe = [p for p in parts if is_pipeline_schedule(p)]
+        lr = [p for p in parts if not is_pipeline_schedule(p)]
+        if len(pipe) > 1 or len(lr) > 1 or not parts:
+            raise ConfigError(f"--schedule {given!r}: give at most one learning-rate schedule "
+                              "and one pipeline schedule, e.g. --schedule cosine,1f1b")
+        values["schedule"] = lr[0] if lr else lr_schedule
+        if pipe:
+            explicit = next((src["pipeline_schedule"] for src in sources
+                             if "pipeline_schedule" in src), None)
+            if explicit is not None and explicit != pipe[0]:
+                raise ConfigError(f"--schedule {pipe[0]} and --pipeline-schedule {explicit} "
+                                  "disagree: give the pipeline schedule once")
+            values["pipeline_schedule"] = pipe[0]
+    m = values.get("micro_batches")
+    if m is not None:
+        acc = next((src["accumulate"] for src in sources if "accumulate" in src), None)
+        if acc is not None and acc != m:
+            raise ConfigError(f"--micro-batches {m} and --accumulate {acc} are the same "
+                              "setting (micro-batches per step): give one of them")
+        values["accumulate"] = m
 
 
 def validate(cfg):

@@ -1,5 +1,7 @@
 """Fully connected layer: ``y = x @ weight + bias``."""
 
+from functools import partial
+
 from mpidl.backend import is_gpu_array
 from mpidl.engine._util import as_input, colsum, float_dtype, shape_str
 from mpidl.engine.gemm import matmul
@@ -47,12 +49,18 @@ class Linear(Layer):
         (x,) = self.saved_for_backward()
         x2 = x.reshape(-1, self.in_features)
         dy2 = dy.reshape(-1, self.out_features)
-        self.weight.accumulate(matmul(x2.T, dy2))
-        if self.bias is not None:
-            self.bias.accumulate(colsum(dy2) if is_gpu_array(dy2) else dy2.sum(axis=0))
+        if self.deferred_grads is None:
+            self._weight_grads(x2, dy2)
+        else:  # for a later pass; dy is this layer's to keep (Layer's conventions)
+            self.deferred_grads.append(partial(self._weight_grads, x2, dy2))
         if not self.needs_input_grad:
             return None
         return matmul(dy2, self.weight.data.T).reshape(x.shape)
+
+    def _weight_grads(self, x2, dy2):
+        self.weight.accumulate(matmul(x2.T, dy2))
+        if self.bias is not None:
+            self.bias.accumulate(colsum(dy2) if is_gpu_array(dy2) else dy2.sum(axis=0))
 
     def __repr__(self):
         return (f"Linear(in_features={self.in_features}, out_features={self.out_features}"

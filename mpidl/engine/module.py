@@ -179,6 +179,11 @@ class Layer:
     #: A class-level empty tuple until ``add_pre_hook``: nothing to pay when unused.
     _pre_hooks = ()
 
+    #: None, or a list: a layer that can (``Linear``) appends the computation of its
+    #: weight gradients as a callable instead of running it in ``backward``, for a later
+    #: pass (the zero-bubble pipeline schedule's weight-gradient pass). Others ignore it.
+    deferred_grads = None
+
     def __init__(self):
         self._params = OrderedDict()
         self._buffers = OrderedDict()
@@ -428,13 +433,18 @@ class Layer:
 
 
 class Sequential(Layer):
-    """Layers applied in order; children are named "0", "1", ..."""
+    """Layers applied in order; children are named "0", "1", ... unless ``names`` says
+    otherwise (a pipeline stage keeps a few of a model's layers under their names in the
+    whole model, so parameter names and checkpoints do not depend on the layout)."""
 
-    def __init__(self, *layers):
+    def __init__(self, *layers, names=None):
         super().__init__()
         self.layers = list(layers)
+        self.names = None if names is None else [str(n) for n in names]
 
     def children(self):
+        if self.names is not None:
+            return list(zip(self.names, self.layers))
         return [(str(i), layer) for i, layer in enumerate(self.layers)]
 
     def forward(self, x):

@@ -35,6 +35,7 @@ from mpidl.options import Option
 from mpidl.runtime import averaging as averaging_part
 from mpidl.runtime import hogwild as hogwild_part
 from mpidl.runtime import hybrid as hybrid_part
+from mpidl.runtime import pipeline as pipeline_part
 from mpidl.runtime import precision as precision_part
 from mpidl.runtime import schedule as schedule_part
 from mpidl.runtime import tensor_parallel as tp_part
@@ -71,7 +72,7 @@ def cli_options():
     return (OPTIONS + schedule_part.OPTIONS + fused.OPTIONS + rowsparse.OPTIONS
             + compressed.OPTIONS + pushpull.OPTIONS + averaging_part.OPTIONS
             + zero_part.OPTIONS + hogwild_part.OPTIONS + precision_part.OPTIONS
-            + tp_part.OPTIONS + hybrid_part.OPTIONS)
+            + tp_part.OPTIONS + hybrid_part.OPTIONS + pipeline_part.OPTIONS)
 
 
 def names():
@@ -99,6 +100,10 @@ def build(name, comm=None, strict=True, **options):
         raise ConfigError(f"--tensor-parallel {given['tensor_parallel']} cannot be used with "
                           f"--strategy {name}: tensor parallelism splits layers over ranks "
                           "that train together (--strategy allreduce)")
+    if (given.get("pipeline_stages") or 1) > 1 and name not in ("local", "allreduce"):
+        raise ConfigError(f"--pipeline-stages {given['pipeline_stages']} cannot be used with "
+                          f"--strategy {name}: a pipeline's stages train together "
+                          "(--strategy allreduce)")
     preset, takes = PRESETS[name]
     unused = sorted(k for k in given if k not in takes)
     if unused and strict:
@@ -149,11 +154,14 @@ def _precision(precision, loss_scale, loss_scale_window, refuse=None):
 
 
 def local(comm, unused, accumulate=1, straggler=None, precision=None, loss_scale=None,
-          loss_scale_window=None, cuda_graph=False, tensor_parallel=1):
+          loss_scale_window=None, cuda_graph=False, tensor_parallel=1, micro_batches=None,
+          **pipeline):
     prec = _precision(precision, loss_scale, loss_scale_window,
                       ("--cuda-graph", "the captured step is the plain float32 one")
                       if cuda_graph else None)
     tp_part.check_degree(tensor_parallel, _size(comm))
+    accumulate = _micro_batches(accumulate, micro_batches)
+    _pipeline(comm, pipeline, accumulate, tensor_parallel)
     if _size(comm) > 1:
         raise ConfigError(f"strategy 'local' trains on one process, but {comm.size} ranks "
                           "were started: use --strategy allreduce (the default for more than "
@@ -184,11 +192,16 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
               overlap="auto", compression=None, ratio=None, sparse_grads=None, sync_bn=False,
               sync=None, period=None, warmup_steps=None, outer_lr=None, outer_momentum=None,
               verify_averaging=False, zero=0, precision=None, loss_scale=None,
-              loss_scale_window=None, tensor_parallel=1, hybrid=None):
+              loss_scale_window=None, tensor_parallel=1, hybrid=None, micro_batches=None,
+              **pipeline):
     tp = tp_part.check_degree(tensor_parallel, _size(comm))
     if tp > 1:
         _check_tensor_parallel(tp, zero=zero, compression=compression, sync=sync,
                                precision=precision)
+    accumulate = _micro_batches(accumulate, micro_batches)
+    pp = _pipeline(comm, pipeline, accumulate, tp, zero=zero, compression=compression,
+                   sync=sync, precision=precision, hybrid=hybrid, straggler=straggler,
+                   sync_bn=sync_bn)
     refuse = None
     if zero:
         refuse = (f"--zero {zero}", "the sharded optimizer steps the working copies, not "
@@ -209,9 +222,11 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
     if hybrid and comm is not None:  # (check_options refused what it cannot do)
         return hybrid_part.runtime(comm, unused, sched, algorithm, bucket_mb, overlap,
                                    sync_bn, accumulate)
+    if pp is not None:
+        sched = pp
     if zero:
         return _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
-                     sync_bn)
+                     sync_bn, pp)
     try:
         from mpidl.compress import build_compression  # noqa: PLC0415
 
@@ -235,11 +250,56 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
     part = tp_part.TensorParallel(tp) if tp > 1 else None
     rt = Runtime(comm, "allreduce" if averaging is None else f"allreduce+{averaging.name}",
                  sched, syncs, Replicated, sync_bn=sync_bn, unused=unused, averaging=averaging,
-                 precision=prec, tensor_parallel=part)
+                 precision=prec, tensor_parallel=part, pipeline=pp)
     rt.compressor = compressor
     if part is not None:
         rt.checks.append(lambda model, optimizer: part.check(model))
+    if pp is not None:
+        rt.checks.append(lambda model, optimizer: pp.check(model))
     return rt
+
+
+def _micro_batches(accumulate, micro_batches):
+    """``micro_batches`` is ``accumulate`` under the pipeline's name: one value."""
+    if micro_batches is None:
+        return accumulate
+    if (accumulate or 1) not in (1, micro_batches):
+        raise ConfigError(f"--micro-batches {micro_batches} and --accumulate {accumulate} are "
+                          "the same setting (micro-batches per step): give one of them")
+    return micro_batches
+
+
+def _pipeline(comm, options, accumulate, tp, **given):
+    """The ``Pipeline`` part for ``--pipeline-stages P > 1`` (None for P = 1), after
+    one line for each setting that does not compose with it (yet)."""
+    stages = options.get("pipeline_stages") or 1
+    pipeline_part.check_degree(stages, tp, _size(comm))
+    if stages == 1:
+        extra = [k for k in ("pipeline_schedule", "recompute", "emulate_compute",
+                             "stage_costs") if options.get(k)]
+        if extra:
+            flag = "--" + extra[0].replace("_", "-")
+            if extra[0] == "pipeline_schedule":
+                flag = f"--schedule {options['pipeline_schedule']}"
+            raise ConfigError(f"{flag} needs --pipeline-stages P > 1")
+        return None
+    what = {"zero": given.get("zero") and given["zero"] > 1 and f"--zero {given['zero']}",
+            "compression": given.get("compression") not in (None, "none")
+            and f"--compression {given['compression']}",
+            "sync": given.get("sync") not in (None, "allreduce") and f"--sync {given['sync']}",
+            "precision": given.get("precision") not in (None, "fp32")
+            and f"--precision {given['precision']}",
+            "hybrid": given.get("hybrid") and f"--hybrid {given['hybrid']}",
+            "straggler": given.get("straggler") and f"--straggler {given['straggler']}",
+            "sync_bn": given.get("sync_bn") and "--sync-bn"}
+    for flag in what.values():
+        if flag:
+            raise ConfigError(f"--pipeline-stages {stages} with {flag} is not built yet: "
+                              "drop one of them")
+    return pipeline_part.Pipeline(stages, options.get("pipeline_schedule") or "1f1b",
+                                  accumulate or 1, recompute=options.get("recompute", False),
+                                  emulate_compute=options.get("emulate_compute", False),
+                                  stage_costs=options.get("stage_costs"))
 
 
 def _check_tensor_parallel(tp, **given):
@@ -256,15 +316,19 @@ def _check_tensor_parallel(tp, **given):
                               "of them")
 
 
-def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode, sync_bn):
+def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode, sync_bn,
+          pipeline=None):
     """The allreduce preset with ZeRO stage ``zero`` (``zero.py``): every dense
     parameter in reduce-scattered buckets, the optimizer sharded."""
     from functools import partial  # noqa: PLC0415
 
     sync = zero_part.ZeroSync(zero, algorithm, bucket_mb, fused.check_overlap(overlap))
     rt = Runtime(comm, f"allreduce+zero{zero}", sched, [(_everything, sync)],
-                 partial(zero_part.Sharded, stage=zero), sync_bn=sync_bn, unused=unused)
+                 partial(zero_part.Sharded, stage=zero), sync_bn=sync_bn, unused=unused,
+                 pipeline=pipeline)
     rt.checks.append(partial(zero_part.check_setup, zero, sparse_mode=sparse_mode))
+    if pipeline is not None:
+        rt.checks.append(lambda model, optimizer: pipeline.check(model))
     rt.zero = zero
     return rt
 
@@ -356,9 +420,10 @@ class _NotSparse(_Sparse):
 
 
 _COMMON = _names(schedule_part.OPTIONS) | _names(precision_part.OPTIONS)
+_PIPELINE = _names(pipeline_part.OPTIONS)
 PRESETS = {
-    "local": (local, _COMMON | {"cuda_graph"} | _names(tp_part.OPTIONS)),
-    "allreduce": (allreduce, _COMMON | _names(tp_part.OPTIONS) | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
+    "local": (local, _COMMON | {"cuda_graph"} | _names(tp_part.OPTIONS) | _PIPELINE),
+    "allreduce": (allreduce, _COMMON | _PIPELINE | _names(tp_part.OPTIONS) | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
                   | _names(compressed.OPTIONS) | {"sync_bn"} | _names(averaging_part.OPTIONS)
                   | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)
                   | _names(hybrid_part.OPTIONS)),

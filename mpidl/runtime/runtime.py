@@ -52,7 +52,7 @@ class Runtime:
 
     def __init__(self, comm, name, schedule, syncs, placement_cls, *, role="trainer",
                  server=None, roles=None, sync_bn=False, options=None, unused=(),
-                 averaging=None, precision=None, tensor_parallel=None):
+                 averaging=None, precision=None, tensor_parallel=None, pipeline=None):
         self.comm = comm                      # the world Communicator (None: one process)
         self.name = name                      # the preset's name, for logs
         self.schedule = schedule
@@ -61,6 +61,10 @@ class Runtime:
         self.precision = precision            # a precision.Precision (bf16, fp16) or None
         self.tp = tensor_parallel             # a tensor_parallel.TensorParallel or None
         self.tp_group = None                  # its group (the mesh's tp axis)
+        self.pp = pipeline                    # a pipeline.Pipeline (also the schedule) or None
+        self.pp_group = None                  # its group (the mesh's pp axis)
+        self.sample_batch = None              # (x, y) of one micro-batch: the pipeline
+                                              # times its layers on it (set by the trainer)
         self._step_syncs = self.syncs         # the syncs the current step runs
         self.placement_cls = placement_cls
         self.role = role
@@ -108,9 +112,15 @@ class Runtime:
         if not self.trains_on_data:
             return 0, len(trainers)
         mine = trainers.index(self.rank)
-        if self.tp is not None and not self.tp.over_dp:  # a tp group shares one piece
-            return mine // self.tp.degree, len(trainers) // self.tp.degree
-        return mine, len(trainers)
+        # a tp group, and the stages of a pipeline, share one piece (the mesh: pp, dp, tp
+        # from outermost to innermost)
+        t = 1 if self.tp is None or self.tp.over_dp else self.tp.degree
+        dp = len(trainers) // (t * self.pp_degree)
+        return (mine // t) % dp, dp
+
+    @property
+    def pp_degree(self):
+        return 1 if self.pp is None else self.pp.degree
 
     # -- set-up
     def check(self, model, optimizer):
@@ -131,6 +141,10 @@ class Runtime:
         if self.tp is not None:  # the model, built whole, is cut into this rank's slices
             self.tp.setup(model, self.tp_group)
             self.loss = loss = self.tp.loss(loss)
+            self.named_params = model.named_parameters()
+        if self.pp is not None:  # every rank keeps its stages' layers
+            self.pp.cut(model, optimizer, self.pp_group, self.comm, self.sample_batch,
+                        self.tp)
             self.named_params = model.named_parameters()
         if self.compressor is not None and self.comm is not None:
             # momentum applied once: a momentum-correcting memory (onebit, dgc) takes it
@@ -178,7 +192,9 @@ class Runtime:
             self._local_syncs = [(lambda name: True, local)]
             self.averaging.setup(self)
         self._step_syncs = self.syncs
-        self._hooked = [s for _, s in self.syncs if s.wants_hooks]
+        # (a pipeline's backward passes are spread over its schedule: its gradients are
+        # synced after the last one)
+        self._hooked = [s for _, s in self.syncs if s.wants_hooks and self.pp is None]
         self._armed = False
         if self._hooked:
             add_hook = getattr(model, "add_grad_ready_hook", None)
@@ -206,11 +222,13 @@ class Runtime:
         servers = self.roles.get("server", [])
         over_dp = self.tp is not None and self.tp.over_dp
         self.mesh = Mesh(self.comm, roles={"server": len(servers)} if servers else None,
-                         tp=1 if self.tp is None or over_dp else self.tp.degree)
+                         tp=1 if self.tp is None or over_dp else self.tp.degree,
+                         pp=self.pp_degree)
         self.group = self.mesh.group("dp")
         self.tp_group = (None if self.tp is None else self.group if over_dp
                          else self.mesh.group("tp"))
         self.role_group = self.mesh.group(self.role)
+        self.pp_group = None if self.pp is None else self.mesh.group("pp")
         self.ps_comm = self.comm
 
     def _on_grads_ready(self, names):
@@ -438,6 +456,8 @@ class Runtime:
             out.update(sync.metrics())
         if self.tp is not None and not self.tp.over_dp:
             out["tensor_parallel"] = self.tp.degree
+        if self.pp is not None:
+            out.update(self.pp.metrics())
         if self.precision is not None:
             out.update(self.precision.metrics())
         if self.averaging is not None:
@@ -461,6 +481,8 @@ class Runtime:
             lines += self.averaging.describe()
         if self.tp is not None:
             lines += self.tp.describe()
+        if self.pp is not None:
+            lines += self.pp.describe()
         return lines
 
     def adapt_task(self, task):
@@ -469,14 +491,23 @@ class Runtime:
         if self.tp is not None and (self.tp.output_slice is not None or self.tp.over_dp):
             task.loss = self.loss
             task.eval_loss = self.tp.loss(task.eval_loss)
+        if self.pp is not None:  # the last stage computes the sums, every stage returns them
+            from functools import partial  # noqa: PLC0415
+
+            task.eval_sums = partial(self.pp.eval_sums, task.eval_sums)
         return task
 
     def start_lines(self, batch_size):
         """Lines for the log before training, on the root (the hybrid's bytes per step
         from its formula, beside plain data parallelism's); ``batch_size``: per rank and
         micro-batch. Local, no communication."""
+        if not self.trains_on_data:
+            return []
         lines = getattr(self.tp, "start_lines", None)
-        return [] if lines is None or not self.trains_on_data else lines(batch_size)
+        out = [] if lines is None else lines(batch_size)
+        if self.pp is not None:
+            out += self.pp.start_lines()
+        return out
 
     def eval_batches(self, x, y, batch_size, dtype=None):
         """This rank's (x, y) batches of an evaluation set: its contiguous piece. When a
@@ -494,15 +525,23 @@ class Runtime:
         """Collective over the ranks that hold pieces of one model: (model state,
         optimizer state) of the whole model, as one process would hold them, on the
         root; on other ranks None. Without tensor parallelism: the local states."""
-        if self.tp is None:
+        if self.tp is None and self.pp is None:
             if not self.is_root:
                 return None, None
             return (dict(model.state_dict()),
                     None if optimizer is None else optimizer.state_dict())
-        model_state = self.tp.full_state(dict(model.state_dict()))
-        opt_state = None
-        if optimizer is not None:
-            opt_state = self.tp.full_optimizer_state(optimizer.state_dict())
+        model_state = dict(model.state_dict())
+        opt_state = None if optimizer is None else optimizer.state_dict()
+        if self.tp is not None:
+            model_state = self.tp.full_state(model_state)
+            if optimizer is not None:
+                opt_state = self.tp.full_optimizer_state(opt_state)
+        if self.pp is not None:
+            # the pipeline group of the root: the stages' first tp ranks of the first
+            # data-parallel replica (the other pipeline groups hold copies)
+            first_tp = self.tp is None or self.tp_group.rank == 0
+            if first_tp and self.shard()[0] == 0:
+                model_state, opt_state = self.pp.gather_state(model_state, opt_state)
         if not self.is_root:
             return None, None
         return model_state, opt_state
@@ -516,7 +555,7 @@ class Runtime:
         write their slices, and the root's file is the index."""
         from types import SimpleNamespace  # noqa: PLC0415
 
-        if self.tp is None:
+        if self.tp is None or self.pp is not None:  # the whole model in the root's file
             model_state, opt_state = self.full_state(model, optimizer)
             return SimpleNamespace(model=model_state, optimizer=opt_state, shard=None,
                                    shards=None)
@@ -537,6 +576,14 @@ class Runtime:
     def load_full_state(self, model, optimizer, model_state, opt_state=None):
         """Load a whole model's state (and its optimizer's) saved under any layout into
         this rank's part of the model."""
+        if self.pp is not None:  # this rank's stages
+            mine = set(model.state_dict())
+            model_state = {k: v for k, v in model_state.items() if k in mine}
+            if opt_state is not None:
+                held = set(optimizer.params)
+                opt_state = dict(opt_state, state={k: v for k, v in
+                                                   opt_state.get("state", {}).items()
+                                                   if k in held})
         if self.tp is not None:
             model_state = self.tp.local_state(model_state)
             if opt_state is not None:
@@ -547,6 +594,8 @@ class Runtime:
 
     def full_shapes(self, model):
         """{name: shape} of the whole model's state (what a checkpoint holds)."""
+        if self.pp is not None:
+            return dict(self.pp.whole_shapes)
         if self.tp is not None:
             return self.tp.full_shapes(model)
         return {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -212,6 +212,10 @@ class Trainer:
         # a parameter server's checkpoint needs the servers' state from each epoch barrier
         rt.checkpoints = self.checkpointing or (
             self.preemption is not None and self.paths.get("stop_checkpoint_dir") is not None)
+        if getattr(rt, "pp", None) is not None and rt.trains_on_data:
+            # the pipeline times each layer on one micro-batch to balance its stages
+            _, x, y = next(iter(self.loader.epoch(0)))
+            rt.sample_batch = (x[:cfg.batch_size], y[:cfg.batch_size])
         rt.setup(self.model, self.optimizer, self.task.loss)
         rt.adapt_task(self.task)
         if self.is_root:

@@ -1,0 +1,581 @@
+"""Pipeline parallelism: the model's layers cut into stages over the mesh's ``pp`` axis.
+
+``--pipeline-stages P`` cuts the model's top-level layer sequence into ``P * v``
+contiguous pieces (``v`` = chunks per rank, 1 unless the schedule is interleaved),
+balanced by cost: by default each layer's forward + backward time measured on the run's
+first micro-batch (on world rank 0, broadcast, so every rank cuts alike), or a cost per
+layer the user gives (``--stage-costs``). Every rank builds the whole model from the
+seed, then keeps its pieces (the same ``Parameter`` objects, under their names in the
+whole model, so checkpoints and parameter names do not depend on the layout).
+
+A step runs the schedule's list of actions for this rank (``pipeline_schedule``): a
+forward of a micro-batch through a chunk takes its input from the data (the first
+stage) or from the previous stage, a backward its output gradient from the loss (the
+last stage) or from the next stage. Messages are non-blocking sends and blocking
+receives of exactly the message an action needs, tagged by (micro-batch, virtual stage,
+direction); no rank relies on MPI's eager buffering, and the lists are deadlock-free by
+construction (``pipeline_schedule``). The first message of a new micro-batch size
+between two stages carries the shape (an object message); later ones are bare arrays.
+
+The step is the same as one process accumulating gradients over the same micro-batches
+(``schedule.MicroBatches``): each micro-batch's loss gradient is scaled by 1/M, and
+every parameter's gradient is accumulated in micro-batch order whatever the schedule
+(the plans keep backward in that order), so the parameters after a step are bitwise
+those of one process. The loss is the last stage's, broadcast over the pipeline group.
+
+``--recompute``: a forward keeps only the stage's input (and the layers' buffers as
+they were: BatchNorm statistics, dropout counters); backward runs the forward again
+from them, so the same masks are drawn and statistics are not counted twice.
+
+``--emulate-compute`` (benchmarks): each action sleeps for its measured time instead
+of computing (still sending real arrays of the real shapes), so P stages overlap even
+on a machine with fewer cores than ranks; the losses are then meaningless.
+"""
+
+import time
+
+import numpy as np
+
+from mpidl.backend import array_module
+from mpidl.engine.module import Sequential
+from mpidl.errors import ConfigError
+from mpidl.options import Option
+from mpidl.runtime import pipeline_schedule
+
+_clock = time.perf_counter
+
+OPTIONS = [
+    Option("pipeline_stages", int, 1, "pipeline parallelism: cut the model's layers into P "
+           "stages on P ranks (data parallelism runs over ranks / P, / tensor-parallel)",
+           "parallelism", metavar="P",
+           check=lambda p: None if p >= 1 else "must be at least 1"),
+    Option("pipeline_schedule", str, "1f1b", "pipeline schedule: gpipe, 1f1b, "
+           "interleaved[:v] or zb (--schedule takes these names too)", "parallelism",
+           metavar="NAME"),
+    Option("micro_batches", int, None, "micro-batches per step and data-parallel rank, "
+           "the same as --accumulate M (--batch-size is the micro-batch)", "parallelism",
+           metavar="M", check=lambda m: None if m >= 1 else "must be at least 1"),
+    Option("recompute", bool, False, "pipeline: keep only each stage's input per "
+           "micro-batch and run its forward again in backward", "parallelism"),
+    Option("emulate_compute", bool, False, "pipeline benchmarks: each stage sleeps its "
+           "measured compute time instead of computing (losses are meaningless)",
+           "parallelism"),
+    Option("stage_costs", str, None, "how the pipeline stages are balanced: measured "
+           "(default: each layer timed on the first batch), layers (equal cost), or one "
+           "cost per top-level layer, comma-separated", "parallelism", metavar="COSTS"),
+]
+
+
+def check_degree(stages, tensor_parallel, ranks):
+    """P x T must divide the ranks: one ConfigError line otherwise."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ConfigError(f"--pipeline-stages must be a whole number >= 1, got {stages!r}")
+    if ranks % (stages * tensor_parallel):
+        what = (f"--pipeline-stages {stages}" if tensor_parallel == 1 else
+                f"--pipeline-stages {stages} x --tensor-parallel {tensor_parallel} = "
+                f"{stages * tensor_parallel}")
+        raise ConfigError(f"{what} does not divide the {ranks} rank(s): launch a multiple "
+                          "of it (data parallelism takes the rest)")
+    return stages
+
+
+def partition(costs, pieces):
+    """Cut ``costs`` (one per layer) into ``pieces`` contiguous non-empty runs with the
+    smallest largest sum; returns the ``pieces + 1`` boundaries. Ties go to the earliest
+    cut, so the result depends on the costs only."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest largest sum cutting the first i layers into k pieces
+    best = [[inf] * (n + 1) for _ in range(pieces + 1)]
+    cut = [[0] * (n + 1) for _ in range(pieces + 1)]
+    best[0][0] = 0.0
+    for k in range(1, pieces + 1):
+        for i in range(k, n - (pieces - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i] - 1e-12 * max(1.0, abs(v)):
+                    best[k][i], cut[k][i] = v, j
+    bounds = [n]
+    for k in range(pieces, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def _snapshot(layer):
+    """Copies of the buffers of ``layer`` and everything under it (BatchNorm statistics,
+    dropout counters): what a forward changes besides its saved contexts."""
+    return [(name, b.copy()) for name, b in layer.named_buffers() if hasattr(b, "copy")]
+
+
+def _restore(layer, snapshot):
+    for name, value in snapshot:
+        layer.set_buffer(name, value.copy())
+
+
+class Pipeline:
+    """The pipeline part of a runtime, and the step's schedule (``run``)."""
+
+    name = "pipeline"
+
+    def __init__(self, stages, schedule="1f1b", micro_batches=1, recompute=False,
+                 emulate_compute=False, stage_costs=None):
+        self.degree = int(stages)
+        self.kind, self.chunks = pipeline_schedule.parse(schedule)
+        self.k = int(micro_batches)
+        self.plan = pipeline_schedule.build(self.kind, self.degree, self.k, self.chunks)
+        self.recompute = bool(recompute)
+        self.emulate = emulate_compute  # False, True (measured times) or {op: [s per chunk]}
+        self.cost_spec = stage_costs
+        self.group = None
+        self.rank = 0
+        self.bounds = None          # layer boundaries of the P * v pieces
+        self.costs = None           # the cost per layer the cut was balanced with
+        self.cost_source = None
+        self.times = None           # measured {"F"|"B"|"W": [seconds per virtual stage]}
+        self.whole_shapes = None
+        # the schedule's per-step figures (the runtime reads them like MicroBatches')
+        self.measure_activations = False
+        self.activation_bytes = 0
+        self.forward_s = self.backward_s = self.straggle_s = 0.0
+        self.peak_in_flight = 0
+        self.busy_s = self.step_s = 0.0
+        self.spans = []
+
+    # -- set-up
+    def check(self, model):
+        """Local: the model can be cut into this many pieces (ConfigError otherwise)."""
+        layers = getattr(model, "layers", None)
+        if not isinstance(model, Sequential) or not layers:
+            raise ConfigError(f"--pipeline-stages {self.degree}: the model must be a "
+                              "Sequential of layers to cut into stages, got "
+                              f"{type(model).__name__}")
+        pieces = self.degree * self.chunks
+        if len(layers) < pieces:
+            what = (f"--pipeline-stages {self.degree}" if self.chunks == 1 else
+                    f"--pipeline-stages {self.degree} with --schedule interleaved:"
+                    f"{self.chunks} ({pieces} chunks)")
+            raise ConfigError(f"{what} needs at least {pieces} top-level layers to place, "
+                              f"but the model has {len(layers)}: use fewer stages"
+                              + (" or chunks" if self.chunks > 1 else "")
+                              + " or a deeper model")
+        owner = {}
+        for i, layer in enumerate(layers):
+            for _, p in layer.named_parameters():
+                j = owner.setdefault(id(p), i)
+                if j != i:
+                    raise ConfigError(f"--pipeline-stages {self.degree}: layers {j} and {i} "
+                                      "share a parameter (tied weights, --tie-weights), which "
+                                      "stages cannot share yet: drop --tie-weights")
+        spec = self.cost_spec
+        if spec not in (None, "", "measured", "layers"):
+            self._parse_costs(spec, len(layers))
+
+    def _parse_costs(self, spec, n):
+        try:
+            costs = [float(c) for c in str(spec).split(",")]
+        except ValueError:
+            raise ConfigError(f"--stage-costs {spec!r}: expected measured, layers, or one "
+                              f"number per top-level layer ({n}), comma-separated") from None
+        if len(costs) != n or any(not (c >= 0 and c < float("inf")) for c in costs):
+            raise ConfigError(f"--stage-costs: expected {n} costs >= 0 (one per top-level "
+                              f"layer), got {len(costs)}: {spec!r}")
+        return costs
+
+    def setup(self, model):
+        """(As a schedule: the cut sets every chunk's input-gradient flag; nothing to
+        do here.)"""
+
+    def cut(self, model, optimizer, group, world, sample=None, tp=None):
+        """Collective: decide the cut (the same on every rank), keep this rank's pieces
+        of ``model`` and of ``optimizer``."""
+        self.check(model)
+        self.group, self.rank = group, group.rank
+        layers = list(model.layers)
+        n = len(layers)
+        spec = self.cost_spec
+        measured = None
+        if spec in (None, "", "measured") and sample is not None:
+            measured = self._measure(layers, sample)
+            self.cost_source = "measured"
+        elif spec in (None, "", "measured", "layers"):
+            self.cost_source = "one per layer" + ("" if spec == "layers" else
+                                                  " (no batch to time them on)")
+        else:
+            self.cost_source = "given"
+        if self.emulate and sample is not None and measured is None:
+            measured = self._measure(layers, sample)  # the shapes the stages send
+        if measured is not None and world is not None:
+            with world.waiting("in the broadcast of measured layer times (pipeline)"):
+                measured = world.mpi.bcast(measured, root=0)
+        if measured is not None:
+            self.costs = [f + b + w for f, b, w in zip(*measured[:3])]
+        elif self.cost_source == "given":
+            self.costs = self._parse_costs(spec, n)
+        else:
+            self.costs = [1.0] * n
+        S = self.plan.virtual_stages
+        self.bounds = partition(self.costs, S)
+        if measured is not None:
+            self.times = {op: [sum(t[self.bounds[v]:self.bounds[v + 1]]) for v in range(S)]
+                          for op, t in zip("FBW", measured[:3])}
+            self._shapes_measured = measured[3]
+        if self.emulate and measured is None:
+            raise ConfigError("--emulate-compute needs the layers timed on a batch (their "
+                              "times, and the shapes the stages send): drop --stage-costs")
+        self.whole_shapes = (tp.full_shapes(model) if tp is not None else
+                             {k: tuple(v.shape) for k, v in model.state_dict().items()})
+        self._check_tags()
+        # keep my chunks: virtual stage c * P + rank
+        P = self.degree
+        mine = []
+        self.chunk_layers = []
+        for c in range(self.chunks):
+            v = c * P + self.rank
+            lo, hi = self.bounds[v], self.bounds[v + 1]
+            chunk = Sequential(*layers[lo:hi], names=range(lo, hi))
+            chunk.needs_input_grad = v > 0
+            self.chunk_layers.append(chunk)
+            mine += list(range(lo, hi))
+        model.layers = [layers[i] for i in mine]
+        model.names = [str(i) for i in mine]
+        kept = dict(model.named_parameters())
+        if optimizer is not None:
+            optimizer.params = type(optimizer.params)(
+                (k, p) for k, p in optimizer.params.items() if k in kept)
+            optimizer.state = {k: v for k, v in optimizer.state.items() if k in kept}
+        self._xp = None
+        for _, p in kept.items():
+            self._xp = array_module(p.data)
+            break
+        self._told, self._shapes = set(), {}
+        self._emulated = {}
+
+    def _check_tags(self):
+        from mpidl.comm.p2p import _tag_ub  # noqa: PLC0415
+
+        need = 3 * self.k * self.plan.virtual_stages
+        if need > _tag_ub():
+            raise ConfigError(f"--micro-batches {self.k} with {self.plan.virtual_stages} "
+                              f"pipeline stages needs {need} message tags, more than this "
+                              f"MPI allows ({_tag_ub()}): use fewer micro-batches")
+
+    def _measure(self, layers, sample):
+        """Per layer: forward, input-gradient and weight-gradient seconds on ``sample``
+        (the best of three), and the output shape and dtype; nothing of the model is
+        changed (buffers restored, gradients and contexts dropped)."""
+        x = sample[0]
+        snap = [_snapshot(layer) for layer in layers]
+        fwd, bwd, wgt = [np.inf] * len(layers), [np.inf] * len(layers), [np.inf] * len(layers)
+        shapes = []
+        for rep in range(3):
+            h, outs = x, []
+            for i, layer in enumerate(layers):
+                with layer.micro_batch("measure"):
+                    t = _clock()
+                    h = layer(h)
+                    fwd[i] = min(fwd[i], _clock() - t)
+                outs.append(h)
+            if rep == 0:
+                shapes = [(tuple(o.shape), str(o.dtype)) for o in outs]
+            dy = outs[-1].copy()
+            for i in range(len(layers) - 1, -1, -1):
+                layer = layers[i]
+                deferred = []
+                marked = [m for _, m in layer.modules()]
+                for m in marked:
+                    m.deferred_grads = deferred
+                try:
+                    with layer.micro_batch("measure"):
+                        t = _clock()
+                        dx = layer.backprop(dy)
+                        bwd[i] = min(bwd[i], _clock() - t)
+                finally:
+                    for m in marked:
+                        m.deferred_grads = None
+                t = _clock()
+                for fn in deferred:
+                    fn()
+                wgt[i] = min(wgt[i], _clock() - t)
+                dy = dx if dx is not None else None
+                if dy is None:
+                    for earlier in layers[:i]:
+                        with earlier.micro_batch("measure"):
+                            earlier.discard_saved()
+                    break
+        for layer, s in zip(layers, snap):
+            _restore(layer, s)
+            for _, p in layer.named_parameters():
+                p.grad = None
+        fwd, bwd, wgt = ([0.0 if v == np.inf else float(v) for v in t] for t in (fwd, bwd, wgt))
+        return fwd, bwd, wgt, shapes
+
+    # -- a step
+    def _tag(self, mb, vs, kind):
+        return (mb * self.plan.virtual_stages + vs) * 3 + kind  # kind 0: act, 1: grad, 2: shape
+
+    def _send_act(self, out, mb, vs, m, sends):
+        dest = self.plan.place(vs + 1)[0]
+        key = (vs, m)
+        if key not in self._told:
+            self._told.add(key)
+            sends.append(self.group.isend_obj((tuple(out.shape), str(out.dtype)), dest,
+                                              self._tag(mb, vs, 2)))
+        sends.append(self.group.isend(out, dest, self._tag(mb, vs, 0)))
+
+    def _recv_act(self, mb, vs, m):
+        src = self.plan.place(vs - 1)[0]
+        key = (vs - 1, m)
+        if key not in self._shapes:
+            (shape, dtype), _, _ = self.group.recv_obj(src, self._tag(mb, vs - 1, 2))
+            self._shapes[key] = (shape, dtype)
+        shape, dtype = self._shapes[key]
+        buf = self._xp.empty(shape, dtype=dtype)
+        return self.group.recv(buf, src, self._tag(mb, vs - 1, 0))
+
+    def _recv_grad(self, mb, vs, like):
+        src = self.plan.place(vs + 1)[0]
+        buf = self._xp.empty(like[0], dtype=like[1])
+        return self.group.recv(buf, src, self._tag(mb, vs + 1, 1))
+
+    def _sleep(self, seconds, sends):
+        """Emulated compute: sleep, testing the sends in flight every millisecond so
+        MPI moves them on meanwhile (as a device would compute while the host talks)."""
+        end = _clock() + seconds
+        while True:
+            left = end - _clock()
+            if left <= 0:
+                return
+            for s in sends:
+                if not s.done:
+                    s.test()
+            time.sleep(min(left, 1e-3))
+
+    def _emulated_time(self, op, vs):
+        table = self.emulate if isinstance(self.emulate, dict) else self.times
+        if op == "B" and not self.plan.split_backward and "W" in table \
+                and not isinstance(self.emulate, dict):
+            return table["B"][vs] + table["W"][vs]
+        return table.get(op, [0.0] * (vs + 1))[vs]
+
+    def _zeros(self, shape, dtype):
+        key = (tuple(shape), str(dtype))
+        if key not in self._emulated:
+            self._emulated[key] = self._xp.zeros(shape, dtype=dtype)
+        return self._emulated[key]
+
+    def run(self, model, loss, x, y, arm=None):
+        """One step of this rank's actions; returns the mean loss over the M
+        micro-batches (the last stage's, broadcast over the pipeline group)."""
+        plan, M, r, P = self.plan, self.k, self.rank, self.degree
+        S = plan.virtual_stages
+        n = len(y)
+        if n % M:
+            raise ValueError(f"a batch of {n} samples does not split into --micro-batches "
+                             f"{M} equal micro-batches")
+        m = n // M
+        emulate = bool(self.emulate)
+        sends, outputs, kept, grads, deferred = [], {}, {}, {}, {}
+        total, held, peak, peak_bytes = 0.0, 0, 0, 0
+        fwd_s = bwd_s = 0.0
+        spans = []
+        t_step = _clock()
+        for op, mb, c in plan.actions[r]:
+            vs = c * P + r
+            chunk = self.chunk_layers[c]
+            if op == "F":
+                inp = x[mb * m:(mb + 1) * m] if vs == 0 else self._recv_act(mb, vs, m)
+                t0 = _clock()
+                if emulate:
+                    self._sleep(self._emulated_time("F", vs), sends)
+                    shape, dtype = self._emulated_out(vs, m)
+                    out = self._zeros(shape, dtype)
+                    kept[(mb, c)] = inp
+                else:
+                    out = self._forward(chunk, mb, c, inp, kept)
+                if vs == S - 1:
+                    if not emulate:
+                        ys = y[mb * m:(mb + 1) * m]
+                        total += float(loss.forward(out, ys))
+                        dy = loss.backward()
+                        if M > 1:
+                            dy *= 1.0 / M
+                    else:
+                        dy = out
+                    grads[mb, c] = dy
+                else:
+                    outputs[mb, c] = (tuple(out.shape), out.dtype)
+                    self._send_act(out, mb, vs, m, sends)
+                t1 = _clock()
+                fwd_s += t1 - t0
+                held += 1
+                peak = max(peak, held)
+                if self.measure_activations:
+                    peak_bytes = max(peak_bytes, self._held_bytes(kept))
+                spans.append((op, mb, c, t0 - t_step, t1 - t_step))
+            elif op == "B":
+                dy = grads.pop((mb, c)) if vs == S - 1 else self._recv_grad(
+                    mb, vs, outputs.pop((mb, c)))
+                t0 = _clock()
+                if emulate:
+                    self._sleep(self._emulated_time("B", vs), sends)
+                    inp = kept.pop((mb, c))
+                    dx = self._zeros(inp.shape, inp.dtype) if vs > 0 else None
+                else:
+                    dx = self._backward(chunk, mb, c, dy, kept, deferred)
+                t1 = _clock()
+                bwd_s += t1 - t0
+                held -= 1
+                if vs > 0:
+                    sends.append(self.group.isend(dx, plan.place(vs - 1)[0],
+                                                  self._tag(mb, vs, 1)))
+                spans.append((op, mb, c, t0 - t_step, t1 - t_step))
+            else:  # the weight-gradient pass
+                t0 = _clock()
+                if emulate:
+                    self._sleep(self._emulated_time("W", vs), sends)
+                else:
+                    for fn in deferred.pop((mb, c)):
+                        fn()
+                t1 = _clock()
+                bwd_s += t1 - t0
+                spans.append((op, mb, c, t0 - t_step, t1 - t_step))
+        for s in sends:
+            s.wait()
+        self.step_s = _clock() - t_step
+        self.busy_s = fwd_s + bwd_s
+        self.spans = spans
+        self.forward_s, self.backward_s = fwd_s, bwd_s
+        self.peak_in_flight = max(self.peak_in_flight, peak)
+        if self.measure_activations:
+            self.activation_bytes = max(self.activation_bytes, peak_bytes)
+        last = plan.place(S - 1)[0]
+        with self.group.waiting("in the broadcast of the step's loss from the last stage"):
+            total = self.group.mpi.bcast(total if r == last else None, root=last)
+        return total / M
+
+    def _emulated_out(self, vs, m):
+        shape, dtype = self._shapes_measured[self.bounds[vs + 1] - 1]
+        return (m,) + tuple(shape[1:]), dtype
+
+    def _held_bytes(self, kept):
+        total = sum(ch.activation_nbytes() for ch in self.chunk_layers)
+        if self.recompute or self.emulate:
+            total += sum(int(v[0].nbytes if isinstance(v, tuple) else v.nbytes)
+                         for v in kept.values())
+        return total
+
+    def _forward(self, chunk, mb, c, inp, kept):
+        if not self.recompute:
+            with chunk.micro_batch(mb):
+                return chunk(inp)
+        before = _snapshot(chunk)
+        with chunk.micro_batch(mb):
+            out = chunk(inp)
+            chunk.discard_saved()
+        kept[mb, c] = (inp, before)
+        return out
+
+    def _backward(self, chunk, mb, c, dy, kept, deferred):
+        if self.recompute:  # the forward again, from the input and the buffers it saw
+            inp, before = kept.pop((mb, c))
+            now = _snapshot(chunk)
+            _restore(chunk, before)
+            with chunk.micro_batch(mb):
+                chunk(inp)
+            _restore(chunk, now)
+        marked = []
+        if self.plan.split_backward:
+            deferred[mb, c] = []
+            marked = [m for _, m in chunk.modules()]
+            for m in marked:
+                m.deferred_grads = deferred[mb, c]
+        try:
+            with chunk.micro_batch(mb):
+                return chunk.backprop(dy)
+        finally:
+            for m in marked:
+                m.deferred_grads = None
+
+    # -- evaluation
+    def forward_eval(self, x):
+        """A whole batch through the pipeline (no micro-batches): every chunk in
+        virtual-stage order; the last stage returns the output, the others None."""
+        P, S = self.degree, self.plan.virtual_stages
+        n = len(x)
+        out = None
+        sends = []
+        for c, chunk in enumerate(self.chunk_layers):
+            vs = c * P + self.rank
+            inp = x if vs == 0 else self._recv_act(0, vs, ("eval", n))
+            with chunk.micro_batch("eval"):
+                out = chunk(inp)
+                chunk.discard_saved()
+            if vs < S - 1:
+                self._send_act(out, 0, vs, ("eval", n), sends)
+                out = None
+        for s in sends:
+            s.wait()
+        return out
+
+    def eval_sums(self, inner, model, x, y):
+        """The task's sums of one evaluation batch, computed on the last stage and
+        broadcast over the pipeline group."""
+        out = self.forward_eval(x)
+        last = self.plan.place(self.plan.virtual_stages - 1)[0]
+        sums = inner(lambda _x: out, x, y) if self.rank == last else None
+        with self.group.waiting("in the broadcast of evaluation sums from the last stage"):
+            return self.group.mpi.bcast(sums, root=last)
+
+    # -- the whole model
+    def gather_state(self, model_state, opt_state):
+        """Collective over the pipeline group: every stage's (model state, optimizer
+        state) joined on the group's first rank (None elsewhere)."""
+        g = self.group
+        with g.waiting("in the gather of pipeline stages' states (checkpoint or --save)"):
+            pieces = g.mpi.gather((model_state, opt_state), root=0)
+        if g.rank != 0:
+            return None, None
+        model_out, opt_out = {}, None
+        for ms, os_ in pieces:
+            model_out.update(ms or {})
+            if os_ is not None:
+                if opt_out is None:
+                    opt_out = dict(os_, state={})
+                opt_out["state"].update(os_.get("state", {}))
+        order = list(self.whole_shapes)
+        model_out = {k: model_out[k] for k in order if k in model_out}
+        return model_out, opt_out
+
+    # -- reports
+    def describe(self):
+        P, v = self.degree, self.chunks
+        lines = [f"pipeline: {P} stages, schedule {self.kind}"
+                 + (f" with {v} chunks per rank" if v > 1 else "")
+                 + f", {self.k} micro-batch(es) per step"
+                 + (", recomputing activations" if self.recompute else "")
+                 + (", compute emulated by sleeps" if self.emulate else "")]
+        return lines
+
+    def start_lines(self):
+        """The cut, printed before training: which layers each stage holds, at what
+        cost."""
+        P = self.degree
+        unit = "ms" if self.cost_source == "measured" else ""
+        scale = 1e3 if unit else 1.0
+        lines = self.describe()
+        lines.append(f"pipeline stages balanced by {self.cost_source} cost:")
+        for vs in range(self.plan.virtual_stages):
+            lo, hi = self.bounds[vs], self.bounds[vs + 1]
+            cost = sum(self.costs[lo:hi]) * scale
+            rank, chunk = vs % P, vs // P
+            where = f"stage {rank}" + (f" chunk {chunk}" if self.chunks > 1 else "")
+            layers = f"layer {lo}" if hi - lo == 1 else f"layers {lo}-{hi - 1}"
+            lines.append(f"  {where}: {layers}, cost {cost:.3g}{unit and ' ' + unit}")
+        return lines
+
+    def metrics(self):
+        return {"pipeline_stages": self.degree,
+                "pipeline_in_flight": self.peak_in_flight}
