@@ -210,7 +210,7 @@ class Pipeline:
         if measured is not None and world is not None:
             with world.waiting("in the broadcast of measured layer times (pipeline)"):
                 measured = world.mpi.bcast(measured, root=0)
-        if measured is not None:
+        if self.cost_source == "measured":
             self.costs = [f + b + w for f, b, w in zip(*measured[:3])]
         elif self.cost_source == "given":
             self.costs = self._parse_costs(spec, n)
