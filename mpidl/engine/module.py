@@ -341,12 +341,17 @@ class Layer:
             else:
                 m._saved.pop(m._mb_key, None)
 
-    def activation_nbytes(self):
+    def activation_nbytes(self, exclude=()):
         """Bytes of the arrays saved for backward in this layer and every module under it,
         over all micro-batch keys. An array shared by several contexts (a layer's output
         kept by the next layer too) or viewed through several reshapes counts once, at the
-        size of the memory it keeps alive."""
+        size of the memory it keeps alive. Memory of the arrays in ``exclude`` (the input
+        batch, held by the caller anyway) is not counted."""
         seen, total = set(), 0
+        for v in exclude:
+            while getattr(v, "base", None) is not None and hasattr(v.base, "nbytes"):
+                v = v.base
+            seen.add(id(v))
         for m in self._walk():
             for values in m._saved.values():
                 for v in values:

@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from mpidl import backend
 from mpidl.backend import array_module
 from mpidl.engine.module import Sequential
 from mpidl.errors import ConfigError
@@ -246,10 +247,8 @@ class Pipeline:
             optimizer.params = type(optimizer.params)(
                 (k, p) for k, p in optimizer.params.items() if k in kept)
             optimizer.state = {k: v for k, v in optimizer.state.items() if k in kept}
-        self._xp = None
-        for _, p in kept.items():
-            self._xp = array_module(p.data)
-            break
+        # receive buffers on the device of the model (a stage may hold no parameter)
+        self._xp = next((array_module(p.data) for p in kept.values()), backend.xp())
         self._told, self._shapes = set(), {}
         self._emulated = {}
 
@@ -413,7 +412,7 @@ class Pipeline:
                 held += 1
                 peak = max(peak, held)
                 if self.measure_activations:
-                    peak_bytes = max(peak_bytes, self._held_bytes(kept))
+                    peak_bytes = max(peak_bytes, self._held_bytes(kept, x))
                 spans.append((op, mb, c, t0 - t_step, t1 - t_step))
             elif op == "B":
                 dy = grads.pop((mb, c)) if vs == S - 1 else self._recv_grad(
@@ -460,8 +459,11 @@ class Pipeline:
         shape, dtype = self._shapes_measured[self.bounds[vs + 1] - 1]
         return (m,) + tuple(shape[1:]), dtype
 
-    def _held_bytes(self, kept):
-        total = sum(ch.activation_nbytes() for ch in self.chunk_layers)
+    def _held_bytes(self, kept, batch):
+        """Bytes of activations this rank holds for backward: the chunks' saved contexts
+        (each array once), or with recompute the stage inputs kept; the step's input
+        batch, held by the caller anyway, is not counted."""
+        total = sum(ch.activation_nbytes(exclude=(batch,)) for ch in self.chunk_layers)
         if self.recompute or self.emulate:
             total += sum(int(v[0].nbytes if isinstance(v, tuple) else v.nbytes)
                          for v in kept.values())

@@ -224,9 +224,10 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
                                    sync_bn, accumulate)
     if pp is not None:
         sched = pp
+    part = tp_part.TensorParallel(tp) if tp > 1 else None
     if zero:
         return _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
-                     sync_bn, pp)
+                     sync_bn, pp, part)
     try:
         from mpidl.compress import build_compression  # noqa: PLC0415
 
@@ -247,16 +248,19 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
     averaging = averaging_part.build_averaging(
         sync, period, warmup_steps, outer_lr, outer_momentum, algorithm=algorithm,
         bucket_mb=fused.check_bucket_mb(bucket_mb), verify=verify_averaging)
-    part = tp_part.TensorParallel(tp) if tp > 1 else None
     rt = Runtime(comm, "allreduce" if averaging is None else f"allreduce+{averaging.name}",
                  sched, syncs, Replicated, sync_bn=sync_bn, unused=unused, averaging=averaging,
                  precision=prec, tensor_parallel=part, pipeline=pp)
     rt.compressor = compressor
-    if part is not None:
-        rt.checks.append(lambda model, optimizer: part.check(model))
-    if pp is not None:
-        rt.checks.append(lambda model, optimizer: pp.check(model))
+    _add_checks(rt, part, pp)
     return rt
+
+
+def _add_checks(rt, tensor_parallel, pipeline):
+    """The layouts' local checks of the model, run before any rank communicates."""
+    for part in (tensor_parallel, pipeline):
+        if part is not None:
+            rt.checks.append(lambda model, optimizer, part=part: part.check(model))
 
 
 def _micro_batches(accumulate, micro_batches):
@@ -274,14 +278,11 @@ def _pipeline(comm, options, accumulate, tp, **given):
     one line for each setting that does not compose with it (yet)."""
     stages = options.get("pipeline_stages") or 1
     pipeline_part.check_degree(stages, tp, _size(comm))
-    if stages == 1:
-        extra = [k for k in ("pipeline_schedule", "recompute", "emulate_compute",
-                             "stage_costs") if options.get(k)]
+    if stages == 1:  # (any schedule of one stage is plain accumulation)
+        extra = [k for k in ("recompute", "emulate_compute", "stage_costs") if options.get(k)]
         if extra:
-            flag = "--" + extra[0].replace("_", "-")
-            if extra[0] == "pipeline_schedule":
-                flag = f"--schedule {options['pipeline_schedule']}"
-            raise ConfigError(f"{flag} needs --pipeline-stages P > 1")
+            raise ConfigError(f"--{extra[0].replace('_', '-')} needs --pipeline-stages P > 1")
+        pipeline_part.pipeline_schedule.parse(options.get("pipeline_schedule") or "1f1b")
         return None
     what = {"zero": given.get("zero") and given["zero"] > 1 and f"--zero {given['zero']}",
             "compression": given.get("compression") not in (None, "none")
@@ -304,7 +305,7 @@ def _pipeline(comm, options, accumulate, tp, **given):
 
 def _check_tensor_parallel(tp, **given):
     """One line for what does not compose with tensor parallelism yet."""
-    what = {"zero": given["zero"] and f"--zero {given['zero']}",
+    what = {"zero": (given["zero"] or 0) > 1 and f"--zero {given['zero']}",
             "compression": given["compression"] not in (None, "none")
             and f"--compression {given['compression']}",
             "sync": given["sync"] not in (None, "allreduce") and f"--sync {given['sync']}",
@@ -317,7 +318,7 @@ def _check_tensor_parallel(tp, **given):
 
 
 def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode, sync_bn,
-          pipeline=None):
+          pipeline=None, tensor_parallel=None):
     """The allreduce preset with ZeRO stage ``zero`` (``zero.py``): every dense
     parameter in reduce-scattered buckets, the optimizer sharded."""
     from functools import partial  # noqa: PLC0415
@@ -325,10 +326,9 @@ def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
     sync = zero_part.ZeroSync(zero, algorithm, bucket_mb, fused.check_overlap(overlap))
     rt = Runtime(comm, f"allreduce+zero{zero}", sched, [(_everything, sync)],
                  partial(zero_part.Sharded, stage=zero), sync_bn=sync_bn, unused=unused,
-                 pipeline=pipeline)
+                 pipeline=pipeline, tensor_parallel=tensor_parallel)
     rt.checks.append(partial(zero_part.check_setup, zero, sparse_mode=sparse_mode))
-    if pipeline is not None:
-        rt.checks.append(lambda model, optimizer: pipeline.check(model))
+    _add_checks(rt, tensor_parallel, pipeline)
     rt.zero = zero
     return rt
 

@@ -1,0 +1,201 @@
+"""Pipeline parallelism (x tensor x data parallelism) trains like one process (run under
+mpiexec).
+
+``mpiexec -n N python -m mpi4py tests/ranks/pp_check.py LAYOUTS MODELS SCHEDULES MICRO
+OPTIMIZERS [STEPS] [FLAGS]``
+
+* LAYOUTS: comma-separated ``PxT`` (pipeline stages x tensor-parallel degree; data
+  parallelism takes the rest of the N ranks), e.g. ``2x1,4x2``;
+* MODELS: ``mlp`` (eight hidden layers, so every stage has work), ``resnet``
+  (resnet-tiny), ``gpt`` (gpt-tiny);
+* SCHEDULES: ``gpipe,1f1b,interleaved:2,zb``; MICRO: micro-batch counts, where ``P-1``,
+  ``P`` and ``4P`` stand for those values; OPTIMIZERS: ``sgd`` (momentum 0.9, weight
+  decay) and/or ``adam``; FLAGS: ``recompute``, ``zero1``, ``dropout``.
+
+For every combination, the model is built whole from one seed, trained STEPS steps
+(default 20, float64) with the layout, and compared on the root with one process
+running gradient accumulation over the same micro-batches in the same order (its
+micro-batch i is every data-parallel replica's micro-batch i). With one data-parallel
+replica and no tensor parallelism the parameters must be **bitwise** equal; otherwise
+(an all-reduce sums the replicas' or slices' pieces in another order) within 1e-12 of
+the largest value of each tensor. The step's loss must be the same bits on every stage.
+
+Memory: the most micro-batches a stage holds is the schedule's formula
+(``Plan.in_flight_formula``), and (one chunk per rank) the activation bytes it held at
+its peak are that count times the bytes of one micro-batch (measured by the M = 1 run
+of the same model, layout and flags, which must come first in MICRO); with
+``recompute``, that count times the stage's input.
+
+A combination the layout cannot take (fewer top-level layers than P x v) must be
+refused with the one-line ConfigError, which is checked instead.
+Any failure raises; ``python -m mpi4py`` turns it into MPI_Abort for all ranks.
+"""
+
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidl.comm import Communicator
+from mpidl.engine import SGD, Adam
+from mpidl.engine.losses import TokenCrossEntropy
+from mpidl.engine.module import SparseGrad
+from mpidl.engine.models import build_model
+from mpidl.errors import ConfigError
+from mpidl.runtime import build
+
+TOL = 1e-12
+B = 2  # samples per micro-batch and data-parallel rank
+SHAPES = {"mlp": (1, 6, 6), "resnet": (1, 8, 8), "gpt": (7,)}
+CLASSES = {"mlp": 10, "resnet": 10, "gpt": 11}
+
+
+def make(name, optimizer, dropout):
+    if name == "gpt":
+        model = build_model("gpt-tiny", input_shape=SHAPES[name], num_classes=11, seed=3,
+                            dtype="float64", layers=2, heads=4, width=16, context=8,
+                            dropout=dropout)
+    elif name == "resnet":
+        model = build_model("resnet-tiny", input_shape=SHAPES[name], num_classes=10, seed=3,
+                            dtype="float64", widths=(4, 6, 8))
+    else:
+        model = build_model("mlp", input_shape=SHAPES[name], num_classes=10, seed=3,
+                            dtype="float64", hidden=(12,) * 8, dropout=dropout)
+    named = model.named_parameters()
+    opt = (SGD(named, lr=0.05, momentum=0.9, weight_decay=1e-4) if optimizer == "sgd"
+           else Adam(named, lr=1e-3))
+    return model, opt
+
+
+def data(name, rng, n):
+    shape = (n, B) + SHAPES[name]
+    k = CLASSES[name]
+    if name == "gpt":
+        return rng.integers(0, k, shape), rng.integers(0, k, shape)
+    return rng.standard_normal(shape), rng.integers(0, k, shape[:2])
+
+
+def ref_step(rt, x, y, dense):
+    """One process's step; ``dense``: row-sparse gradients made dense before the update,
+    as ZeRO (``--sparse-grads dense``) does (SGD's momentum of untouched rows differs)."""
+    if not dense:
+        return rt.train_step(x, y)
+    rt.begin_step()
+    rt.schedule.run(rt.model, rt.loss, x, y)
+    for _, p in rt.named_params:
+        if isinstance(p.grad, SparseGrad):
+            p.grad = p.grad.to_dense()
+    rt.finish_step()
+
+
+def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
+    D = comm.size // (P * T)
+    dropout = 0.1 if "dropout" in flags else 0.0
+    options = dict(pipeline_stages=P, tensor_parallel=T, micro_batches=M,
+                   pipeline_schedule=kind, recompute="recompute" in flags)
+    if "zero1" in flags:
+        options.update(zero=1, sparse_grads="dense")
+    model, opt = make(name, optimizer, dropout)
+    try:
+        rt = build("allreduce", comm, **options)
+        rt.check(model, opt)
+    except ConfigError as e:
+        if P * int(kind.partition(":")[2] or 1) > len(model.layers):
+            assert "top-level layers" in str(e) and "\n" not in str(e), e
+            return "refused"
+        raise
+    rt.setup(model, opt, TokenCrossEntropy())
+    index, count = rt.shard()
+    assert count == D, (count, D)
+    rng = np.random.default_rng(11)
+    x, y = data(name, rng, steps * D * M)
+    ref = None
+    if rt.is_root:
+        ref, ref_opt = make(name, optimizer, dropout)
+        ref_rt = build("local", accumulate=M)
+        ref_rt.setup(ref, ref_opt, TokenCrossEntropy())
+    for s in range(steps):
+        block = slice(s * D * M, (s + 1) * D * M)  # D replicas x M micro-batches of B
+        xs, ys = x[block], y[block]
+        mine = slice(index * M, (index + 1) * M)
+        loss = rt.train_step(xs[mine].reshape((M * B,) + xs.shape[2:]),
+                             ys[mine].reshape((M * B,) + ys.shape[2:]))
+        if rt.pp_group is not None:
+            losses = rt.pp_group.mpi.allgather(loss)
+            assert len(set(losses)) == 1, f"step {s}: the stages' losses differ {losses}"
+        if ref is not None:  # one process: micro-batch i is every replica's i-th
+            order = xs.reshape((D, M) + xs.shape[1:]).swapaxes(0, 1)
+            labels = ys.reshape((D, M) + ys.shape[1:]).swapaxes(0, 1)
+            ref_step(ref_rt, order.reshape((M * D * B,) + xs.shape[2:]),
+                     labels.reshape((M * D * B,) + ys.shape[2:]), dense="zero1" in flags)
+    plan = rt.pp.plan if rt.pp is not None else None
+    held = None
+    if plan is not None:
+        r = rt.pp.rank
+        want = plan.in_flight_formula(r)
+        assert rt.pp.peak_in_flight == want == plan.peak_in_flight(r), (
+            f"stage {r}: held {rt.pp.peak_in_flight} micro-batches, formula {want}")
+        held = rt.schedule.activation_bytes
+        if plan.v == 1 and bytes_one is not None:
+            assert held == want * bytes_one, (f"stage {r}: {held} activation bytes at the "
+                                              f"peak, expected {want} x {bytes_one}")
+    state, _ = rt.full_state(model, opt)
+    worst = 0.0
+    if rt.is_root:
+        exact = D == 1 and T == 1
+        ref_state = ref.state_dict()
+        assert set(state) == set(ref_state), sorted(set(state) ^ set(ref_state))
+        for k, a in ref_state.items():
+            b = state[k]
+            assert b.shape == a.shape, (k, b.shape, a.shape)
+            if exact or a.dtype.kind != "f":
+                assert np.array_equal(a, b), f"{k!r} is not bitwise equal to one process"
+            elif a.size:
+                worst = max(worst, float(np.max(np.abs(a - b)) /
+                                         max(float(np.max(np.abs(a))), 1e-300)))
+        assert worst <= TOL, f"parameters differ from one process: {worst:.3g} > {TOL}"
+    rt.mesh.close()
+    return held, worst
+
+
+def main():
+    layouts, models, kinds, micro, optimizers = sys.argv[1:6]
+    steps = int(sys.argv[6]) if len(sys.argv) > 6 else 20
+    flags = set(sys.argv[7].split(",")) if len(sys.argv) > 7 else set()
+    comm = Communicator(MPI.COMM_WORLD)
+    t0 = time.perf_counter()
+    done = refused = 0
+    for layout in layouts.split(","):
+        P, T = (int(v) for v in layout.split("x"))
+        values = []
+        for m in micro.split(","):
+            v = {"P-1": P - 1, "P": P, "4P": 4 * P}.get(m) or int(m)
+            if v >= 1 and v not in values:
+                values.append(v)
+        for name in models.split(","):
+            for optimizer in optimizers.split(","):
+                for kind in kinds.split(","):
+                    one = None
+                    for M in values:
+                        out = run(comm, name, P, T, kind, M, optimizer, steps, flags, one)
+                        if out == "refused":
+                            refused += 1
+                            break
+                        held, worst = out
+                        if M == 1:
+                            one = held
+                        done += 1
+                        if comm.rank == 0:
+                            print(f"pp_check {name} P={P} T={T} D={comm.size // (P * T)} "
+                                  f"{kind} M={M} {optimizer} {','.join(sorted(flags))}: "
+                                  + ("bitwise" if worst == 0.0 else f"{worst:.2g}"),
+                                  flush=True)
+    if comm.rank == 0:
+        print(f"pp_check: {done} layouts equal one process, {refused} refused, "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
