@@ -281,7 +281,7 @@ def _split_schedule(values, lr_schedule, *sources):
                                   "disagree: give the pipeline schedule once")
             values["pipeline_schedule"] = pipe[0]
     m = values.get("micro_batches")
-    if m is not None:
+    if isinstance(m, int) and m >= 1:  # (a bad value is validate's to report)
         acc = next((src["accumulate"] for src in sources if "accumulate" in src), None)
         if acc is not None and acc != m:
             raise ConfigError(f"--micro-batches {m} and --accumulate {acc} are the same "

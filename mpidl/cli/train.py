@@ -137,6 +137,10 @@ def layout_note(cfg, ranks):
         return (f" (hybrid {cfg.hybrid}: convolutions data parallel, fully connected "
                 f"layers tensor parallel, over {ranks} ranks)")
     t = getattr(cfg, "tensor_parallel", 1) or 1
+    p = getattr(cfg, "pipeline_stages", 1) or 1
+    if p > 1:
+        return (f" (pipeline {p} stages, {getattr(cfg, 'pipeline_schedule', '1f1b')}, x "
+                f"tensor parallel {t} x data parallel {ranks // (t * p)})")
     return "" if t == 1 else f" (tensor parallel {t} x data parallel {ranks // t})"
 
 

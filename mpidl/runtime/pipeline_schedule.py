@@ -73,6 +73,7 @@ class Plan:
         self.kind, self.P, self.M, self.v = kind, stages, micro_batches, chunks
         self.actions = actions
         self.split_backward = kind == "zb"
+        self.warmup = None  # interleaved: warm-up forwards per rank
 
     @property
     def virtual_stages(self):
@@ -103,7 +104,10 @@ class Plan:
             return M
         if self.kind in ("1f1b", "zb"):
             return min(P - rank, M)
-        return min(2 * (P - rank - 1) + (v - 1) * P + 1, M * v)
+        # Megatron's warm-up 2 (P - r - 1) + (v - 1) P forwards, plus the one in flight
+        # as the steady phase starts (``build`` raises the warm-up where M leaves the
+        # last group of P short and the lists would otherwise wait on each other)
+        return min(self.warmup[rank] + 1, M * v)
 
     # -- time
     def simulate(self, forward, backward, weight=0.0, latency=0.0):

@@ -277,11 +277,11 @@ def _pipeline(comm, options, accumulate, tp, **given):
     """The ``Pipeline`` part for ``--pipeline-stages P > 1`` (None for P = 1), after
     one line for each setting that does not compose with it (yet)."""
     stages = options.get("pipeline_stages") or 1
-    pipeline_part.check_degree(stages, tp, _size(comm))
     if stages == 1:  # (any schedule of one stage is plain accumulation)
         extra = [k for k in ("recompute", "emulate_compute", "stage_costs") if options.get(k)]
         if extra:
             raise ConfigError(f"--{extra[0].replace('_', '-')} needs --pipeline-stages P > 1")
+        pipeline_part.check_degree(stages, tp, _size(comm))
         pipeline_part.pipeline_schedule.parse(options.get("pipeline_schedule") or "1f1b")
         return None
     what = {"zero": given.get("zero") and given["zero"] > 1 and f"--zero {given['zero']}",
@@ -297,6 +297,7 @@ def _pipeline(comm, options, accumulate, tp, **given):
         if flag:
             raise ConfigError(f"--pipeline-stages {stages} with {flag} is not built yet: "
                               "drop one of them")
+    pipeline_part.check_degree(stages, tp, _size(comm))
     return pipeline_part.Pipeline(stages, options.get("pipeline_schedule") or "1f1b",
                                   accumulate or 1, recompute=options.get("recompute", False),
                                   emulate_compute=options.get("emulate_compute", False),

@@ -1,0 +1,299 @@
+"""Pipeline parallelism (``--pipeline-stages P``): schedules as data, the cut, refusals,
+and real ranks against one process.
+
+The multi-rank cases launch ``tests/ranks/pp_check.py``: for every schedule (gpipe,
+1f1b, interleaved:2, zb), P = 2, 3, 4 (and 8, oversubscribed), M in {1, P - 1, P, 4P},
+the mlp (eight hidden layers), resnet-tiny and gpt-tiny, SGD with momentum and Adam, 20
+steps in float64: the parameters are bitwise those of one process accumulating over the
+same micro-batches, and each stage's peak of held micro-batches and activation bytes is
+the schedule's formula. Every launch has a timeout, so a (P, M) pair that hangs fails.
+The 3-D layouts (data x pipeline x tensor parallelism on 8 ranks, with ZeRO 1 too) are
+held to 1e-12. ``mpidl train`` itself is compared with one process bit for bit, and a
+pipelined run's checkpoint resumes on one process and the other way round.
+"""
+
+import itertools
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from mpirun import assert_bitwise_equal, fashion_available, model_arrays, run_command, \
+    run_ranks
+from mpidl.config import register, resolve
+from mpidl.engine.models import build_model
+from mpidl.errors import ConfigError
+from mpidl.runtime import build, cli_options
+from mpidl.runtime.pipeline import Pipeline, check_degree, partition
+from mpidl.runtime.pipeline_schedule import build as plan, bubble_formula, parse
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PP_CHECK = os.path.join(HERE, "ranks", "pp_check.py")
+MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
+KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb", 1)]
+
+
+# -- schedules as data (one process) -----------------------------------------------------
+
+@pytest.mark.parametrize("kind, v", KINDS)
+def test_every_plan_runs_each_pass_once_in_micro_batch_order(kind, v):
+    """Each rank runs every forward and backward of its chunks once (zb: every weight
+    pass too), backward passes of a chunk in micro-batch order (the order one process
+    accumulates in), and the lists run to the end: no (P, M) deadlocks."""
+    for P in range(1, 9):
+        for M in sorted({1, 2, P - 1, P, P + 1, 2 * P + 1, 4 * P} - {0}):
+            p = plan(kind, P, M, v)
+            for r in range(P):
+                acts = p.actions[r]
+                for c in range(p.v):
+                    for op in ("FBW" if p.split_backward else "FB"):
+                        mbs = [mb for o, mb, ch in acts if o == op and ch == c]
+                        if op == "F":
+                            assert sorted(mbs) == list(range(M)), (kind, P, M, r, c)
+                        else:
+                            assert mbs == list(range(M)), (kind, P, M, r, c, op, mbs)
+            p.simulate(1.0, 2.0, 0.5, latency=0.1)  # raises if the lists deadlock
+
+
+@pytest.mark.parametrize("kind, v", KINDS)
+def test_peak_micro_batches_held_is_the_formula(kind, v):
+    for P in (1, 2, 3, 4, 8):
+        for M in (1, P - 1 or 1, P, 4 * P, 33):
+            p = plan(kind, P, M, v)
+            for r in range(P):
+                assert p.peak_in_flight(r) == p.in_flight_formula(r), (kind, P, M, r)
+            if kind in ("1f1b", "zb"):
+                assert [p.in_flight_formula(r) for r in range(P)] == \
+                    [min(P - r, M) for r in range(P)]
+            elif kind == "gpipe":
+                assert all(p.in_flight_formula(r) == M for r in range(P))
+
+
+@pytest.mark.parametrize("P, M", [(2, 4), (4, 4), (4, 16), (8, 32), (3, 1), (5, 7)])
+def test_simulated_bubble_is_the_formula(P, M):
+    """With backward = 2 forwards and free messages, GPipe's and 1F1B's idle fraction is
+    (P - 1)/(M + P - 1); interleaved's (P - 1)/(vM + P - 1) when P divides M; the
+    zero-bubble schedule idles less than 1F1B; message latency only adds."""
+    for kind in ("gpipe", "1f1b"):
+        assert plan(kind, P, M).simulate(1, 2).bubble == pytest.approx(
+            bubble_formula(kind, P, M), abs=1e-12)
+    if M % P == 0 and P > 1:
+        assert plan("interleaved", P, M, 2).simulate(0.5, 1).bubble == pytest.approx(
+            bubble_formula("interleaved", P, M, 2), abs=1e-12)
+    if P > 1:
+        zb = plan("zb", P, M).simulate(1, 1, 1).bubble
+        assert zb < plan("1f1b", P, M).simulate(1, 2).bubble
+        slow = plan("1f1b", P, M).simulate(1, 2, latency=0.3)
+        assert slow.step_time > plan("1f1b", P, M).simulate(1, 2).step_time
+
+
+def test_schedule_names():
+    assert parse("interleaved") == ("interleaved", 2)
+    assert parse("interleaved:3") == ("interleaved", 3)
+    assert parse("1F1B") == ("1f1b", 1)
+    for bad, why in [("pipedream", "pipeline schedules are gpipe"),
+                     ("interleaved:1", "v >= 2"), ("interleaved:x", "whole number"),
+                     ("zb:2", "only interleaved takes")]:
+        with pytest.raises(ConfigError, match=why):
+            parse(bad)
+
+
+def test_partition_is_balanced_contiguous_and_deterministic():
+    assert partition([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert partition([5, 1, 1, 1, 1, 1], 2) == [0, 1, 6]
+    assert partition([1] * 7, 3) == [0, 2, 4, 7]  # pieces of 2, 2, 3
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    bounds = partition(costs, 4)
+    assert bounds[0] == 0 and bounds[-1] == len(costs)
+    assert all(lo < hi for lo, hi in zip(bounds, bounds[1:]))
+    def largest(b):
+        return max(sum(costs[lo:hi]) for lo, hi in zip(b, b[1:]))
+
+    best = min(largest([0, *cuts, 8]) for cuts in itertools.combinations(range(1, 8), 3))
+    assert largest(bounds) == best == 9.0
+    assert partition(costs, 4) == bounds
+
+
+# -- settings and refusals (point 6) ----------------------------------------------------
+
+def test_schedule_flag_takes_the_lr_and_the_pipeline_schedule():
+    register(cli_options())  # (the command line registers the runtime's settings)
+    cfg = resolve({"model": "mlp", "schedule": "cosine,1f1b"})
+    assert (cfg.schedule, cfg.pipeline_schedule) == ("cosine", "1f1b")
+    cfg = resolve({"model": "gpt-tiny", "schedule": "interleaved:2"})
+    assert cfg.schedule == "cosine" and cfg.pipeline_schedule == "interleaved:2"
+    cfg = resolve({"model": "mlp", "micro_batches": 4})
+    assert cfg.accumulate == 4
+    with pytest.raises(ConfigError, match="at most one learning-rate schedule and one"):
+        resolve({"schedule": "gpipe,1f1b"})
+    with pytest.raises(ConfigError, match="are the same setting"):
+        resolve({"micro_batches": 4, "accumulate": 2})
+
+
+def test_bad_pipelines_are_one_line_each():
+    model = build_model("mlp", input_shape=(1, 4, 4), num_classes=3, hidden=(8,))
+    assert len(model.layers) == 4  # Flatten, Linear, ReLU, Linear
+    with pytest.raises(ConfigError, match=r"--pipeline-stages 5 needs at least 5 top-level "
+                                          r"layers to place, but the model has 4"):
+        Pipeline(5).check(model)
+    with pytest.raises(ConfigError, match=r"interleaved:2 \(6 chunks\) needs at least 6 "
+                                          r"top-level layers"):
+        Pipeline(3, "interleaved:2").check(model)
+    with pytest.raises(ConfigError, match="--micro-batches must be at least 1"):
+        Pipeline(2, "1f1b", 0)
+    with pytest.raises(ConfigError, match=r"--pipeline-stages 3 does not divide the 4 rank"):
+        check_degree(3, 1, 4)
+    with pytest.raises(ConfigError, match=r"--pipeline-stages 2 x --tensor-parallel 2 = 4 "
+                                          r"does not divide the 6 rank"):
+        check_degree(2, 2, 6)
+    tied = build_model("gpt-tiny", input_shape=(8,), num_classes=12, layers=1, heads=2,
+                       width=8, context=8, tie_weights=True)
+    with pytest.raises(ConfigError, match="share a parameter .*drop --tie-weights"):
+        Pipeline(2).check(tied)
+    with pytest.raises(ConfigError, match="--stage-costs: expected 4 costs"):
+        Pipeline(2, stage_costs="1,2").check(model)
+    with pytest.raises(ConfigError, match="--pipeline-stages 2 cannot be used with "
+                                          "--strategy ps"):
+        build("ps", None, pipeline_stages=2)
+    with pytest.raises(ConfigError, match="--recompute needs --pipeline-stages P > 1"):
+        build("local", None, recompute=True)
+    for flags, what in [(dict(zero=2), "--zero 2"), (dict(compression="fp16"),
+                        "--compression fp16"), (dict(sync="local-sgd", period=4), "--sync local-sgd")]:
+        with pytest.raises(ConfigError, match=f"--pipeline-stages 2 with {what} is not "
+                                              "built yet"):
+            build("allreduce", None, pipeline_stages=2, **flags)
+
+
+def train_cmd(n, out, *args, dtype="float64"):
+    return ([os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(n)] + MPIDL
+            + ["train", "--no-progress", "--dtype", dtype, "--out-dir", str(out), *args])
+
+
+def test_bad_input_from_the_command_line_is_one_line(tmp_path):
+    cases = [
+        (1, ["--micro-batches", "0"], "--micro-batches must be at least 1"),
+        (1, ["--pipeline-stages", "2"], "--pipeline-stages 2 does not divide the 1 rank"),
+        (2, ["--pipeline-stages", "2", "--schedule", "interleaved:4"],
+         "needs at least 8 top-level layers to place, but the model has 6"),
+    ]
+    for ranks, args, message in cases:
+        launch = run_command(train_cmd(ranks, tmp_path / "bad", "--model", "mlp", "--dataset",
+                                       "synthetic", *args, dtype="float32"), timeout=120)
+        assert launch.returncode == 2, launch.output
+        lines = [ln for ln in launch.output.splitlines() if message in ln]
+        assert lines, launch.output
+        assert "Traceback" not in launch.output, launch.output
+
+
+# -- real ranks: every layout against one process (points 1, 2, 4) ------------------------
+
+def pp_check(ranks, layouts, models, kinds, micro, optimizers, steps=20, flags="",
+             timeout=600):
+    args = [PP_CHECK, layouts, models, kinds, micro, optimizers, steps]
+    if flags:
+        args.append(flags)
+    launch = run_ranks(ranks, args, timeout=timeout)
+    assert not launch.timed_out, f"a pipeline hung (no result in {timeout} s):\n{launch.output}"
+    launch.check()
+    return launch.output
+
+
+ALL_KINDS = "gpipe,1f1b,interleaved:2,zb"
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_every_schedule_equals_one_process_bitwise(stages):
+    """Point 1: P = 2, 3, 4 x every schedule x M in {1, P-1, P, 4P} x three models x SGD
+    with momentum and Adam, 20 steps: bitwise one process's accumulation, and the
+    memory formulas."""
+    out = pp_check(stages, f"{stages}x1", "mlp,resnet,gpt", ALL_KINDS, "1,P-1,P,4P",
+                   "sgd,adam")
+    done = [ln for ln in out.splitlines() if ln.startswith("pp_check ") and "bitwise" in ln]
+    assert len(done) == 3 * 2 * 4 * len({1, stages - 1, stages, 4 * stages}), out
+
+
+def test_recompute_and_dropout_equal_one_process_bitwise():
+    """--recompute re-runs each stage's forward from its kept input with the buffers it
+    saw (the same dropout masks, BatchNorm statistics counted once): still bitwise, and
+    only the inputs are held."""
+    out = pp_check(2, "2x1", "mlp,gpt", ALL_KINDS, "1,4P", "sgd", 10, "recompute,dropout")
+    assert out.count("bitwise") == 2 * 4 * 2, out
+    out = pp_check(3, "3x1", "resnet", "1f1b,zb", "1,P", "adam", 10, "recompute")
+    assert out.count("bitwise") == 2 * 2, out
+
+
+def test_eight_stages_oversubscribed():
+    """P = 8 on 8 ranks (4 per core): the deepened mlp over every schedule; resnet-tiny and
+    gpt-tiny (9 top-level layers) take 8 stages, and interleaved:2's 16 chunks are
+    refused with one line."""
+    out = pp_check(8, "8x1", "mlp,gpt", ALL_KINDS, "1,P", "sgd", 5, timeout=900)
+    assert out.count("bitwise") == 4 * 2 + 3 * 2, out
+    assert "1 refused" in out, out
+
+
+@pytest.mark.slow
+def test_eight_stages_full_grid():
+    out = pp_check(8, "8x1", "mlp,resnet,gpt", ALL_KINDS, "1,P-1,P,4P", "sgd,adam",
+                   timeout=3000)
+    assert "layouts equal one process" in out
+
+
+LAYOUTS_3D = "2x2,4x1,2x1,4x2,1x4,2x4,1x2"  # P x T; data parallelism: 8 / (P T)
+
+
+def test_three_d_layouts_equal_one_process():
+    """Point 4: every DP x PP x TP factorisation of 8 with P, T <= 4 (2x2x2, 2x4x1,
+    4x2x1, 1x4x2, 2x1x4, 1x2x4, 4x1x2) equals one process at the global batch within
+    1e-12, plain and with --zero 1 on the data-parallel axis."""
+    out = pp_check(8, LAYOUTS_3D, "gpt,mlp", "1f1b", "4", "sgd", 20, timeout=900)
+    assert "14 layouts equal one process" in out, out
+    out = pp_check(8, LAYOUTS_3D, "gpt", "zb", "4", "sgd", 20, "zero1", timeout=900)
+    assert "7 layouts equal one process" in out, out
+
+
+# -- mpidl train -----------------------------------------------------------------------------
+
+def needs_fashion():
+    if not fashion_available():
+        pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+
+
+RUN = ["--model", "mlp", "--batch-size", "16", "--limit-train", "1280", "--limit-test",
+       "300", "--micro-batches", "4", "--epochs", "2"]
+
+
+def test_train_command_equals_one_process_and_resumes_across_layouts(tmp_path):
+    """``mpiexec -n 2 mpidl train --pipeline-stages 2`` (float64, 40 steps) saves bitwise
+    the model of one process with --accumulate 4 and reports the same test loss; a
+    checkpoint of the pipelined run resumes on one process and one of a one-process run
+    resumes as a pipeline, both ending bitwise where the uninterrupted run ends."""
+    needs_fashion()
+    one = ["--strategy", "allreduce"]  # one process, so the checkpoints' settings agree
+    run_command(train_cmd(1, tmp_path / "one", *RUN, *one), timeout=300).check()
+    launch = run_command(train_cmd(2, tmp_path / "pp", *RUN, "--pipeline-stages", "2",
+                                   "--schedule", "zb"), timeout=300).check()
+    assert "pipeline 2 stages, zb, x tensor parallel 1 x data parallel 1" in launch.output
+    assert "pipeline stages balanced by measured cost" in launch.output, launch.output
+    assert_bitwise_equal(model_arrays(tmp_path / "one" / "model.npz"),
+                         model_arrays(tmp_path / "pp" / "model.npz"))
+    a, b = (json.loads(open(tmp_path / d / "metrics.jsonl").readlines()[-1])
+            for d in ("one", "pp"))
+    assert a["test_loss"] == b["test_loss"] and a["test_acc"] == b["test_acc"]
+    assert b["pipeline_stages"] == 2 and b["pipeline_in_flight"] == 2
+
+    first = [*RUN[:-1], "1", "--checkpoint-every", "10"]
+    for saved, resumed in ((["--pipeline-stages", "2"], one), (one, ["--pipeline-stages",
+                                                                      "2"])):
+        out = tmp_path / f"resume-{len(saved)}"
+        n_saved = 2 if "--pipeline-stages" in saved else 1
+        run_command(train_cmd(n_saved, out, *first, *saved), timeout=300).check()
+        n_resumed = 2 if "--pipeline-stages" in resumed else 1
+        launch = run_command(train_cmd(n_resumed, out, *RUN, *resumed, "--resume"),
+                             timeout=300).check()
+        assert "resumed from" in launch.output and "step 20" in launch.output, launch.output
+        assert_bitwise_equal(model_arrays(tmp_path / "one" / "model.npz"),
+                             model_arrays(out / "model.npz"))
+    shutil.rmtree(tmp_path / "pp")
