@@ -284,15 +284,16 @@ def test_train_command_equals_one_process_and_resumes_across_layouts(tmp_path):
     assert a["test_loss"] == b["test_loss"] and a["test_acc"] == b["test_acc"]
     assert b["pipeline_stages"] == 2 and b["pipeline_in_flight"] == 2
 
-    first = [*RUN[:-1], "1", "--checkpoint-every", "10"]
     for saved, resumed in ((["--pipeline-stages", "2"], one), (one, ["--pipeline-stages",
                                                                       "2"])):
-        out = tmp_path / f"resume-{len(saved)}"
         n_saved = 2 if "--pipeline-stages" in saved else 1
-        run_command(train_cmd(n_saved, out, *first, *saved), timeout=300).check()
+        out = tmp_path / f"saved-on-{n_saved}"
+        crashed = run_command(train_cmd(n_saved, out, *RUN, *saved, "--checkpoint-every",
+                                        "10"), env={"MPIDL_FAIL_AT": "0:25"}, timeout=300)
+        assert crashed.returncode != 0, crashed.output  # killed after step 25
         n_resumed = 2 if "--pipeline-stages" in resumed else 1
-        launch = run_command(train_cmd(n_resumed, out, *RUN, *resumed, "--resume"),
-                             timeout=300).check()
+        launch = run_command(train_cmd(n_resumed, out, *RUN, *resumed, "--resume",
+                                       "--checkpoint-every", "10"), timeout=300).check()
         assert "resumed from" in launch.output and "step 20" in launch.output, launch.output
         assert_bitwise_equal(model_arrays(tmp_path / "one" / "model.npz"),
                              model_arrays(out / "model.npz"))
