@@ -423,17 +423,24 @@ class Sharded:
 
     # -- checkpoints: the stage-0 form (module doc)
     def export_state(self, runtime):
-        """Collective over the trainers: the shards' optimizer state, gathered on the root
-        into the trainer's optimizer as per-parameter state (what a replicated optimizer
-        holds); the root drops it again at the next step."""
+        """Collective over the data-parallel group: the shards' optimizer state, gathered
+        on the group's first rank into its optimizer as per-parameter state (what a
+        replicated optimizer holds), which drops it again at the next step. With tensor or
+        pipeline parallelism each group's first rank holds its slices' or stage's state,
+        and the runtime joins those for the checkpoint."""
         if self.sync.gathers is not None:
             self.sync.gathers.materialize()  # the root saves the model's full parameters
         mine = {}
         for b, st in self.inner.state.items():
             mine[b] = {k: (v if isinstance(v, int) else to_numpy(v)) for k, v in st.items()}
-        per_rank = runtime.gather(mine)
-        if not runtime.is_root:
-            return
+        group = runtime.group
+        if group is None or group.size == 1:
+            per_rank = [mine]
+        else:
+            with group.waiting("in the gather of ZeRO optimizer shards (checkpoint)"):
+                per_rank = group.mpi.gather(mine, root=0)
+            if group.rank != 0:
+                return
         full = {}
         for b, sh in self.shards.items():
             states = [r.get(b) for r in per_rank]
