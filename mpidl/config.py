@@ -83,7 +83,7 @@ OPTIONS = [
            metavar="WD"),
     Option("schedule", str, "constant", "learning-rate schedule over the steps: constant, "
            "step, cosine, linear (see the engine's make_schedule); a pipeline schedule "
-           "name (gpipe, 1f1b, interleaved[:v], zb) sets the pipeline's; both: "
+           "name (gpipe, 1f1b, interleaved[:v], zb) sets --pipeline-schedule; both: "
            "--schedule cosine,1f1b"),
     Option("warmup_epochs", float, 0.0, "linear learning-rate warm-up from ~0 over this many "
            "epochs (fractions allowed)", metavar="E"),
@@ -246,10 +246,10 @@ def resolve(flags=None, config_path=None, use_model_defaults=True):
     model = flags.get("model", from_file.get("model", values["model"]))
     if use_model_defaults:
         values.update(model_defaults(model))
-    lr_schedule = values.get("schedule")
+    before = dict(values)
     values.update(from_file)
     values.update(flags)
-    _split_schedule(values, lr_schedule, from_file, flags)
+    _shared_flags(values, before, (from_file, flags))
     cfg = TrainConfig(**values)
     cfg.config = os.path.abspath(config_path) if config_path else None
     cfg.given = sorted(set(from_file) | set(flags))  # what the user set explicitly
@@ -257,36 +257,45 @@ def resolve(flags=None, config_path=None, use_model_defaults=True):
     return cfg
 
 
-def _split_schedule(values, lr_schedule, *sources):
-    """``--schedule`` names the learning-rate schedule, the pipeline's, or both
-    (``cosine,1f1b``): the pipeline's part goes to ``pipeline_schedule``; without a
-    learning-rate part the model's default stays. ``--micro-batches M`` is
-    ``--accumulate M``: one setting, so a checkpoint resumes under either."""
-    from mpidl.runtime.pipeline_schedule import is_pipeline_schedule  # noqa: PLC0415
+def _shared_flags(values, before, sources):
+    """Settings that share another's flag or are its alias (``Option.shares``/``claims``
+    and ``same_as``): ``--schedule cosine,1f1b`` sets the learning-rate schedule and the
+    pipeline's (without a learning-rate part the model's default stays, ``before``);
+    ``--micro-batches M`` sets ``--accumulate M``. ``sources``: the config file's and the
+    flags' values, in that order."""
+    def given(name):
+        return next((src[name] for src in reversed(sources) if name in src), None)
 
-    given = next((src["schedule"] for src in reversed(sources) if "schedule" in src), None)
-    if given is not None:
-        parts = [p.strip() for p in str(given).split(",") if p.strip()]
-        pipe = [p for p in parts if is_pipeline_schedule(p)]
-        lr = [p for p in parts if not is_pipeline_schedule(p)]
-        if len(pipe) > 1 or len(lr) > 1 or not parts:
-            raise ConfigError(f"--schedule {given!r}: give at most one learning-rate schedule "
-                              "and one pipeline schedule, e.g. --schedule cosine,1f1b")
-        values["schedule"] = lr[0] if lr else lr_schedule
-        if pipe:
-            explicit = next((src["pipeline_schedule"] for src in sources
-                             if "pipeline_schedule" in src), None)
-            if explicit is not None and explicit != pipe[0]:
-                raise ConfigError(f"--schedule {pipe[0]} and --pipeline-schedule {explicit} "
-                                  "disagree: give the pipeline schedule once")
-            values["pipeline_schedule"] = pipe[0]
-    m = values.get("micro_batches")
-    if isinstance(m, int) and m >= 1:  # (a bad value is validate's to report)
-        acc = next((src["accumulate"] for src in sources if "accumulate" in src), None)
-        if acc is not None and acc != m:
-            raise ConfigError(f"--micro-batches {m} and --accumulate {acc} are the same "
-                              "setting (micro-batches per step): give one of them")
-        values["accumulate"] = m
+    for o in OPTIONS:
+        if o.shares is not None and given(o.shares) is not None:
+            host = given(o.shares)
+            parts = [p.strip() for p in str(host).split(",") if p.strip()]
+            mine = [p for p in parts if o.claims(p)]
+            rest = [p for p in parts if not o.claims(p)]
+            if len(mine) > 1 or len(rest) > 1 or not parts:
+                raise ConfigError(f"--{_flag(o.shares)} {host!r}: give at most one value of "
+                                  f"each kind (--{_flag(o.name)} is the other), e.g. "
+                                  "--schedule cosine,1f1b")
+            values[o.shares] = rest[0] if rest else before[o.shares]
+            if mine:
+                own = given(o.name)
+                if own is not None and own != mine[0]:
+                    raise ConfigError(f"--{_flag(o.shares)} {mine[0]} and --{_flag(o.name)} "
+                                      f"{own} disagree: give it once")
+                values[o.name] = mine[0]
+        if o.same_as is not None:
+            v = values.get(o.name)
+            if v is None or (o.check is not None and o.check(v)):
+                continue  # unset, or a bad value validate reports under its own name
+            other = given(o.same_as)
+            if other is not None and other != v:
+                raise ConfigError(f"--{_flag(o.name)} {v} and --{_flag(o.same_as)} {other} "
+                                  "are the same setting: give one of them")
+            values[o.same_as] = v
+
+
+def _flag(name):
+    return name.replace("_", "-")
 
 
 def validate(cfg):

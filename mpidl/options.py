@@ -16,6 +16,12 @@ class Option:
     ``check``: optional ``value -> None or "why it is wrong"`` for values the type and
     ``choices`` allow but the setting does not (``mpidl.config.validate`` runs it on the
     resolved value, so a bad value is one line before any training time is spent).
+
+    ``same_as``: the name of another setting this one is an alias of, under the name its
+    users know (``micro_batches`` is ``accumulate``); both set the other. ``shares`` and
+    ``claims``: another setting's flag also sets this one, with the values
+    ``claims(value)`` is true for (``--schedule 1f1b`` is the pipeline's schedule,
+    ``--schedule cosine,1f1b`` sets both).
     """
 
     name: str
@@ -26,3 +32,6 @@ class Option:
     choices: tuple = None
     metavar: str = None
     check: object = None
+    same_as: str = None
+    shares: str = None
+    claims: object = None

@@ -127,7 +127,7 @@ def test_schedule_flag_takes_the_lr_and_the_pipeline_schedule():
     assert cfg.schedule == "cosine" and cfg.pipeline_schedule == "interleaved:2"
     cfg = resolve({"model": "mlp", "micro_batches": 4})
     assert cfg.accumulate == 4
-    with pytest.raises(ConfigError, match="at most one learning-rate schedule and one"):
+    with pytest.raises(ConfigError, match="give at most one value of each kind"):
         resolve({"schedule": "gpipe,1f1b"})
     with pytest.raises(ConfigError, match="are the same setting"):
         resolve({"micro_batches": 4, "accumulate": 2})

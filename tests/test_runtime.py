@@ -17,6 +17,7 @@ from mpidl.runtime import hybrid as hybrid_part
 from mpidl.runtime import precision as precision_part
 from mpidl.runtime import schedule as schedule_part
 from mpidl.runtime import tensor_parallel as tp_part
+from mpidl.runtime import pipeline as pipeline_part
 from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.sync import (FusedAllreduce, GradSync, PerTensorCompressed, PushPull,
@@ -58,7 +59,7 @@ def test_each_preset_takes_exactly_its_parts_options():
     def names(opts):
         return {o.name for o in opts}
     common = names(schedule_part.OPTIONS) | names(precision_part.OPTIONS)
-    tp = names(tp_part.OPTIONS)
+    tp = names(tp_part.OPTIONS) | names(pipeline_part.OPTIONS)  # the model-parallel layouts
     assert presets.PRESETS["local"][1] == common | {"cuda_graph"} | tp
     assert presets.PRESETS["allreduce"][1] == (common | tp | names(hybrid_part.OPTIONS)
                                                | names(fused.OPTIONS)

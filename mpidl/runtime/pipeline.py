@@ -52,10 +52,11 @@ OPTIONS = [
            check=lambda p: None if p >= 1 else "must be at least 1"),
     Option("pipeline_schedule", str, "1f1b", "pipeline schedule: gpipe, 1f1b, "
            "interleaved[:v] or zb (--schedule takes these names too)", "parallelism",
-           metavar="NAME"),
+           metavar="NAME", shares="schedule", claims=pipeline_schedule.is_pipeline_schedule),
     Option("micro_batches", int, None, "micro-batches per step and data-parallel rank, "
            "the same as --accumulate M (--batch-size is the micro-batch)", "parallelism",
-           metavar="M", check=lambda m: None if m >= 1 else "must be at least 1"),
+           metavar="M", check=lambda m: None if m >= 1 else "must be at least 1",
+           same_as="accumulate"),
     Option("recompute", bool, False, "pipeline: keep only each stage's input per "
            "micro-batch and run its forward again in backward", "parallelism"),
     Option("emulate_compute", bool, False, "pipeline benchmarks: each stage sleeps its "
