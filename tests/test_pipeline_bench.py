@@ -5,7 +5,6 @@ are measured by running it in full; see bench/results/pipeline.json)."""
 import json
 
 import pytest
-
 from test_bench_scripts import bench, load_bench_module
 
 pipeline_bench = load_bench_module("pipeline")
@@ -17,7 +16,7 @@ pipeline_bench = load_bench_module("pipeline")
 def test_prediction_without_message_costs_is_the_closed_form(schedule, P, M):
     from mpidl.runtime import pipeline_schedule
 
-    kind, v = pipeline_schedule.parse(schedule)
+    _, v = pipeline_schedule.parse(schedule)
     em = pipeline_bench.emulated_times(schedule, P * v, 0.02)
     pred, spans = pipeline_bench.predict(schedule, P, M, em, 0.0, 0.0, 0.0)
     assert pred["predicted"] == pytest.approx(pred["formula"], abs=1e-12)
