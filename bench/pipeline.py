@@ -344,8 +344,10 @@ def plot(res, path):
                           key=lambda r: r["M"])
             Ms = [r["M"] for r in mine]
             color = LINES.get(schedule, "black")
-            ax.plot(Ms, [100 * r["measured"] for r in mine], MARKERS.get(schedule, "x"), ms=6,
-                    color=color, label=f"{schedule} measured")
+            hollow = schedule == "gpipe"  # its points fall on 1f1b's: drawn around them
+            ax.plot(Ms, [100 * r["measured"] for r in mine], MARKERS.get(schedule, "x"),
+                    ms=10 if hollow else 6, mfc="none" if hollow else color, color=color,
+                    label=f"{schedule} measured")
             ax.vlines(Ms, [100 * r["measured_min"] for r in mine],
                       [100 * r["measured_max"] for r in mine], color=color, lw=1)
             ax.plot(Ms, [100 * r["predicted"] for r in mine], "--", color=color, lw=1,
