@@ -58,8 +58,7 @@ from mpidl.benchmarks.machine import describe as describe_machine  # noqa: E402
 from mpidl.benchmarks.machine import launch_env, mpiexec  # noqa: E402
 
 MICRO = 4               # samples per micro-batch: the messages stay small (4 x 32 float64)
-WIDTH, LAYERS = 32, 16  # Linear layers only, so that every stage holds parameters (a stage
-                        # of parameterless layers alone fails in Pipeline.cut: see the report)
+WIDTH, LAYERS = 32, 16  # Linear layers only (compute is emulated: their kind does not matter)
 COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
 MARKERS = {"gpipe": "o", "1f1b": "s", "interleaved:2": "^", "zb": "D"}
 LINES = {"gpipe": "tab:blue", "1f1b": "tab:orange", "interleaved:2": "tab:green",

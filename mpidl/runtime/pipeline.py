@@ -144,6 +144,7 @@ class Pipeline:
         self.forward_s = self.backward_s = self.straggle_s = 0.0
         self.peak_in_flight = 0
         self.busy_s = self.step_s = 0.0
+        self._totals = [0.0, 0.0]   # busy and step seconds since the last metrics()
         self.spans = []
 
     # -- set-up
@@ -446,6 +447,8 @@ class Pipeline:
             s.wait()
         self.step_s = _clock() - t_step
         self.busy_s = fwd_s + bwd_s
+        self._totals[0] += self.busy_s
+        self._totals[1] += self.step_s
         self.spans = spans
         self.forward_s, self.backward_s = fwd_s, bwd_s
         self.peak_in_flight = max(self.peak_in_flight, peak)
@@ -580,5 +583,12 @@ class Pipeline:
         return lines
 
     def metrics(self):
-        return {"pipeline_stages": self.degree,
-                "pipeline_in_flight": self.peak_in_flight}
+        """The epoch line's figures: stages, the most micro-batches this stage held, and
+        its idle share of the steps since the last call (1 - busy / step: the bubble as
+        this stage saw it, message waits included)."""
+        busy, step = self._totals
+        self._totals = [0.0, 0.0]
+        out = {"pipeline_stages": self.degree, "pipeline_in_flight": self.peak_in_flight}
+        if step > 0:
+            out["pipeline_idle"] = 1.0 - busy / step
+        return out
