@@ -160,7 +160,7 @@ def test_bad_pipelines_are_one_line_each():
         build("ps", None, pipeline_stages=2)
     with pytest.raises(ConfigError, match="--recompute needs --pipeline-stages P > 1"):
         build("local", None, recompute=True)
-    for flags, what in [(dict(zero=2), "--zero 2"), (dict(compression="fp16"),
+    for flags, what in [(dict(zero=3), "--zero 3"), (dict(compression="fp16"),
                         "--compression fp16"), (dict(sync="local-sgd", period=4), "--sync local-sgd")]:
         with pytest.raises(ConfigError, match=f"--pipeline-stages 2 with {what} is not "
                                               "built yet"):
@@ -247,11 +247,14 @@ LAYOUTS_3D = "2x2,4x1,2x1,4x2,1x4,2x4,1x2"  # P x T; data parallelism: 8 / (P T)
 def test_three_d_layouts_equal_one_process():
     """Point 4: every DP x PP x TP factorisation of 8 with P, T <= 4 (2x2x2, 2x4x1,
     4x2x1, 1x4x2, 2x1x4, 1x2x4, 4x1x2) equals one process at the global batch within
-    1e-12, plain and with --zero 1 on the data-parallel axis."""
+    1e-12, plain and with --zero 1 on the data-parallel axis (and --zero 2 with Adam on
+    three of them)."""
     out = pp_check(8, LAYOUTS_3D, "gpt,mlp", "1f1b", "4", "sgd", 20, timeout=900)
     assert "14 layouts equal one process" in out, out
     out = pp_check(8, LAYOUTS_3D, "gpt", "zb", "4", "sgd", 20, "zero1", timeout=900)
     assert "7 layouts equal one process" in out, out
+    out = pp_check(8, "2x2,2x1,1x2", "gpt", "1f1b", "4", "adam", 20, "zero2", timeout=900)
+    assert "3 layouts equal one process" in out, out
 
 
 # -- mpidl train -----------------------------------------------------------------------------

@@ -284,7 +284,7 @@ def _pipeline(comm, options, accumulate, tp, **given):
         pipeline_part.check_degree(stages, tp, _size(comm))
         pipeline_part.pipeline_schedule.parse(options.get("pipeline_schedule") or "1f1b")
         return None
-    what = {"zero": given.get("zero") and given["zero"] > 1 and f"--zero {given['zero']}",
+    what = {"zero": given.get("zero") and given["zero"] > 2 and f"--zero {given['zero']}",
             "compression": given.get("compression") not in (None, "none")
             and f"--compression {given['compression']}",
             "sync": given.get("sync") not in (None, "allreduce") and f"--sync {given['sync']}",
@@ -306,7 +306,7 @@ def _pipeline(comm, options, accumulate, tp, **given):
 
 def _check_tensor_parallel(tp, **given):
     """One line for what does not compose with tensor parallelism yet."""
-    what = {"zero": (given["zero"] or 0) > 1 and f"--zero {given['zero']}",
+    what = {"zero": (given["zero"] or 0) > 2 and f"--zero {given['zero']}",
             "compression": given["compression"] not in (None, "none")
             and f"--compression {given['compression']}",
             "sync": given["sync"] not in (None, "allreduce") and f"--sync {given['sync']}",

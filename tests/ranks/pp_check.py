@@ -94,8 +94,9 @@ def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
     dropout = 0.1 if "dropout" in flags else 0.0
     options = dict(pipeline_stages=P, tensor_parallel=T, micro_batches=M,
                    pipeline_schedule=kind, recompute="recompute" in flags)
-    if "zero1" in flags:
-        options.update(zero=1, sparse_grads="dense")
+    for stage in (1, 2, 3):
+        if f"zero{stage}" in flags:
+            options.update(zero=stage, sparse_grads="dense")
     model, opt = make(name, optimizer, dropout)
     try:
         rt = build("allreduce", comm, **options)
@@ -128,7 +129,7 @@ def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
             order = xs.reshape((D, M) + xs.shape[1:]).swapaxes(0, 1)
             labels = ys.reshape((D, M) + ys.shape[1:]).swapaxes(0, 1)
             ref_step(ref_rt, order.reshape((M * D * B,) + xs.shape[2:]),
-                     labels.reshape((M * D * B,) + ys.shape[2:]), dense="zero1" in flags)
+                     labels.reshape((M * D * B,) + ys.shape[2:]), dense=any(f.startswith("zero") for f in flags))
     plan = rt.pp.plan if rt.pp is not None else None
     held = None
     if plan is not None:
