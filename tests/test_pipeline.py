@@ -325,3 +325,22 @@ def test_three_d_zero1_checkpoint_resumes_as_plain_data_parallelism(tmp_path):
     assert sorted(a) == sorted(b)
     worst = max(float(np.max(np.abs(a[k] - b[k])) / np.max(np.abs(a[k]))) for k in a)
     assert worst <= 1e-12, worst
+
+
+def test_given_stage_costs_and_emulated_compute_from_the_command_line(tmp_path):
+    """--stage-costs cuts where the costs say (the last layer alone weighs as much as the
+    five before it), the cut is printed before training, and --emulate-compute runs the
+    steps as sleeps of the measured times while the arrays travel: the epoch line says
+    how idle the first stage was."""
+    launch = run_command(train_cmd(2, tmp_path / "em", "--model", "mlp", "--dataset",
+                                   "synthetic", "--pipeline-stages", "2", "--emulate-compute",
+                                   "--stage-costs", "1,1,1,1,1,10", "--micro-batches", "4",
+                                   "--batch-size", "8", "--limit-train", "256",
+                                   "--limit-test", "64", "--epochs", "1", dtype="float32"),
+                         timeout=120).check()
+    out = launch.output
+    assert "compute emulated by sleeps" in out, out
+    assert "stage 0: layers 0-4, cost 5" in out and "stage 1: layer 5, cost 10" in out, out
+    last = json.loads(open(tmp_path / "em" / "metrics.jsonl").readlines()[-1])
+    assert last["pipeline_stages"] == 2 and last["pipeline_in_flight"] == 2
+    assert 0.0 < last["pipeline_idle"] < 1.0
