@@ -227,7 +227,8 @@ class Pipeline:
             self._shapes_measured = measured[3]
         if self.emulate and measured is None:
             raise ConfigError("--emulate-compute needs the layers timed on a batch (their "
-                              "times, and the shapes the stages send): drop --stage-costs")
+                              "times, and the shapes the stages send): set the runtime's "
+                              "sample_batch = (x, y) before setup (mpidl train does)")
         self.whole_shapes = (tp.full_shapes(model) if tp is not None else
                              {k: tuple(v.shape) for k, v in model.state_dict().items()})
         self._check_tags()
