@@ -1,6 +1,5 @@
 """Each rank gets its share of the node's cores for NumPy's BLAS (mpidl.threads)."""
 
-import os
 import subprocess
 import sys
 

@@ -29,7 +29,6 @@ Failures are collected and printed by world rank 0 ("GROUPS OK" otherwise).
 import argparse
 import os
 import pickle
-import sys
 import threading
 import time
 
