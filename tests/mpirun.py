@@ -140,3 +140,19 @@ def assert_bitwise_equal(a, b):
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         assert np.array_equal(a[k], b[k]), f"{k} differs (max |diff| "\
             f"{np.max(np.abs(a[k].astype(float) - b[k].astype(float)))})"
+
+
+def train_cmd(n, out, *args, dtype="float64"):
+    """``mpiexec -n n mpidl train`` writing its outputs to ``out`` (no progress bar;
+    float64 unless ``dtype`` says otherwise)."""
+    return ([os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(n),
+             sys.executable, "-m", "mpidl.cli.main", "train", "--no-progress", "--dtype",
+             dtype, "--out-dir", str(out), *args])
+
+
+def needs_fashion():
+    """Skip the calling test when Fashion-MNIST is not installed."""
+    import pytest  # noqa: PLC0415
+
+    if not fashion_available():
+        pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")

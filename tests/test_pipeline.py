@@ -16,13 +16,12 @@ import itertools
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
 
-from mpirun import assert_bitwise_equal, fashion_available, model_arrays, run_command, \
-    run_ranks
+from mpirun import assert_bitwise_equal, model_arrays, needs_fashion, run_command, run_ranks, \
+    train_cmd
 from mpidl.config import register, resolve
 from mpidl.engine.models import build_model
 from mpidl.errors import ConfigError
@@ -32,7 +31,6 @@ from mpidl.runtime.pipeline_schedule import build as plan, bubble_formula, parse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PP_CHECK = os.path.join(HERE, "ranks", "pp_check.py")
-MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
 KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb", 1)]
 
 
@@ -167,10 +165,6 @@ def test_bad_pipelines_are_one_line_each():
             build("allreduce", None, pipeline_stages=2, **flags)
 
 
-def train_cmd(n, out, *args, dtype="float64"):
-    return ([os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(n)] + MPIDL
-            + ["train", "--no-progress", "--dtype", dtype, "--out-dir", str(out), *args])
-
 
 def test_bad_input_from_the_command_line_is_one_line(tmp_path):
     cases = [
@@ -258,10 +252,6 @@ def test_three_d_layouts_equal_one_process():
 
 
 # -- mpidl train -----------------------------------------------------------------------------
-
-def needs_fashion():
-    if not fashion_available():
-        pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 
 
 RUN = ["--model", "mlp", "--batch-size", "16", "--limit-train", "1280", "--limit-test",

@@ -10,12 +10,11 @@ T = 1 and T = 4).
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
 
-from mpirun import fashion_available, run_command, run_ranks
+from mpirun import needs_fashion, run_command, run_ranks, train_cmd
 from mpidl.engine import Linear, ReLU, Sequential
 from mpidl.engine.models import build_model
 from mpidl.errors import ConfigError
@@ -24,7 +23,6 @@ from mpidl.runtime.tensor_parallel import Slice, TensorParallel, check_degree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TP_CHECK = os.path.join(HERE, "ranks", "tp_check.py")
-MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
 
 
 # -- slices and planning (one process) -------------------------------------------------------
@@ -112,10 +110,6 @@ def test_tensor_parallel_equals_one_process(ranks, model, t, steps, optimizer, d
     assert f"tp_check {model} T={t}" in launch.output, launch.output
 
 
-def train_cmd(n, out, *args, dtype="float64"):
-    return ([os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(n)] + MPIDL
-            + ["train", "--no-progress", "--dtype", dtype, "--out-dir", str(out), *args])
-
 
 def max_relative_difference(a_path, b_path, heads=None):
     """The largest difference of two saved models, relative to each tensor's largest
@@ -145,10 +139,6 @@ def max_relative_difference(a_path, b_path, heads=None):
         worst = max(worst, float(diff.max()))
     return (worst, key_bias) if heads else worst
 
-
-def needs_fashion():
-    if not fashion_available():
-        pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 
 
 MLP_100 = ["--model", "mlp", "--batch-size", "32", "--limit-train", "3200", "--limit-test",

@@ -33,6 +33,7 @@ on a machine with fewer cores than ranks; the losses are then meaningless.
 """
 
 import time
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -117,6 +118,20 @@ def _restore(layer, snapshot):
         layer.set_buffer(name, value.copy())
 
 
+@contextmanager
+def _deferring(layer, into):
+    """Within the block, ``layer`` and everything under it append their weight-gradient
+    computations to the list ``into`` instead of running them (``Layer.deferred_grads``)."""
+    marked = [m for _, m in layer.modules()]
+    for m in marked:
+        m.deferred_grads = into
+    try:
+        yield
+    finally:
+        for m in marked:
+            m.deferred_grads = None
+
+
 class Pipeline:
     """The pipeline part of a runtime, and the step's schedule (``run``)."""
 
@@ -193,8 +208,7 @@ class Pipeline:
 
     def cut(self, model, optimizer, group, world, sample=None, tp=None):
         """Collective: decide the cut (the same on every rank), keep this rank's pieces
-        of ``model`` and of ``optimizer``."""
-        self.check(model)
+        of ``model`` and of ``optimizer`` (the runtime ran ``check`` before)."""
         self.group, self.rank = group, group.rank
         layers = list(model.layers)
         n = len(layers)
@@ -254,6 +268,7 @@ class Pipeline:
         self._xp = next((array_module(p.data) for p in kept.values()), backend.xp())
         self._told, self._shapes = set(), {}
         self._emulated = {}
+        self._sleep_s = self._emulated_times() if self.emulate else None
 
     def _check_tags(self):
         from mpidl.comm.p2p import _tag_ub  # noqa: PLC0415
@@ -286,22 +301,14 @@ class Pipeline:
             for i in range(len(layers) - 1, -1, -1):
                 layer = layers[i]
                 deferred = []
-                marked = [m for _, m in layer.modules()]
-                for m in marked:
-                    m.deferred_grads = deferred
-                try:
-                    with layer.micro_batch("measure"):
-                        t = _clock()
-                        dx = layer.backprop(dy)
-                        bwd[i] = min(bwd[i], _clock() - t)
-                finally:
-                    for m in marked:
-                        m.deferred_grads = None
+                with _deferring(layer, deferred), layer.micro_batch("measure"):
+                    t = _clock()
+                    dy = layer.backprop(dy)
+                    bwd[i] = min(bwd[i], _clock() - t)
                 t = _clock()
                 for fn in deferred:
                     fn()
                 wgt[i] = min(wgt[i], _clock() - t)
-                dy = dx if dx is not None else None
                 if dy is None:
                     for earlier in layers[:i]:
                         with earlier.micro_batch("measure"):
@@ -355,12 +362,17 @@ class Pipeline:
                     s.test()
             time.sleep(min(left, 1e-3))
 
-    def _emulated_time(self, op, vs):
-        table = self.emulate if isinstance(self.emulate, dict) else self.times
-        if op == "B" and not self.plan.split_backward and "W" in table \
-                and not isinstance(self.emulate, dict):
-            return table["B"][vs] + table["W"][vs]
-        return table.get(op, [0.0] * (vs + 1))[vs]
+    def _emulated_times(self):
+        """{op: seconds per virtual stage} the emulation sleeps: the times given, or the
+        measured ones (whose B is the input-gradient pass: without a split backward, the
+        backward pass is B + W)."""
+        if isinstance(self.emulate, dict):
+            return {op: list(self.emulate.get(op, [0.0] * self.plan.virtual_stages))
+                    for op in "FBW"}
+        t = self.times
+        if self.plan.split_backward:
+            return dict(t)
+        return {"F": t["F"], "B": [b + w for b, w in zip(t["B"], t["W"])], "W": t["W"]}
 
     def _zeros(self, shape, dtype):
         key = (tuple(shape), str(dtype))
@@ -391,7 +403,7 @@ class Pipeline:
                 inp = x[mb * m:(mb + 1) * m] if vs == 0 else self._recv_act(mb, vs, m)
                 t0 = _clock()
                 if emulate:
-                    self._sleep(self._emulated_time("F", vs), sends)
+                    self._sleep(self._sleep_s["F"][vs], sends)
                     shape, dtype = self._emulated_out(vs, m)
                     out = self._zeros(shape, dtype)
                     kept[(mb, c)] = inp
@@ -422,7 +434,7 @@ class Pipeline:
                     mb, vs, outputs.pop((mb, c)))
                 t0 = _clock()
                 if emulate:
-                    self._sleep(self._emulated_time("B", vs), sends)
+                    self._sleep(self._sleep_s["B"][vs], sends)
                     inp = kept.pop((mb, c))
                     dx = self._zeros(inp.shape, inp.dtype) if vs > 0 else None
                 else:
@@ -437,7 +449,7 @@ class Pipeline:
             else:  # the weight-gradient pass
                 t0 = _clock()
                 if emulate:
-                    self._sleep(self._emulated_time("W", vs), sends)
+                    self._sleep(self._sleep_s["W"][vs], sends)
                 else:
                     for fn in deferred.pop((mb, c)):
                         fn()
@@ -493,18 +505,12 @@ class Pipeline:
             with chunk.micro_batch(mb):
                 chunk(inp)
             _restore(chunk, now)
-        marked = []
-        if self.plan.split_backward:
+        defer = nullcontext()
+        if self.plan.split_backward:  # the weight gradients wait for this W pass
             deferred[mb, c] = []
-            marked = [m for _, m in chunk.modules()]
-            for m in marked:
-                m.deferred_grads = deferred[mb, c]
-        try:
-            with chunk.micro_batch(mb):
-                return chunk.backprop(dy)
-        finally:
-            for m in marked:
-                m.deferred_grads = None
+            defer = _deferring(chunk, deferred[mb, c])
+        with defer, chunk.micro_batch(mb):
+            return chunk.backprop(dy)
 
     # -- evaluation
     def forward_eval(self, x):
