@@ -6,7 +6,9 @@ The multi-rank cases launch ``tests/ranks/pp_check.py``: for every schedule (gpi
 the mlp (eight hidden layers), resnet-tiny and gpt-tiny, SGD with momentum and Adam, 20
 steps in float64: the parameters are bitwise those of one process accumulating over the
 same micro-batches, and each stage's peak of held micro-batches and activation bytes is
-the schedule's formula. Every launch has a timeout, so a (P, M) pair that hangs fails.
+the schedule's formula. ``async`` (PipeDream-2BW, M >= P - 1) is held to one process
+applying each step's gradient a step later, bitwise too, with two weight versions per
+stage. Every launch has a timeout, so a (P, M) pair that hangs fails.
 The 3-D layouts (data x pipeline x tensor parallelism on 8 ranks, with ZeRO 1 too) are
 held to 1e-12. ``mpidl train`` itself is compared with one process bit for bit, and a
 pipelined run's checkpoint resumes on one process and the other way round.
@@ -88,13 +90,49 @@ def test_simulated_bubble_is_the_formula(P, M):
         assert slow.step_time > plan("1f1b", P, M).simulate(1, 2).step_time
 
 
+def test_async_plan_runs_every_micro_batch_once_across_steps():
+    """async (PipeDream-2BW): over a run of steps (the first, steady ones, the drain),
+    every stage runs each micro-batch's forward once and its backward once, backwards in
+    micro-batch order, a stage carrying P - 1 - s of them into the next step; no list
+    deadlocks; P - s micro-batches held, two weight versions (one on the last stage);
+    the steady step idles (P - 1) / (3M + P - 1) (backward = 2 forwards), far below
+    1F1B's flush."""
+    for P in range(1, 9):
+        for M in sorted({max(P - 1, 1), P, P + 1, 4 * P}):
+            p = plan("async", P, M)
+            steps = 3
+            for r in range(P):
+                lists = [p.opening[r]] + [p.actions[r]] * (steps - 1) + [p.closing[r]]
+                fwd, bwd = [], []
+                for t, acts in enumerate(lists):
+                    fwd += [t * M + mb for op, mb, _ in acts if op == "F"]
+                    bwd += [t * M + mb for op, mb, _ in acts if op == "B"]
+                    assert all(mb >= -p.carried(r) for _, mb, _ in acts)
+                assert fwd == bwd == list(range(steps * M)), (P, M, r)
+                assert p.carried(r) == P - 1 - r <= M
+                assert p.peak_in_flight(r) == p.in_flight_formula(r) == P - r
+                assert p.weight_versions(r) == (2 if r < P - 1 else 1)
+            for acts in (p.opening, p.actions, p.closing):
+                p.actions, saved = acts, p.actions
+                p.simulate(1.0, 2.0, latency=0.1)  # raises if the lists deadlock
+                p.actions = saved
+            steady = p.simulate(1.0, 2.0).bubble
+            assert steady == pytest.approx(bubble_formula("async", P, M), abs=1e-12)
+            if P > 1:
+                assert steady < plan("1f1b", P, M).simulate(1.0, 2.0).bubble
+    with pytest.raises(ConfigError, match=r"--schedule async with --pipeline-stages 4 needs "
+                                          r"--micro-batches M >= 3 \(P - 1\), got 2"):
+        plan("async", 4, 2)
+
+
 def test_schedule_names():
     assert parse("interleaved") == ("interleaved", 2)
     assert parse("interleaved:3") == ("interleaved", 3)
     assert parse("1F1B") == ("1f1b", 1)
+    assert parse("async") == ("async", 1)
     for bad, why in [("pipedream", "pipeline schedules are gpipe"),
                      ("interleaved:1", "v >= 2"), ("interleaved:x", "whole number"),
-                     ("zb:2", "only interleaved takes")]:
+                     ("zb:2", "only interleaved takes"), ("async:2", "only interleaved")]:
         with pytest.raises(ConfigError, match=why):
             parse(bad)
 
@@ -158,6 +196,11 @@ def test_bad_pipelines_are_one_line_each():
         build("ps", None, pipeline_stages=2)
     with pytest.raises(ConfigError, match="--recompute needs --pipeline-stages P > 1"):
         build("local", None, recompute=True)
+    with pytest.raises(ConfigError, match="--schedule async needs --pipeline-stages P > 1"):
+        build("allreduce", None, pipeline_schedule="async")
+    with pytest.raises(ConfigError, match=r"--schedule async with --pipeline-stages 3 needs "
+                                          r"--micro-batches M >= 2"):
+        Pipeline(3, "async", 1)
     for flags, what in [(dict(zero=3), "--zero 3"), (dict(compression="fp16"),
                         "--compression fp16"), (dict(sync="local-sgd", period=4), "--sync local-sgd")]:
         with pytest.raises(ConfigError, match=f"--pipeline-stages 2 with {what} is not "
@@ -195,7 +238,7 @@ def pp_check(ranks, layouts, models, kinds, micro, optimizers, steps=20, flags="
     return launch.output
 
 
-ALL_KINDS = "gpipe,1f1b,interleaved:2,zb"
+ALL_KINDS = "gpipe,1f1b,interleaved:2,zb,async"  # (async: M >= P - 1 only)
 
 
 def _bitwise_lines(out):
@@ -203,15 +246,15 @@ def _bitwise_lines(out):
 
 
 def test_every_schedule_equals_one_process_bitwise():
-    """Point 1 (the CI slice): every schedule x three models, 20 steps, bitwise one
-    process's accumulation and the memory formulas -- P = 2 over every M in
-    {1, P-1, P, 4P} with SGD + momentum and Adam; P = 3 and 4 with SGD + momentum over
-    M in {1, P, 4P} (their full grid is the slow test below)."""
+    """Point 1 (the CI slice): every schedule (and async) x three models, 20 steps,
+    bitwise one process and the memory formulas -- P = 2 over every M in
+    {1, P-1, P, 4P} with SGD + momentum and Adam; with SGD + momentum, P = 3 over
+    M in {1, 4P} and P = 4 over M in {1, P} (their full grid is the slow test below)."""
     out = pp_check(2, "2x1", "mlp,resnet,gpt", ALL_KINDS, "1,P-1,P,4P", "sgd,adam")
-    assert len(_bitwise_lines(out)) == 3 * 2 * 4 * 3, out
-    for stages in (3, 4):
-        out = pp_check(stages, f"{stages}x1", "mlp,resnet,gpt", ALL_KINDS, "1,P,4P", "sgd")
-        assert len(_bitwise_lines(out)) == 3 * 1 * 4 * 3, out
+    assert len(_bitwise_lines(out)) == 3 * 2 * 5 * 3, out
+    for stages, micro in ((3, "1,4P"), (4, "1,P")):
+        out = pp_check(stages, f"{stages}x1", "mlp,resnet,gpt", ALL_KINDS, micro, "sgd")
+        assert len(_bitwise_lines(out)) == 3 * 1 * (4 * 2 + 1), out
 
 
 @pytest.mark.slow
@@ -219,7 +262,7 @@ def test_every_schedule_equals_one_process_bitwise():
 def test_every_schedule_equals_one_process_bitwise_full_grid(stages):
     out = pp_check(stages, f"{stages}x1", "mlp,resnet,gpt", ALL_KINDS, "1,P-1,P,4P",
                    "sgd,adam")
-    assert len(_bitwise_lines(out)) == 3 * 2 * 4 * 4, out
+    assert len(_bitwise_lines(out)) == 3 * 2 * (4 * 4 + 3), out
 
 
 def test_recompute_and_dropout_equal_one_process_bitwise():
@@ -227,7 +270,7 @@ def test_recompute_and_dropout_equal_one_process_bitwise():
     saw (the same dropout masks, BatchNorm statistics counted once): still bitwise, and
     only the inputs are held."""
     out = pp_check(2, "2x1", "mlp,gpt", ALL_KINDS, "1,4P", "sgd", 10, "recompute,dropout")
-    assert out.count("bitwise") == 2 * 4 * 2, out
+    assert out.count("bitwise") == 2 * 5 * 2, out
     out = pp_check(3, "3x1", "resnet", "1f1b,zb", "1,P", "adam", 10, "recompute")
     assert out.count("bitwise") == 2 * 2, out
 
@@ -237,7 +280,7 @@ def test_eight_stages_oversubscribed():
     gpt-tiny (9 top-level layers) take 8 stages, and interleaved:2's 16 chunks are
     refused with one line."""
     out = pp_check(8, "8x1", "mlp,gpt", ALL_KINDS, "1,P", "sgd", 5, timeout=900)
-    assert out.count("bitwise") == 4 * 2 + 3 * 2, out
+    assert out.count("bitwise") == 4 * 2 + 3 * 2 + 2, out
     assert "1 refused" in out, out
 
 
@@ -261,6 +304,9 @@ def test_three_d_layouts_equal_one_process():
     out = pp_check(8, LAYOUTS_3D, "gpt", "zb", "4", "sgd", 20, "zero1", timeout=900)
     assert "7 layouts equal one process" in out, out
     out = pp_check(8, "2x2,2x1,1x2", "gpt", "1f1b", "4", "adam", 20, "zero2", timeout=900)
+    assert "3 layouts equal one process" in out, out
+    # async (PipeDream-2BW's rule in the one process too) on three meshes, ZeRO 1
+    out = pp_check(8, "2x2,4x1,2x1", "gpt", "async", "4", "adam", 20, "zero1", timeout=900)
     assert "3 layouts equal one process" in out, out
 
 
@@ -304,6 +350,36 @@ def test_train_command_equals_one_process_and_resumes_across_layouts(tmp_path):
         assert_bitwise_equal(model_arrays(tmp_path / "one" / "model.npz"),
                              model_arrays(out / "model.npz"))
     shutil.rmtree(tmp_path / "pp")
+
+
+def test_async_pipeline_trains_and_resumes_exactly_from_the_command_line(tmp_path):
+    """``--schedule async`` (PipeDream-2BW) from the command line: stage 0 holds two
+    weight versions and two micro-batches; a run killed after step 25 resumes from its
+    step-20 checkpoint (taken at a drain, with every rank's pending gradient) and ends
+    bitwise where the uninterrupted run ends; resumed under another schedule, the pending
+    step's update is dropped with one warning line."""
+    needs_fashion()
+    async_ = ["--pipeline-stages", "2", "--schedule", "async"]
+    launch = run_command(train_cmd(2, tmp_path / "whole", *RUN, *async_), timeout=300).check()
+    assert "no flush: weights one step stale (PipeDream-2BW)" in launch.output, launch.output
+    last = json.loads(open(tmp_path / "whole" / "metrics.jsonl").readlines()[-1])
+    assert last["pipeline_weight_versions"] == 2 and last["pipeline_in_flight"] == 2, last
+    assert np.isfinite(last["test_loss"]) and last["test_acc"] > 0.5, last
+    out = tmp_path / "crashed"
+    crashed = run_command(train_cmd(2, out, *RUN, *async_, "--checkpoint-every", "10"),
+                          env={"MPIDL_FAIL_AT": "0:25"}, timeout=300)
+    assert crashed.returncode != 0, crashed.output
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    launch = run_command(train_cmd(2, out, *RUN, *async_, "--resume", "--checkpoint-every",
+                                   "10"), timeout=300).check()
+    assert "resumed from" in launch.output and "step 20" in launch.output, launch.output
+    assert_bitwise_equal(model_arrays(tmp_path / "whole" / "model.npz"),
+                         model_arrays(out / "model.npz"))
+    launch = run_command(train_cmd(2, other, *RUN, "--pipeline-stages", "2", "--resume",
+                                   "--epochs", "1"), timeout=300).check()
+    assert "had one step's gradient still to apply; a schedule that applies each step's " \
+        "gradient at once cannot take it over" in launch.output, launch.output
 
 
 def test_three_d_zero1_checkpoint_resumes_as_plain_data_parallelism(tmp_path):

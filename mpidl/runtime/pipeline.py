@@ -38,8 +38,8 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from mpidl import backend
-from mpidl.backend import array_module
-from mpidl.engine.module import Sequential
+from mpidl.backend import array_module, to_numpy
+from mpidl.engine.module import Sequential, SparseGrad
 from mpidl.errors import ConfigError
 from mpidl.options import Option
 from mpidl.runtime import pipeline_schedule
@@ -52,7 +52,8 @@ OPTIONS = [
            "parallelism", metavar="P",
            check=lambda p: None if p >= 1 else "must be at least 1"),
     Option("pipeline_schedule", str, "1f1b", "pipeline schedule: gpipe, 1f1b, "
-           "interleaved[:v] or zb (--schedule takes these names too)", "parallelism",
+           "interleaved[:v], zb, or async (PipeDream-2BW: no flush, weights one step "
+           "stale) (--schedule takes these names too)", "parallelism",
            metavar="NAME", shares="schedule", claims=pipeline_schedule.is_pipeline_schedule),
     Option("micro_batches", int, None, "micro-batches per step and data-parallel rank, "
            "the same as --accumulate M (--batch-size is the micro-batch)", "parallelism",
@@ -132,6 +133,17 @@ def _deferring(layer, into):
             m.deferred_grads = None
 
 
+class _Walk:
+    """What one walk over a step's actions reads and counts."""
+
+    def __init__(self, x, y, m, loss):
+        self.x, self.y, self.m, self.loss = x, y, m, loss
+        self.sends, self.spans = [], []
+        self.total, self.fwd_s, self.bwd_s = 0.0, 0.0, 0.0
+        self.peak = self.peak_bytes = 0
+        self.t0 = _clock()
+
+
 class Pipeline:
     """The pipeline part of a runtime, and the step's schedule (``run``)."""
 
@@ -161,6 +173,16 @@ class Pipeline:
         self.busy_s = self.step_s = 0.0
         self._totals = [0.0, 0.0]   # busy and step seconds since the last metrics()
         self.spans = []
+        # what a step leaves for the next (async; empty after a step of the others)
+        self._batch = 0             # steps run: micro-batch mb of this step is number
+                                    # _batch * M + mb (its layers' contexts, its tags)
+        self._kept, self._outputs, self._grads, self._deferred = {}, {}, {}, {}
+        self._held = 0              # forwards whose backward has not run
+        self._open = False          # async: the previous step's backwards are carried
+        self._prev_grads = None     # async: {name: gradient} of the previous step
+        self._stash = None          # async: {name: weights} the previous step ran with
+        self.weight_versions = 1    # async: the most weight versions held (2BW: 2)
+        self._later_sends, self._carried_sends = [], []
 
     # -- set-up
     def check(self, model):
@@ -260,6 +282,7 @@ class Pipeline:
         model.layers = [layers[i] for i in mine]
         model.names = [str(i) for i in mine]
         kept = dict(model.named_parameters())
+        self._params = list(kept.items())
         if optimizer is not None:
             optimizer.params = type(optimizer.params)(
                 (k, p) for k, p in optimizer.params.items() if k in kept)
@@ -273,7 +296,7 @@ class Pipeline:
     def _check_tags(self):
         from mpidl.comm.p2p import _tag_ub  # noqa: PLC0415
 
-        need = 3 * self.k * self.plan.virtual_stages
+        need = 3 * self._tag_span * self.plan.virtual_stages
         if need > _tag_ub():
             raise ConfigError(f"--micro-batches {self.k} with {self.plan.virtual_stages} "
                               f"pipeline stages needs {need} message tags, more than this "
@@ -322,7 +345,14 @@ class Pipeline:
         return fwd, bwd, wgt, shapes
 
     # -- a step
-    def _tag(self, mb, vs, kind):
+    @property
+    def _tag_span(self):
+        """Micro-batch numbers whose messages can be in flight at once: a step's, and
+        (async) the previous step's."""
+        return self.k * (2 if self.plan.flushless else 1)
+
+    def _tag(self, key, vs, kind):
+        mb = key % self._tag_span
         return (mb * self.plan.virtual_stages + vs) * 3 + kind  # kind 0: act, 1: grad, 2: shape
 
     def _send_act(self, out, mb, vs, m, sends):
@@ -380,97 +410,213 @@ class Pipeline:
             self._emulated[key] = self._xp.zeros(shape, dtype=dtype)
         return self._emulated[key]
 
+    @property
+    def gradients_ready(self):
+        """Whether this step ends with a gradient to apply: always, but for an async
+        pipeline's first step (nothing of an earlier step to apply yet)."""
+        return not self.plan.flushless or self._prev_grads is not None
+
     def run(self, model, loss, x, y, arm=None):
         """One step of this rank's actions; returns the mean loss over the M
         micro-batches (the last stage's, broadcast over the pipeline group)."""
-        plan, M, r, P = self.plan, self.k, self.rank, self.degree
+        plan, M, r = self.plan, self.k, self.rank
         S = plan.virtual_stages
         n = len(y)
         if n % M:
             raise ValueError(f"a batch of {n} samples does not split into --micro-batches "
                              f"{M} equal micro-batches")
-        m = n // M
+        actions = plan.actions[r]
+        if plan.flushless:
+            actions = plan.actions[r] if self._open else plan.opening[r]
+        walk = _Walk(x, y, n // M, loss)
+        self._walk(actions, walk)
+        if plan.flushless:
+            self._turn_over()
+        else:
+            self._batch += 1
+        self._wait_sends(walk.sends)
+        self.step_s = _clock() - walk.t0
+        self.busy_s = walk.fwd_s + walk.bwd_s
+        self._totals[0] += self.busy_s
+        self._totals[1] += self.step_s
+        self.spans = walk.spans
+        self.forward_s, self.backward_s = walk.fwd_s, walk.bwd_s
+        self.peak_in_flight = max(self.peak_in_flight, walk.peak)
+        if self.measure_activations:
+            self.activation_bytes = max(self.activation_bytes, walk.peak_bytes)
+        last = plan.place(S - 1)[0]
+        with self.group.waiting("in the broadcast of the step's loss from the last stage"):
+            total = self.group.mpi.bcast(walk.total if r == last else None, root=last)
+        return total / M
+
+    def _walk(self, actions, walk):
+        """Run ``actions`` of this rank; ``mb`` < 0 (async) is micro-batch M + mb of the
+        previous step, run with the weights and into the gradients of that step."""
+        plan, M, P, S = self.plan, self.k, self.degree, self.plan.virtual_stages
         emulate = bool(self.emulate)
-        sends, outputs, kept, grads, deferred = [], {}, {}, {}, {}
-        total, held, peak, peak_bytes = 0.0, 0, 0, 0
-        fwd_s = bwd_s = 0.0
-        spans = []
-        t_step = _clock()
-        for op, mb, c in plan.actions[r]:
-            vs = c * P + r
+        m = walk.m
+        for op, mb, c in actions:
+            vs = c * P + self.rank
             chunk = self.chunk_layers[c]
+            key = self._batch * M + mb  # the micro-batch's number since the start
             if op == "F":
-                inp = x[mb * m:(mb + 1) * m] if vs == 0 else self._recv_act(mb, vs, m)
+                inp = walk.x[mb * m:(mb + 1) * m] if vs == 0 else self._recv_act(key, vs, m)
                 t0 = _clock()
                 if emulate:
-                    self._sleep(self._sleep_s["F"][vs], sends)
+                    self._sleep(self._sleep_s["F"][vs], walk.sends)
                     shape, dtype = self._emulated_out(vs, m)
                     out = self._zeros(shape, dtype)
-                    kept[(mb, c)] = inp
+                    self._kept[(key, c)] = inp
                 else:
-                    out = self._forward(chunk, mb, c, inp, kept)
+                    out = self._forward(chunk, key, c, inp, self._kept)
                 if vs == S - 1:
                     if not emulate:
-                        ys = y[mb * m:(mb + 1) * m]
-                        total += float(loss.forward(out, ys))
-                        dy = loss.backward()
+                        ys = walk.y[mb * m:(mb + 1) * m]
+                        walk.total += float(walk.loss.forward(out, ys))
+                        dy = walk.loss.backward()
                         if M > 1:
                             dy *= 1.0 / M
                     else:
                         dy = out
-                    grads[mb, c] = dy
+                    self._grads[key, c] = dy
                 else:
-                    outputs[mb, c] = (tuple(out.shape), out.dtype)
-                    self._send_act(out, mb, vs, m, sends)
+                    self._outputs[key, c] = (tuple(out.shape), out.dtype)
+                    self._send_act(out, key, vs, m, walk.sends)
                 t1 = _clock()
-                fwd_s += t1 - t0
-                held += 1
-                peak = max(peak, held)
+                walk.fwd_s += t1 - t0
+                self._held += 1
+                walk.peak = max(walk.peak, self._held)
                 if self.measure_activations:
-                    peak_bytes = max(peak_bytes, self._held_bytes(kept, x))
-                spans.append((op, mb, c, t0 - t_step, t1 - t_step))
+                    walk.peak_bytes = max(walk.peak_bytes, self._held_bytes(self._kept, walk.x))
             elif op == "B":
-                dy = grads.pop((mb, c)) if vs == S - 1 else self._recv_grad(
-                    mb, vs, outputs.pop((mb, c)))
+                dy = self._grads.pop((key, c)) if vs == S - 1 else self._recv_grad(
+                    key, vs, self._outputs.pop((key, c)))
                 t0 = _clock()
                 if emulate:
-                    self._sleep(self._sleep_s["B"][vs], sends)
-                    inp = kept.pop((mb, c))
+                    self._sleep(self._sleep_s["B"][vs], walk.sends)
+                    inp = self._kept.pop((key, c))
                     dx = self._zeros(inp.shape, inp.dtype) if vs > 0 else None
+                elif mb < 0:
+                    with self._previous_version():
+                        dx = self._backward(chunk, key, c, dy, self._kept, self._deferred)
                 else:
-                    dx = self._backward(chunk, mb, c, dy, kept, deferred)
+                    dx = self._backward(chunk, key, c, dy, self._kept, self._deferred)
                 t1 = _clock()
-                bwd_s += t1 - t0
-                held -= 1
+                walk.bwd_s += t1 - t0
+                self._held -= 1
                 if vs > 0:
-                    sends.append(self.group.isend(dx, plan.place(vs - 1)[0],
-                                                  self._tag(mb, vs, 1)))
-                spans.append((op, mb, c, t0 - t_step, t1 - t_step))
+                    req = self.group.isend(dx, plan.place(vs - 1)[0], self._tag(key, vs, 1))
+                    # async: the previous stage may take it only in the next step
+                    later = plan.flushless and mb >= M - plan.carried(plan.place(vs - 1)[0])
+                    (self._later_sends if later else walk.sends).append(req)
+                walk.spans.append((op, mb, c, t0 - walk.t0, t1 - walk.t0))
+                continue
             else:  # the weight-gradient pass
                 t0 = _clock()
                 if emulate:
-                    self._sleep(self._sleep_s["W"][vs], sends)
+                    self._sleep(self._sleep_s["W"][vs], walk.sends)
                 else:
-                    for fn in deferred.pop((mb, c)):
+                    for fn in self._deferred.pop((key, c)):
                         fn()
                 t1 = _clock()
-                bwd_s += t1 - t0
-                spans.append((op, mb, c, t0 - t_step, t1 - t_step))
-        for s in sends:
+                walk.bwd_s += t1 - t0
+            walk.spans.append((op, mb, c, t0 - walk.t0, t1 - walk.t0))
+
+    def _wait_sends(self, sends):
+        """Wait for this step's sends (the next stage took them in this step), and for
+        the previous step's that waited for it (async)."""
+        carried, self._carried_sends = self._carried_sends, self._later_sends
+        self._later_sends = []
+        for s in carried + sends:
             s.wait()
-        self.step_s = _clock() - t_step
-        self.busy_s = fwd_s + bwd_s
-        self._totals[0] += self.busy_s
-        self._totals[1] += self.step_s
-        self.spans = spans
-        self.forward_s, self.backward_s = fwd_s, bwd_s
-        self.peak_in_flight = max(self.peak_in_flight, peak)
-        if self.measure_activations:
-            self.activation_bytes = max(self.activation_bytes, peak_bytes)
-        last = plan.place(S - 1)[0]
-        with self.group.waiting("in the broadcast of the step's loss from the last stage"):
-            total = self.group.mpi.bcast(total if r == last else None, root=last)
-        return total / M
+
+    # -- async (PipeDream-2BW)
+    @contextmanager
+    def _previous_version(self):
+        """Within the block the parameters hold the stashed weights, and gradients go to
+        the previous step's: a backward of a micro-batch that ran forward before the
+        last update."""
+        params = self._params
+        live = [(p.data, p.grad) for _, p in params]
+        for name, p in params:
+            p.data, p.grad = self._stash[name], self._prev_grads.get(name)
+        try:
+            yield
+        finally:
+            for (name, p), (data, grad) in zip(params, live):
+                self._prev_grads[name] = p.grad
+                p.data, p.grad = data, grad
+
+    def _turn_over(self):
+        """After an async step's actions: the previous step's gradient is complete and
+        goes to the parameters for this step's update (none after the first step); this
+        step's (partial where backwards are carried) waits for the next step; the weights
+        this step ran with are stashed for its carried backwards."""
+        ready = self._prev_grads
+        self._prev_grads = {name: p.grad for name, p in self._params}
+        for name, p in self._params:
+            p.grad = None if ready is None else ready.get(name)
+        self._open = True
+        self._batch += 1
+        if self.plan.carried(self.rank):
+            if self._stash is None:
+                self._stash = {name: p.data.copy() for name, p in self._params}
+            else:  # the previous stash is done with: reuse its memory
+                for name, p in self._params:
+                    self._stash[name][...] = p.data
+        self.weight_versions = max(self.weight_versions, 1 + (self._stash is not None))
+
+    def drain(self):
+        """async: run the backwards the last step carried (its gradient is then complete,
+        in ``pending_gradient``) and wait for every message, so nothing is left in flight;
+        the next step starts a new pipeline and applies that gradient. A no-op otherwise,
+        or when nothing is carried."""
+        if not self.plan.flushless or not self._open:
+            return
+        walk = _Walk(None, None, 0, None)
+        self._walk(self.plan.closing[self.rank], walk)
+        self._open = False
+        self._wait_sends(walk.sends)
+        self._wait_sends([])
+
+    def discard_pending(self):
+        """After ``drain``: forget the last step's gradient (the end of training)."""
+        self._prev_grads = None
+
+    def pending_state(self):
+        """async, for a checkpoint: ``drain`` (collective over the pipeline group), then
+        the gradient the next step applies, this rank's own (before the data-parallel
+        reduction), as host arrays {name: array, or {indices, values, shape} for a
+        row-sparse one}; None when nothing is pending."""
+        self.drain()
+        if self._prev_grads is None:
+            return None
+        out = {}
+        for name, g in self._prev_grads.items():
+            if isinstance(g, SparseGrad):
+                out[name] = {"indices": to_numpy(g.indices), "values": to_numpy(g.values),
+                             "shape": list(g.shape)}
+            elif g is not None:
+                out[name] = to_numpy(g)
+        return out
+
+    def resume_pending(self, grads):
+        """Take back what ``pending_state`` saved: the next step applies it, as the step
+        after the checkpoint would have (None: the next step is a first step)."""
+        self._open = False
+        if grads is None:
+            self._prev_grads = None
+            return
+        xp = self._xp
+        out = {name: None for name, _ in self._params}
+        for name, g in grads.items():
+            if name not in out:
+                raise ConfigError(f"checkpoint: the pending gradient of {name!r} belongs to "
+                                  f"no parameter of pipeline stage {self.rank}")
+            # (copies: arrays of their own, not views of the checkpoint file's buffer)
+            out[name] = (SparseGrad(xp.array(g["indices"]), xp.array(g["values"]),
+                                    g["shape"]) if isinstance(g, dict) else xp.array(g))
+        self._prev_grads = out
 
     def _emulated_out(self, vs, m):
         shape, dtype = self._shapes_measured[self.bounds[vs + 1] - 1]
@@ -568,6 +714,8 @@ class Pipeline:
         lines = [f"pipeline: {P} stages, schedule {self.kind}"
                  + (f" with {v} chunks per rank" if v > 1 else "")
                  + f", {self.k} micro-batch(es) per step"
+                 + (", no flush: weights one step stale (PipeDream-2BW)"
+                    if self.plan.flushless else "")
                  + (", recomputing activations" if self.recompute else "")
                  + (", compute emulated by sleeps" if self.emulate else "")]
         return lines
@@ -596,6 +744,8 @@ class Pipeline:
         busy, step = self._totals
         self._totals = [0.0, 0.0]
         out = {"pipeline_stages": self.degree, "pipeline_in_flight": self.peak_in_flight}
+        if self.plan.flushless:
+            out["pipeline_weight_versions"] = self.weight_versions
         if step > 0:
             out["pipeline_idle"] = 1.0 - busy / step
         return out

@@ -29,13 +29,22 @@ process accumulating over the same micro-batches, so the result is bitwise the s
   nobody: ``W`` fills the time a stage would idle, at most ``P - 1 - s`` of them pending
   (so activations held stay those of 1F1B). The order is found by a greedy simulation
   with unit times: ``B`` first, then ``F`` (while under 1F1B's limit), then ``W``.
+* ``async`` (PipeDream-2BW): 1F1B without the flush. Stage ``s`` runs each of the
+  step's forwards followed by the backward ``P - 1 - s`` micro-batches behind it, so the
+  last ``P - 1 - s`` backwards of a step run at the start of the next one (negative
+  ``mb``: micro-batch ``M + mb`` of the previous step). ``opening`` is the first step
+  (nothing carried over) and ``closing`` the backwards left at the end (the drain). A
+  step's micro-batches run with the weights of the step's start, stashed for the
+  backwards that come after the update: two weight versions at most (one on the last
+  stage), and the update is PipeDream-2BW's ``W(t+1) = W(t) - lr grad f(W(t-1))``.
+  Needs ``M >= P - 1``, so a micro-batch's backward comes back within the next step.
 """
 
 import math
 
 from mpidl.errors import ConfigError
 
-KINDS = ("gpipe", "1f1b", "interleaved", "zb")
+KINDS = ("gpipe", "1f1b", "interleaved", "zb", "async")
 
 
 def parse(spec):
@@ -44,7 +53,7 @@ def parse(spec):
     kind, _, chunks = text.partition(":")
     if kind not in KINDS:
         raise ConfigError(f"--schedule {spec!r}: pipeline schedules are gpipe, 1f1b, "
-                          "interleaved[:v] (v model chunks per rank, default 2) and zb")
+                          "interleaved[:v] (v model chunks per rank, default 2), zb and async")
     if kind != "interleaved":
         if chunks:
             raise ConfigError(f"--schedule {spec!r}: only interleaved takes a number of "
@@ -73,7 +82,9 @@ class Plan:
         self.kind, self.P, self.M, self.v = kind, stages, micro_batches, chunks
         self.actions = actions
         self.split_backward = kind == "zb"
+        self.flushless = kind == "async"
         self.warmup = None  # interleaved: warm-up forwards per rank
+        self.opening = self.closing = None  # async: the first step's lists, the drain's
 
     @property
     def virtual_stages(self):
@@ -90,7 +101,7 @@ class Plan:
     def peak_in_flight(self, rank):
         """The most forwards (of micro-batch x chunk) whose backward has not run yet,
         walking ``rank``'s list: the activations the stage holds at its peak."""
-        held = peak = 0
+        held = peak = self.carried(rank)
         for op, _, _ in self.actions[rank]:
             held += op == "F"
             held -= op == "B"
@@ -104,10 +115,21 @@ class Plan:
             return M
         if self.kind in ("1f1b", "zb"):
             return min(P - rank, M)
+        if self.flushless:  # the P - 1 - s carried over, and the step's first forward
+            return P - rank
         # Megatron's warm-up 2 (P - r - 1) + (v - 1) P forwards, plus the one in flight
         # as the steady phase starts (``build`` raises the warm-up where M leaves the
         # last group of P short and the lists would otherwise wait on each other)
         return min(self.warmup[rank] + 1, M * v)
+
+    def carried(self, rank):
+        """Forwards whose backward runs in the next step (async: P - 1 - rank)."""
+        return self.P - 1 - rank if self.flushless else 0
+
+    def weight_versions(self, rank):
+        """The most weight versions a stage holds: 2BW's two (the live weights and the
+        stash the carried micro-batches' backwards use), one where nothing is carried."""
+        return 1 + (self.carried(rank) > 0)
 
     # -- time
     def simulate(self, forward, backward, weight=0.0, latency=0.0):
@@ -150,7 +172,12 @@ class Timeline:
 def bubble_formula(kind, P, M, v=1):
     """The idle fraction of a step with no message cost and backward = 2 forwards:
     (P - 1) / (M + P - 1) for GPipe and 1F1B (Huang et al.), (P - 1) / (v M + P - 1)
-    interleaved (Narayanan et al.: the bubble divided by v)."""
+    interleaved (Narayanan et al.: the bubble divided by v). async's steady step (what
+    it carries in is not waited for) idles only while the step's first forward travels
+    down the stages: (P - 1) / (3 M + P - 1) (the step's loss, broadcast from the last
+    stage, lines the stages up at every step)."""
+    if kind == "async":
+        return (P - 1) / (3 * M + P - 1)
     if kind == "interleaved":
         return (P - 1) / (v * M + P - 1)
     return (P - 1) / (M + P - 1)
@@ -176,6 +203,9 @@ def _simulate(plan, dur, latency, chooser=None):
     ``chooser.chose(rank, action)`` records the order."""
     P = plan.P
     finish = {}
+    # async: what a step's actions wait for that is not in its lists ran in the step before
+    listed = ({(op, mb, plan.vstage(r, c)) for r, acts in enumerate(plan.actions)
+               for op, mb, c in acts} if plan.flushless else None)
     spans = []
     free = [0.0] * P
     pos = [0] * P
@@ -194,6 +224,8 @@ def _simulate(plan, dur, latency, chooser=None):
                 start = free[r]
                 for dop, dmb, dvs in _deps(plan, op, mb, vs):
                     t = finish.get((dop, dmb, dvs))
+                    if t is None and listed is not None and (dop, dmb, dvs) not in listed:
+                        continue
                     if t is None:
                         start = math.inf
                         break
@@ -251,6 +283,11 @@ def _interleaved(P, M, v, r, warm):
     return out
 
 
+def _flushless(P, M, s):
+    lag = P - 1 - s
+    return [a for i in range(M) for a in (("F", i, 0), ("B", i - lag, 0))]
+
+
 class _ZeroBubble:
     """The greedy chooser that orders the zero-bubble schedule (module doc)."""
 
@@ -306,6 +343,18 @@ def build(kind, stages, micro_batches, chunks=1):
         plan = Plan(kind, P, M, 1, [_one_f_one_b(P, M, s) for s in range(P)])
     elif kind == "zb":
         plan = _zero_bubble(P, M)
+    elif kind == "async":
+        if M < P - 1:
+            raise ConfigError(f"--schedule async with --pipeline-stages {P} needs "
+                              f"--micro-batches M >= {P - 1} (P - 1), got {M}: a "
+                              "micro-batch's backward must come back within the next step "
+                              "(two weight versions)")
+        plan = Plan(kind, P, M, 1, [_flushless(P, M, s) for s in range(P)])
+        plan.opening = [[a for a in acts if a[1] >= 0] for acts in plan.actions]
+        plan.closing = [[("B", mb, 0) for mb in range(-plan.carried(s), 0)]
+                        for s in range(P)]
+        for acts in (plan.opening, plan.closing):
+            Plan(kind, P, M, 1, acts).simulate(1.0, 2.0, 1.0)
     elif kind == "interleaved":
         warm = [2 * (P - r - 1) + (v - 1) * P for r in range(P)]
         while True:

@@ -282,7 +282,12 @@ def _pipeline(comm, options, accumulate, tp, **given):
         if extra:
             raise ConfigError(f"--{extra[0].replace('_', '-')} needs --pipeline-stages P > 1")
         pipeline_part.check_degree(stages, tp, _size(comm))
-        pipeline_part.pipeline_schedule.parse(options.get("pipeline_schedule") or "1f1b")
+        kind, _ = pipeline_part.pipeline_schedule.parse(options.get("pipeline_schedule")
+                                                        or "1f1b")
+        if kind == "async":
+            raise ConfigError("--schedule async needs --pipeline-stages P > 1 (its weights "
+                              "run one step stale so the stages never flush; one stage is "
+                              "plain accumulation: use 1f1b)")
         return None
     what = {"zero": given.get("zero") and given["zero"] > 2 and f"--zero {given['zero']}",
             "compression": given.get("compression") not in (None, "none")

@@ -82,6 +82,7 @@ class Runtime:
         self.ledger = None                    # the memory figures of the epoch's first step
         self.cuda_graph = False               # --cuda-graph (the local preset sets it)
         self.graph = None                     # its GraphedStep, made at setup
+        self._updating = True                 # the current step applies its gradients
         self.reset_stats()
 
     # -- who am I
@@ -280,12 +281,15 @@ class Runtime:
         if self.schedule.measure_activations:
             self._start_ledger()
         self.placement.zero_grad(self.model)
+        # an asynchronous pipeline's first step has no earlier gradient to apply
+        self._updating = getattr(self.schedule, "gradients_ready", True)
         avg = self.averaging
         if avg is not None:
             avg.restore()  # after an evaluation of the averaged model
             self._step_syncs = self.syncs if avg.gradients_synced() else self._local_syncs
-        for _, s in self._step_syncs:
-            s.begin_step()
+        if self._updating:
+            for _, s in self._step_syncs:
+                s.begin_step()
 
     def finish_step(self, forward_s=0.0, backward_s=0.0):
         """After backward: every sync makes its gradients ready, the optimizer placement
@@ -295,22 +299,7 @@ class Runtime:
         if measure:
             self._probe_memory(None, "end of backward")
         t2 = _clock()
-        wait = 0.0
-        prec = self.precision
-        if prec is None:
-            for _, s in self._step_syncs:
-                for names in s.finish():
-                    self.placement.step(names)
-                wait += s.wait_seconds()
-        elif prec.dynamic:  # fp16: every gradient checked before any update
-            ready = [n for _, s in self._step_syncs for names in s.finish() for n in names]
-            wait += sum(s.wait_seconds() for _, s in self._step_syncs)
-            prec.step(self.placement, ready)
-        else:
-            for _, s in self._step_syncs:
-                for names in s.finish():
-                    prec.step(self.placement, names)
-                wait += s.wait_seconds()
+        wait = self._apply_gradients() if self._updating else 0.0
         if self.averaging is not None:
             wait += self.averaging.after_update()
         t4 = _clock()
@@ -329,6 +318,27 @@ class Runtime:
             tl.record("compute", "forward", "", 0, t0, t0 + forward_s, 0)
             tl.record("compute", "backward", "", 0, t0 + forward_s, t2, 0)
             tl.record("compute", "exchange+update", "", 0, t2, t4, 0)
+
+    def _apply_gradients(self):
+        """The syncs make the step's gradients ready and the placement applies them;
+        returns the seconds spent waiting on communication."""
+        wait = 0.0
+        prec = self.precision
+        if prec is None:
+            for _, s in self._step_syncs:
+                for names in s.finish():
+                    self.placement.step(names)
+                wait += s.wait_seconds()
+        elif prec.dynamic:  # fp16: every gradient checked before any update
+            ready = [n for _, s in self._step_syncs for names in s.finish() for n in names]
+            wait += sum(s.wait_seconds() for _, s in self._step_syncs)
+            prec.step(self.placement, ready)
+        else:
+            for _, s in self._step_syncs:
+                for names in s.finish():
+                    prec.step(self.placement, names)
+                wait += s.wait_seconds()
+        return wait
 
     @property
     def timeline(self):
@@ -686,9 +696,12 @@ class Runtime:
         export = getattr(getattr(self, "placement", None), "export_state", None)
         if export is not None and self.trains_on_data:
             export(self)  # ZeRO: the shards' optimizer state, per parameter on the root
+        pending = self._pipeline_pending()
         mine = [s.state_dict() for _, s in self.syncs]
         per_rank = self.gather(mine)
         out = {"syncs": per_rank}
+        if pending is not None:
+            out["pipeline_pending"] = pending
         if self.precision is not None:  # master weights and loss scale: alike on every rank
             out["precision"] = self.precision.state_dict()
         avg = self.averaging
@@ -696,6 +709,44 @@ class Runtime:
             out["averaging"] = avg.shared_state()
             out["averaging_ranks"] = self.gather(avg.local_state())
         return out if self.is_root else None
+
+    def _pipeline_layout(self):
+        return [self.pp_degree, 1 if self.tp is None else self.tp.degree, self.size]
+
+    def _pipeline_pending(self):
+        """An asynchronous pipeline's checkpoint: the pipeline drained, every rank's
+        pending gradient (the step after the checkpoint applies it) gathered on the root
+        with the layout; None for other steps. Collective over the world."""
+        if self.pp is None or not self.pp.plan.flushless or not self.trains_on_data:
+            return None
+        mine = self.pp.pending_state()
+        with self._waiting("gather of the pipeline's pending gradients", world=True):
+            every = self.comm.mpi.gather(mine, root=self.trainer_ranks[0])
+        return {"layout": self._pipeline_layout(), "ranks": every}
+
+    def _resume_pending(self, saved):
+        """This rank's pending gradient from a checkpoint, to an asynchronous pipeline; a
+        checkpoint written under another layout (or a schedule that applies gradients at
+        once) cannot hand it over: said in one warning line, and the step is dropped."""
+        from mpidl.training.log import get_logger  # noqa: PLC0415
+
+        flushless = self.pp is not None and self.pp.plan.flushless
+        layout = self._pipeline_layout()
+        mine = None
+        if saved is not None and flushless and list(saved["layout"]) == layout:
+            mine = saved["ranks"][self.rank]
+        elif saved is not None and self.is_root:
+            P, T, n = saved["layout"]
+            now = ("--schedule async" + f" with {layout[0]} stages x {layout[1]} tensor-"
+                   f"parallel on {layout[2]} ranks" if flushless else "a schedule that "
+                   "applies each step's gradient at once")
+            get_logger().warning(
+                f"--resume: the checkpoint's asynchronous pipeline ({P} stages x {T} "
+                f"tensor-parallel on {n} ranks) had one step's gradient still to apply; "
+                f"{now} cannot take it over, so that step's update is dropped (resume with "
+                "the layout it was written with to continue exactly)")
+        if flushless:
+            self.pp.resume_pending(mine)
 
     def load_state_dict(self, state):
         """Every rank takes its own part of what ``state_dict`` saved (when the number of
@@ -707,6 +758,7 @@ class Runtime:
             if servers is not None:
                 self.server.load_state_dict(servers)
             return
+        self._resume_pending((state or {}).get("pipeline_pending"))
         load = getattr(getattr(self, "placement", None), "import_state", None)
         if load is not None:
             load()  # ZeRO: the optimizer's per-parameter state, cut into this rank's shards
@@ -728,7 +780,12 @@ class Runtime:
             sync.load_state_dict(st)
 
     def finish(self):
-        """Once at the end: the syncs say goodbye; every rank ran the same steps."""
+        """Once at the end: the syncs say goodbye; every rank ran the same steps; an
+        asynchronous pipeline runs the backwards it carries, and drops their gradient (a
+        step that was never applied, as when training stops at any step)."""
+        if self.pp is not None and self.trains_on_data:
+            self.pp.drain()
+            self.pp.discard_pending()
         for _, s in self.syncs:
             s.finish_training()
         comm = self._trainers()
