@@ -10,7 +10,10 @@ of 32 windows for the same steps:
 * data parallelism, seed 0 and seed 1 (16 windows per rank): the spread between the two
   seeds is the noise a validation loss has at this budget;
 * ``--pipeline-stages 2 --micro-batches 4 --batch-size 8`` (1F1B), seed 0: the same
-  global batch per step as one replica of two stages.
+  global batch per step as one replica of two stages;
+* the same with ``--schedule async`` (PipeDream-2BW: no flush, each step's gradient
+  applied a step later): what the staleness costs in loss, and what the flush costs in
+  time.
 
 The pipeline "reaches the same validation loss" when its final validation loss is within
 the two seeds' spread (at least 0.01 nats, the noise floor of a shorter run) of data
@@ -40,6 +43,8 @@ LAYOUTS = {
     "dp_seed1": (1, ["--batch-size", str(GLOBAL_BATCH // 2)]),
     "pp2_seed0": (0, ["--pipeline-stages", "2", "--schedule", "1f1b", "--micro-batches", "4",
                       "--batch-size", str(GLOBAL_BATCH // 4)]),
+    "pp2_async_seed0": (0, ["--pipeline-stages", "2", "--schedule", "async",
+                            "--micro-batches", "4", "--batch-size", str(GLOBAL_BATCH // 4)]),
 }
 
 
@@ -69,7 +74,7 @@ def main():
                       "train_loss": [r["train_loss"] for r in recs]}
         print(f"{name}: {recs[-1]['step']} steps, valid {recs[-1]['test_nats_per_char']:.4f} "
               f"nats/char, {runs[name]['seconds_per_step'] * 1e3:.1f} ms/step", flush=True)
-    dp, dp1, pp = (runs[k]["valid_nats_per_char"][-1] for k in LAYOUTS)
+    dp, dp1, pp, pp_async = (runs[k]["valid_nats_per_char"][-1] for k in LAYOUTS)
     noise = max(abs(dp - dp1), 0.01)
     result = {
         "benchmark": "gpt-tiny: 2-stage pipeline (1F1B, 4 micro-batches of 8) against data "
@@ -81,6 +86,9 @@ def main():
         "same_within_noise": abs(pp - dp) <= noise,
         "pipeline_step_over_dp_step": runs["pp2_seed0"]["seconds_per_step"]
         / runs["dp_seed0"]["seconds_per_step"],
+        "valid_async": pp_async, "async_minus_dp": pp_async - dp,
+        "async_step_over_1f1b_step": runs["pp2_async_seed0"]["seconds_per_step"]
+        / runs["pp2_seed0"]["seconds_per_step"],
         "note": "2 ranks on 2 cores; seconds per step exclude evaluation",
         "machine": describe_machine(),
     }
@@ -92,6 +100,8 @@ def main():
           f"{abs(dp - dp1):.4f}): {'same' if result['same_within_noise'] else 'DIFFERENT'} "
           f"within noise {noise:.4f}; time per step pipeline / data parallel "
           f"{result['pipeline_step_over_dp_step']:.2f}")
+    print(f"async (PipeDream-2BW) {pp_async:.4f} nats/char ({pp_async - dp:+.4f} from data "
+          f"parallel); time per step async / 1f1b {result['async_step_over_1f1b_step']:.2f}")
     print(f"wrote {a.out}")
 
 
@@ -103,7 +113,8 @@ def plot(result, path):
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
     labels = {"dp_seed0": "data parallel 2 (seed 0)", "dp_seed1": "data parallel 2 (seed 1)",
-              "pp2_seed0": "pipeline 2 stages, 1F1B (seed 0)"}
+              "pp2_seed0": "pipeline 2 stages, 1F1B (seed 0)",
+              "pp2_async_seed0": "pipeline 2 stages, async (seed 0)"}
     for name, run in result["runs"].items():
         ys = run["valid_nats_per_char"]
         ax.plot(range(1, len(ys) + 1), ys, marker="o", label=labels[name])
@@ -114,7 +125,7 @@ def plot(result, path):
     names = list(result["runs"])
     bx.bar([labels[n].split(" (")[0] + ("" if n != "dp_seed1" else " s1") for n in names],
            [result["runs"][n]["seconds_per_step"] * 1e3 for n in names],
-           color=["C0", "C1", "C2"])
+           color=["C0", "C1", "C2", "C3"][:len(names)])
     bx.set_ylabel("training ms per step (2 ranks, 2 cores)")
     bx.tick_params(axis="x", labelsize=7)
     fig.tight_layout()

@@ -23,6 +23,16 @@ every parameter's gradient is accumulated in micro-batch order whatever the sche
 (the plans keep backward in that order), so the parameters after a step are bitwise
 those of one process. The loss is the last stage's, broadcast over the pipeline group.
 
+``--schedule async`` (PipeDream-2BW) is the exception, by design: no flush, so a stage
+carries the backwards of its last ``P - 1 - s`` micro-batches into the next step, where
+they run with the weights their forwards saw (stashed at the update: two versions) and
+into that step's gradient; each step applies the previous step's gradient, once its
+backwards are all done (``W(t+1) = W(t) - lr grad f(W(t-1))``; the first step applies
+none). It is then bitwise one process applying each step's gradient a step later. A
+checkpoint drains the pipeline (runs the carried backwards: the arithmetic is the same,
+only the timing changes) and keeps every rank's pending gradient, so a resumed run
+continues exactly; the end of training drains and drops it.
+
 ``--recompute``: a forward keeps only the stage's input (and the layers' buffers as
 they were: BatchNorm statistics, dropout counters); backward runs the forward again
 from them, so the same masks are drawn and statistics are not counted twice.
