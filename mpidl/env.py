@@ -15,6 +15,9 @@ VARIABLES = {
     "MPIDL_DATA_DIR": (None, "folder holding <dataset>/ folders (before the system ones)"),
     "MPIDL_TUNING": (None, "tuning file of the communicator's 'auto' algorithm choice"),
     "MPIDL_RING_SEGMENT": ("1048576", "bytes per ring pipeline segment"),
+    "MPIDL_RANKS_PER_NODE": (None, "tests: the hierarchical all-reduce takes each K "
+                                   "consecutive ranks for a node (default: ranks that share "
+                                   "memory)"),
     "MPIDL_DEBUG": ("0", "1: check every collective call's signature across ranks"),
     "MPIDL_PROGRESS": ("thread", "eager: no progress thread (non-blocking calls complete "
                                  "when issued)"),

@@ -34,3 +34,14 @@ def test_nonblocking_with_polling_progress_thread():
     launch = run_ranks(3, [SCRIPT, "--sections", "nonblocking"], timeout=120,
                        env={"MPIDL_PROGRESS_WAIT": "poll"}).check()
     assert "EQUIVALENCE OK p=3" in launch.output, launch.output
+
+
+@pytest.mark.parametrize("p, per_node", [(4, 2), (5, 3)])
+def test_hierarchical_equals_native_on_pretended_nodes(p, per_node):
+    """The node-aware algorithm (``algorithm="hierarchical"``) of every collective equals
+    MPI's native result, on nodes pretended by ``MPIDL_RANKS_PER_NODE`` (2 + 2 ranks;
+    3 + 2: a node of its own size, a leader that is not rank 0's node)."""
+    launch = run_ranks(p, [SCRIPT, "--sections", "grid,random,nonblocking",
+                           "--algorithms", "hierarchical"], timeout=300,
+                       env={"MPIDL_RANKS_PER_NODE": str(per_node)}).check()
+    assert f"EQUIVALENCE OK p={p}" in launch.output, launch.output

@@ -25,7 +25,7 @@ e.g. from a test), and ``algorithm="auto"``'s tables may name it. A module that 
 kind raises a clear error when it is chosen for that kind.
 """
 
-from . import native, recursive_doubling, ring, tree
+from . import hierarchical, native, recursive_doubling, ring, tree
 
 KINDS = ("allreduce", "reduce_scatter", "reduce", "bcast", "allgatherv")
 
@@ -33,6 +33,7 @@ REGISTRY = {
     "ring": ring,
     "tree": tree,
     "recursive_doubling": recursive_doubling,
+    "hierarchical": hierarchical,
     "mpi": native,
 }
 
@@ -41,12 +42,19 @@ _KIND_OF = {"allgather": "allgatherv"}
 
 
 class Context:
-    """Per-communicator settings the algorithms read (``comm.segment_bytes`` lives here)."""
+    """Per-communicator settings the algorithms read (``comm.segment_bytes`` lives here),
+    and the node of every rank (``node_of``: node numbers, consecutive from 0 in the
+    order of each node's lowest rank)."""
 
-    __slots__ = ("segment_bytes",)
+    __slots__ = ("segment_bytes", "node_of")
 
-    def __init__(self, segment_bytes):
+    def __init__(self, segment_bytes, node_of=None):
         self.segment_bytes = segment_bytes
+        self.node_of = node_of
+
+    def nodes(self, size):
+        """The node of each of the ``size`` ranks (all on one node when unknown)."""
+        return list(self.node_of) if self.node_of is not None else [0] * size
 
     def segment(self, itemsize):
         """Elements per ring pipeline segment for items of ``itemsize`` bytes."""

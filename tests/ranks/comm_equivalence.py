@@ -408,10 +408,14 @@ def section_staged(comm_staged):
 
 
 def main():
+    global ALGS
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="grid,large,random,nonblocking,staged")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--algorithms", default=",".join(ALGS),
+                    help="the algorithms under test (default: the built-in ones and auto)")
     args = ap.parse_args()
+    ALGS = tuple(args.algorithms.split(","))
     sections = args.sections.split(",")
     comm = Communicator(check="always")
     import time
