@@ -98,16 +98,60 @@ def _layout(t, ctx):
     return local, leaders, by_node
 
 
+MAX_PIECES = 16  # the all-reduce's pieces: enough to overlap, few enough to stay cheap
+
+
+def _pieces(n, ctx, itemsize):
+    """Element bounds of the pieces the all-reduce pipelines: a ring segment each, at
+    most ``MAX_PIECES`` of them."""
+    size = max(ctx.segment(itemsize), -(-n // MAX_PIECES))
+    return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+
+
 def allreduce(t, src, dst, op, ctx):
+    """Piece by piece, so the three phases overlap: while the leader all-reduces piece k
+    with the other leaders (waiting on the network), its node's later pieces are already
+    on their way to it and piece k - 1's result on its way back. The leader sums its
+    node's pieces in rank order, so the result depends on the layout only."""
     local, leaders, _ = _layout(t, ctx)
-    if len(local) > 1:
-        tree.reduce(_View(t, local), src, dst, 0, op)
-    elif dst is not src:
-        t.copy(dst, src)
-    if t.rank == local[0] and len(leaders) > 1:
-        ring.allreduce(_View(t, leaders), dst, dst, op, ctx)
-    if len(local) > 1:
-        tree.bcast(_View(t, local), dst, 0)
+    pieces = _pieces(src.size, ctx, src.itemsize)
+    if t.rank != local[0]:  # a member: my pieces to the leader, the results back
+        leader = local[0]
+        sends = [t.isend(src[lo:hi], leader) for lo, hi in pieces]
+        recvs = []
+        for req, (lo, hi) in zip(sends, pieces):
+            t.wait(req)  # (src may be dst: the piece has left before its result lands)
+            recvs.append(t.irecv(dst[lo:hi], leader))
+        t.waitall(recvs)
+        return
+    members = local[1:]
+    width = max(hi - lo for lo, hi in pieces)
+    slots = t.scratch.get("hierarchical pieces", 2 * len(members) * width, src.dtype) \
+        if members else None
+
+    def post(k):  # receive piece k of every member into slot k % 2
+        lo, hi = pieces[k]
+        base = (k % 2) * len(members) * width
+        return [t.irecv(slots[base + j * width:base + j * width + hi - lo], m)
+                for j, m in enumerate(members)]
+
+    among = _View(t, leaders) if len(leaders) > 1 else None
+    results = []
+    pending = post(0) if members else []
+    for k, (lo, hi) in enumerate(pieces):
+        current, pending = pending, (post(k + 1) if members and k + 1 < len(pieces) else [])
+        out, acc = dst[lo:hi], src[lo:hi]
+        base = (k % 2) * len(members) * width
+        for j, req in enumerate(current):
+            t.wait(req)
+            t.combine(op.fn, acc, slots[base + j * width:base + j * width + hi - lo], out)
+            acc = out
+        if not members and src is not dst:
+            t.copy(out, acc)
+        if among is not None:
+            ring.allreduce(among, out, out, op, ctx)
+        results += [t.isend(out, m) for m in members]
+    t.waitall(results)
 
 
 def reduce(t, src, dst, root, op, ctx):
