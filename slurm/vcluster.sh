@@ -92,7 +92,9 @@ down() {
 
 status() {
   if [ ! -f "$STATE/nodes" ]; then echo "vcluster: down"; return 1; fi
-  echo "vcluster: up: $(paste -sd' ' "$STATE/nodes")${rate:+}, links '$(cat "$STATE/rate")'"
+  local rate
+  rate=$(cat "$STATE/rate")
+  echo "vcluster: up: $(paste -sd' ' "$STATE/nodes"), links ${rate:-not limited}"
 }
 
 run_mpiexec() {

@@ -10,7 +10,7 @@ OPTIMIZERS [STEPS] [FLAGS]``
   (resnet-tiny), ``gpt`` (gpt-tiny);
 * SCHEDULES: ``gpipe,1f1b,interleaved:2,zb,async``; MICRO: micro-batch counts, where ``P-1``,
   ``P`` and ``4P`` stand for those values; OPTIMIZERS: ``sgd`` (momentum 0.9, weight
-  decay) and/or ``adam``; FLAGS: ``recompute``, ``zero1``, ``dropout``.
+  decay), ``adam`` and/or ``adamw`` (gpt-tiny's recipe: lr 2e-3, weight decay 0.01); FLAGS: ``recompute``, ``zero1``, ``dropout``.
 
 For every combination, the model is built whole from one seed, trained STEPS steps
 (default 20, float64) with the layout, and compared on the root with one process
@@ -41,6 +41,7 @@ from mpi4py import MPI
 
 from mpidl.comm import Communicator
 from mpidl.engine import SGD, Adam
+from mpidl.engine.optim import AdamW
 from mpidl.engine.losses import TokenCrossEntropy
 from mpidl.engine.module import SparseGrad
 from mpidl.engine.models import build_model
@@ -65,8 +66,12 @@ def make(name, optimizer, dropout):
         model = build_model("mlp", input_shape=SHAPES[name], num_classes=10, seed=3,
                             dtype="float64", hidden=(12,) * 8, dropout=dropout)
     named = model.named_parameters()
-    opt = (SGD(named, lr=0.05, momentum=0.9, weight_decay=1e-4) if optimizer == "sgd"
-           else Adam(named, lr=1e-3))
+    if optimizer == "sgd":
+        opt = SGD(named, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    elif optimizer == "adamw":
+        opt = AdamW(named, lr=2e-3, weight_decay=0.01)
+    else:
+        opt = Adam(named, lr=1e-3)
     return model, opt
 
 
