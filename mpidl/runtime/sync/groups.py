@@ -53,10 +53,11 @@ def check_group_size(group_size, worker_ranks, servers):
                           f"no groups), got {group_size!r}")
     w = len(worker_ranks)
     if w % g:
+        serve = "rank 0 serves" if servers == 1 else f"ranks 0..{servers - 1} serve"
         fits = [d for d in range(1, w + 1) if w % d == 0]
         raise ConfigError(
             f"--group-size {g} does not divide the {w} worker(s) (ranks {worker_ranks[0]}.."
-            f"{worker_ranks[-1]}; ranks 0..{servers - 1} serve): use a group size that "
+            f"{worker_ranks[-1]}; {serve}): use a group size that "
             f"divides {w} ({', '.join(map(str, fits))}), or start {servers} + a multiple of "
             f"{g} ranks (e.g. mpiexec -n {servers + g * -(-w // g)})")
     return g
