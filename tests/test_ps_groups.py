@@ -80,6 +80,10 @@ def test_group_size_one_builds_the_same_part():
         assert type(sync) is PushPull and sync.worker_ranks == [1, 2, 3]
     server = build("ps", _fake_comm(0, 4), group_size=1).server
     assert server.worker_ranks == [1, 2, 3]
+    # the all-reduce's settings serve groups only: without, they are said to do nothing
+    assert build("ps", _fake_comm(1, 4), algorithm="ring").unused_options == ("algorithm",)
+    rt = build("ps", _fake_comm(1, 5), algorithm="ring", group_size=2)
+    assert rt.unused_options == () and rt.syncs[0][1].allreduce.algorithm == "ring"
 
 
 def test_the_servers_know_only_the_leaders():
