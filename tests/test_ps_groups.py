@@ -18,7 +18,8 @@ On real ranks (``mpiexec``, float64):
    its group's mean gradient (measured: 0).
 
 And the refusals, one line each: G not dividing the workers, G with another strategy,
-G < 1.
+G < 1. Slow (``-m slow``): a checkpoint written with groups and resumed after a worker
+failed continues bitwise.
 """
 
 import json
@@ -208,3 +209,28 @@ def test_cli_refusals_are_one_line(tmp_path):
     cmd = train_cmd(1, tmp_path, "--group-size", "2", *fast)[3:]  # one process, no mpiexec
     _one_line(run_command(cmd, timeout=60), "--group-size 2 makes worker groups of a "
               "parameter server, not of --strategy local")
+
+
+@pytest.mark.slow
+def test_checkpoint_and_resume_with_groups_is_bitwise(tmp_path):
+    """Checkpoints at epoch ends (the root leader asks the servers for their state; the
+    leaders' compressor memories travel per rank): a non-leader that fails in epoch 3
+    and a --resume give the uninterrupted run's model and counts."""
+    args = ["--strategy", "ps", "--group-size", "2", "--compression", "topk", "--ratio",
+            "0.05", "--dataset", "synthetic", "--model", "mlp", "--epochs", "3",
+            "--batch-size", "16", "--limit-train", "512", "--limit-test", "64", "--seed", "3"]
+    full, run = tmp_path / "full", tmp_path / "run"
+    run_command(train_cmd(5, full, *args), timeout=180).check()
+    ckpt = ["--checkpoint-dir", str(run / "ckpt")]
+    steps = 512 // (16 * 4)
+    failed = run_command(train_cmd(5, run, *args, *ckpt), timeout=180,
+                         env={"MPIDL_FAIL_AT": f"4:{2 * steps + 3}"})
+    assert failed.returncode != 0 and not failed.timed_out, failed.output
+    assert sorted(os.listdir(run / "ckpt")) == [f"ckpt-{steps:09d}.npz",
+                                                f"ckpt-{2 * steps:09d}.npz"]
+    resumed = run_command(train_cmd(5, run, *args, *ckpt, "--resume"), timeout=180).check()
+    assert f"step {2 * steps}, epoch 3" in resumed.output, resumed.output
+    assert_bitwise_equal(model_arrays(run / "model.npz"), model_arrays(full / "model.npz"))
+    counts = ("ps_pushed", "ps_applied", "ps_updates", "ps_max_lead")
+    a, b = _metrics(run)[-1], _metrics(full)[-1]
+    assert {k: a[k] for k in counts} == {k: b[k] for k in counts}
