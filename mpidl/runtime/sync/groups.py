@@ -120,11 +120,11 @@ class WorkerGroups(GradSync):
         # gradient buckets; the last one carries one more element, the leader's
         # --epoch-quorum "stop" (0 or 1), so a group leaves an epoch together
         self._buffers = []
-        groups = plan(named_params, int(self.allreduce.bucket_mb * MiB))
-        for i, pairs in enumerate(groups):
+        layout = plan(named_params, int(self.allreduce.bucket_mb * MiB))
+        for i, pairs in enumerate(layout):
             first = pairs[0][1].data
             xp = array_module(first)
-            extra = 1 if i == len(groups) - 1 else 0
+            extra = 1 if i == len(layout) - 1 else 0
             buf = xp.zeros(sum(p.data.size for _, p in pairs) + extra, dtype=first.dtype)
             self._buffers.append((f"params{i}", pairs, buf))
 
