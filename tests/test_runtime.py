@@ -21,7 +21,8 @@ from mpidl.runtime import pipeline as pipeline_part
 from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.sync import (FusedAllreduce, GradSync, PerTensorCompressed, PushPull,
-                                RowSparseAllgather, compressed, fused, pushpull, rowsparse)
+                                RowSparseAllgather, compressed, fused, groups, pushpull,
+                                rowsparse)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,8 +69,10 @@ def test_each_preset_takes_exactly_its_parts_options():
                                                | names(averaging.OPTIONS)
                                                | set(presets.AVERAGING_CHECK)
                                                | names(zero_part.OPTIONS))
+    # (worker groups: --group-size, and the fused all-reduce's settings inside a group)
     assert presets.PRESETS["ps"][1] == (common | names(pushpull.OPTIONS)
-                                        | names(compressed.OPTIONS) | set(presets.PS_TUNING))
+                                        | names(compressed.OPTIONS) | set(presets.PS_TUNING)
+                                        | names(groups.OPTIONS) | names(fused.OPTIONS))
     # every flag is declared once, by one part
     declared = [o.name for o in cli_options()]
     assert len(declared) == len(set(declared))

@@ -9,6 +9,9 @@ allreduce  micro-batches             fused buckets (dense; a compressor     repl
                                      hook) + row-sparse all-gather
                                      (Embedding); or per-tensor compressed
 ps         micro-batches (workers)   push to / pull from parameter servers  on servers
+                                     (``--group-size G``: fused all-reduce
+                                     in groups of G workers, then the
+                                     group's first rank pushes and pulls)
 hogwild    micro-batches (workers)   read / add to MPI windows on the       none (-lr*g
                                      servers, lock-free (``hogwild``)       added there)
 =========  ========================  =====================================  ============
@@ -42,7 +45,7 @@ from mpidl.runtime import tensor_parallel as tp_part
 from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.runtime import Runtime
-from mpidl.runtime.sync import compressed, fused, pushpull, rowsparse
+from mpidl.runtime.sync import compressed, fused, groups, pushpull, rowsparse
 from mpidl.runtime.sync.base import GradSync
 
 ALIASES = {"dp": "allreduce", "data_parallel": "allreduce", "parameter_server": "ps"}
@@ -70,7 +73,7 @@ EPOCH_END_CHECKPOINTS = ("ps", "hogwild")
 def cli_options():
     """Every part's settings, for ``mpidl.config`` and the command line."""
     return (OPTIONS + schedule_part.OPTIONS + fused.OPTIONS + rowsparse.OPTIONS
-            + compressed.OPTIONS + pushpull.OPTIONS + averaging_part.OPTIONS
+            + compressed.OPTIONS + pushpull.OPTIONS + groups.OPTIONS + averaging_part.OPTIONS
             + zero_part.OPTIONS + hogwild_part.OPTIONS + precision_part.OPTIONS
             + tp_part.OPTIONS + hybrid_part.OPTIONS + pipeline_part.OPTIONS)
 
@@ -104,6 +107,10 @@ def build(name, comm=None, strict=True, **options):
         raise ConfigError(f"--pipeline-stages {given['pipeline_stages']} cannot be used with "
                           f"--strategy {name}: a pipeline's stages train together "
                           "(--strategy allreduce)")
+    if (given.get("group_size") or 1) != 1 and name != "ps":
+        raise ConfigError(f"--group-size {given['group_size']} makes worker groups of a "
+                          f"parameter server, not of --strategy {name}: add --strategy ps "
+                          "(with --servers S), or drop --group-size")
     preset, takes = PRESETS[name]
     unused = sorted(k for k in given if k not in takes)
     if unused and strict:
@@ -342,14 +349,21 @@ def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
 def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, staleness=None,
        wait=None, staleness_aware_lr=None, epoch_quorum=None, compression=None, ratio=None,
        trace=False, poll_max_ms=None, precision=None, loss_scale=None,
-       loss_scale_window=None):
+       loss_scale_window=None, group_size=1, algorithm=None, bucket_mb=None, overlap=None):
     _precision(precision, loss_scale, loss_scale_window,
                ("--strategy ps", "the parameter servers step their own parameters in the "
                 "format they receive, with no float32 master weights or loss scaling"))
     size = _size(comm)
     num = pushpull.check_servers(servers, size)
     server_ranks, worker_ranks = list(range(num)), list(range(num, size))
-    cfg = pushpull.mode_config(len(worker_ranks), mode, staleness, wait, staleness_aware_lr,
+    # worker groups (groups.py): the servers know only each group's first rank
+    group_size = groups.check_group_size(group_size, worker_ranks, num)
+    pushers = groups.leaders(worker_ranks, group_size)
+    if group_size == 1:  # the all-reduce inside a group is the only user of these
+        unused = sorted(set(unused) | {k for k, v in (("algorithm", algorithm),
+                                                       ("bucket_mb", bucket_mb),
+                                                       ("overlap", overlap)) if v is not None})
+    cfg = pushpull.mode_config(len(pushers), mode, staleness, wait, staleness_aware_lr,
                                epoch_quorum)
     try:
         from mpidl.compress import build_compression  # noqa: PLC0415
@@ -366,13 +380,16 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
     if rank in server_ranks:
         from mpidl.runtime.server import ServerRole  # noqa: PLC0415
 
-        server = ServerRole(cfg, server_ranks, worker_ranks, compressor=compressor,
-                            trace=bool(trace), poll_max_s=poll)
+        server = ServerRole(cfg, server_ranks, pushers, compressor=compressor,
+                            trace=bool(trace), poll_max_s=poll, group_size=group_size)
         rt = Runtime(comm, "ps", sched, [], OnServers, role="server", server=server,
                      roles=roles, unused=unused)
     else:
-        sync = pushpull.PushPull(cfg, server_ranks, worker_ranks, compressor=compressor,
+        sync = pushpull.PushPull(cfg, server_ranks, pushers, compressor=compressor,
                                  trace=bool(trace), poll_max_s=poll)
+        if group_size > 1:
+            sync = groups.WorkerGroups(group_size, sync, fused.FusedAllreduce(
+                fused.check_algorithm(algorithm), bucket_mb, overlap or "auto"))
         rt = Runtime(comm, "ps", sched, [(_everything, sync)], OnServers, roles=roles,
                      unused=unused)
     rt.compressor = compressor
@@ -434,6 +451,6 @@ PRESETS = {
                   | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)
                   | _names(hybrid_part.OPTIONS)),
     "ps": (ps, _COMMON | _names(pushpull.OPTIONS) | _names(compressed.OPTIONS)
-           | set(PS_TUNING)),
+           | _names(groups.OPTIONS) | _names(fused.OPTIONS) | set(PS_TUNING)),
     "hogwild": (hogwild, _COMMON | {"servers"} | _names(hogwild_part.OPTIONS)),
 }

@@ -12,8 +12,10 @@ class ServerRole:
     """Serve one shard (``index`` among the servers) until every worker is done."""
 
     def __init__(self, mode_cfg, server_ranks, worker_ranks, compressor=None, trace=False,
-                 poll_max_s=1e-3):
+                 poll_max_s=1e-3, group_size=1):
         self.mode_cfg = mode_cfg
+        # ``worker_ranks``: the ranks that push, the leaders of groups of ``group_size``
+        self.group_size = int(group_size)
         self.server_ranks, self.worker_ranks = list(server_ranks), list(worker_ranks)
         self.compressor = compressor
         self.trace = trace
@@ -55,12 +57,18 @@ class ServerRole:
             s = summarize(everyone)
             get_logger().info(
                 f"parameter server ({self.mode_cfg.mode}, {len(self.server_ranks)} "
-                f"server(s), {len(self.worker_ranks)} workers): pushed {s['ps_pushed']} = "
+                f"server(s), {self._workers_text()}): pushed {s['ps_pushed']} = "
                 f"applied {s['ps_applied']} + dropped {s['ps_dropped']}; {s['ps_updates']} "
                 f"updates, max lead {s['ps_max_lead']}, mean staleness "
                 f"{s['ps_mean_staleness']:.2f}, server CPU {st.cpu_s:.1f} s of "
                 f"{time.perf_counter() - t0:.1f} s")
         return st
+
+    def _workers_text(self):
+        n = len(self.worker_ranks)
+        if self.group_size == 1:
+            return f"{n} workers"
+        return f"{n} worker group{'s' if n != 1 else ''} of {self.group_size}"
 
     def load_state_dict(self, servers):
         """Take this shard's entries of the checkpoint's merged optimizer state, and this

@@ -21,6 +21,10 @@ nothing, and the servers must know that, or a backup-mode quorum could wait for 
 forever. ``--epoch-quorum K`` (async/ssp/backup): once K workers wait at that barrier,
 the servers' answers tell the others to stop (``epoch_cut``).
 
+Worker groups (``--group-size G``, ``groups.py``): the workers' gradients are first
+all-reduced in groups of G, and this class runs on each group's first rank only, its
+``worker_ranks`` being those leaders: the servers see one worker per group.
+
 Checkpoints: the servers' optimizer state and the workers' parameters agree only at the
 epoch barrier, so the trainer writes a checkpoint at the end of every epoch
 (``checkpoint_at_epoch_end``); the root worker's barrier request then asks each server
