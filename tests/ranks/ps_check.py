@@ -210,6 +210,32 @@ def modes(comm, mode, straggler_factor=4.0, **kw):
     return out
 
 
+def worker_batches(x, y, shards, epochs, dtype):
+    """{(worker rank, clock): (lr, x, y)}: each worker's batches in the order of its loop
+    in ``train()``, for ``shards`` = [(worker rank, (index, count)), ...]."""
+    batches = {}
+    for rank, (index, count) in shards:
+        loader = BatchLoader(x, y, BATCH, shard=(index, count), seed=0, dtype=dtype)
+        clock = 0
+        for epoch in range(epochs):
+            for _, xb, yb in loader.epoch(epoch):
+                batches[rank, clock] = (LR * 0.9 ** epoch, xb, yb)
+                clock += 1
+    return batches
+
+
+def replay_model(dtype):
+    """A replay's one-process model (the run's layer names, no sleeping), its parameters
+    by name, SGD, the loss, and [its parameters as version 0]."""
+    ref = mlp(dtype, busy=0.002)
+    next(layer for _, layer in ref.children()).seconds = 0.0
+    ref.needs_input_grad = False
+    named = dict(ref.named_parameters())
+    opt = SGD(ref.named_parameters(), lr=LR, momentum=MOMENTUM)
+    return ref, named, opt, SoftmaxCrossEntropy(), [{n: p.data.copy() for n, p in named.items()}]
+
+
+
 def async_replay(comm, mode="async", **kw):
     """Async (or SSP) with 3 workers and a straggler, replayed in one process.
 
@@ -232,21 +258,9 @@ def async_replay(comm, mode="async", **kw):
         return out
     trace = st["trace"]
     x, y = data
-    batches = {}  # (worker rank, clock) -> (lr, x, y), as the worker's loop in train()
-    for w, (index, count) in ((r, sh) for r, sh in enumerate(shards) if sh is not None):
-        loader = BatchLoader(x, y, BATCH, shard=(index, count), seed=0, dtype=dtype)
-        clock = 0
-        for epoch in range(epochs):
-            for _, xb, yb in loader.epoch(epoch):
-                batches[w, clock] = (LR * 0.9 ** epoch, xb, yb)
-                clock += 1
-    ref = mlp(dtype, busy=0.002)
-    next(layer for _, layer in ref.children()).seconds = 0.0  # same names, no sleep
-    named = dict(ref.named_parameters())
-    opt = SGD(ref.named_parameters(), lr=LR, momentum=MOMENTUM)
-    loss = SoftmaxCrossEntropy()
-    ref.needs_input_grad = False
-    versions = [{n: p.data.copy() for n, p in named.items()}]
+    batches = worker_batches(x, y, ((r, sh) for r, sh in enumerate(shards) if sh is not None),
+                             epochs, dtype)
+    ref, named, opt, loss, versions = replay_model(dtype)
     for i, (w, clock, _lead, staleness, applied) in enumerate(trace):
         assert applied, "async/SSP apply every push"
         lr, xb, yb = batches[w, clock]

@@ -29,7 +29,8 @@ from mpidl.engine.losses import SoftmaxCrossEntropy
 from mpidl.engine.optim import SGD
 from mpidl.runtime import build
 
-from ps_check import BATCH, LR, MOMENTUM, dense_data, max_rel_diff, mlp, reference
+from ps_check import (BATCH, LR, MOMENTUM, dense_data, max_rel_diff, mlp, reference, replay_model,
+                      worker_batches)
 
 WORLD = MPI.COMM_WORLD
 GROUP = 2
@@ -115,21 +116,8 @@ def replay(trace, shards, epochs, dtype="float64"):
     version i - s, applied to version i. The mean is the all-reduce's: each gradient
     times 1/2, then added (two terms: the order does not matter)."""
     x, y = dense_data(n=192)
-    batches = {}
-    for rank, (index, count) in shards.items():
-        loader = BatchLoader(x, y, BATCH, shard=(index, count), seed=0, dtype=dtype)
-        clock = 0
-        for epoch in range(epochs):
-            for _, xb, yb in loader.epoch(epoch):
-                batches[rank, clock] = (LR * 0.9 ** epoch, xb, yb)
-                clock += 1
-    ref = mlp(dtype, busy=0.002)  # the run's layer names; no sleeping here
-    next(layer for _, layer in ref.children()).seconds = 0.0
-    named = dict(ref.named_parameters())
-    opt = SGD(ref.named_parameters(), lr=LR, momentum=MOMENTUM)
-    loss = SoftmaxCrossEntropy()
-    ref.needs_input_grad = False
-    versions = [{n: p.data.copy() for n, p in named.items()}]
+    batches = worker_batches(x, y, shards.items(), epochs, dtype)
+    ref, named, opt, loss, versions = replay_model(dtype)
     for i, (leader, clock, _lead, staleness, applied) in enumerate(trace):
         assert applied
         mean = {}
