@@ -39,14 +39,15 @@ def test_quick_run_writes_rows_criteria_timeline_and_plot(tmp_path):
     text = bench("pipeline.py", "--quick", "--out", out, timeout=300)
     assert "criteria hold" in text
     res = json.loads(out.read_text())
-    assert {r["schedule"] for r in res["rows"]} == {"gpipe", "1f1b", "interleaved:2", "zb"}
+    assert {r["schedule"] for r in res["rows"]} == {"gpipe", "1f1b", "interleaved:2", "zb",
+                                                    "async"}
     for r in res["rows"]:
         assert 0 < r["measured"] < 1 and 0 < r["predicted"] < 1, r
         assert len(r["measured_steps"]) == res["settings"]["steps"]
     cal = res["calibration"]["2"]
     assert cal["latency_s"] > 0 and cal["recv_s"] > 0 and cal["messages"] > 0
     assert {c["check"].split()[0] for c in res["criteria"]} == {"gpipe", "1f1b",
-                                                              "interleaved:2", "zb"}
+                                                              "interleaved:2", "zb", "async"}
     tl = res["timeline"]
     assert (tl["schedule"], tl["P"], tl["M"]) == ("1f1b", 2, 4)
     assert len(tl["measured_spans"]) == len(tl["predicted_spans"]) == 2 * 2 * 4
