@@ -83,11 +83,15 @@ def parse_sizes(text):
 
 
 def parse_algorithms(text):
+    """The algorithms to measure: any the communicator has (``hierarchical`` too: on one
+    node it is a tree; bench/vcluster.py measures it across nodes), or ``auto``."""
+    from mpidl.comm import ALGORITHMS as REGISTERED  # noqa: PLC0415  ("auto" first)
+
     algs = [a.strip() for a in text.split(",") if a.strip()]
-    bad = [a for a in algs if a not in ALGORITHMS + ("auto",)]
+    bad = [a for a in algs if a not in REGISTERED]
     if bad or not algs:
         raise ValueError(f"unknown algorithm(s) {', '.join(bad) or text!r}: choose from "
-                         f"{', '.join(ALGORITHMS + ('auto',))}")
+                         f"{', '.join(REGISTERED)}")
     return algs
 
 

@@ -435,9 +435,8 @@ class Pipeline:
         if n % M:
             raise ValueError(f"a batch of {n} samples does not split into --micro-batches "
                              f"{M} equal micro-batches")
-        actions = plan.actions[r]
-        if plan.flushless:
-            actions = plan.actions[r] if self._open else plan.opening[r]
+        # (async: the first step, and the first after a drain, carry nothing in)
+        actions = plan.opening[r] if plan.flushless and not self._open else plan.actions[r]
         walk = _Walk(x, y, n // M, loss)
         self._walk(actions, walk)
         if plan.flushless:
