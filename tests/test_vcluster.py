@@ -28,7 +28,10 @@ import socket
 from mpidl.comm import Communicator
 from mpidl.comm.hierarchical import node_layout
 c = Communicator()
-print("layout", c.rank, socket.gethostname(), c.local_size, node_layout(c.mpi), flush=True)
+seen = c.mpi.gather((c.rank, socket.gethostname(), c.local_size, node_layout(c.mpi)))
+if c.rank == 0:  # one writer: the ranks' lines would interleave
+    for rank, host, local, nodes in seen:
+        print("layout", rank, host, local, nodes, flush=True)
 c.close()
 """
 
