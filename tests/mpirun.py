@@ -156,3 +156,17 @@ def needs_fashion():
 
     if not fashion_available():
         pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+
+
+def assert_one_line_error(launch, *needles):
+    """A user error: exit 2 and exactly one ``mpidl: error:`` line holding ``needles``."""
+    assert not launch.timed_out, launch.output
+    assert launch.returncode == 2, launch.output
+    lines = [line for line in launch.output.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{launch.output}"
+    line = lines[0]
+    assert line.startswith("mpidl: error: "), line
+    assert "Traceback" not in launch.output
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    return line

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import mpiexec_path, run_command
+from mpirun import assert_one_line_error, mpiexec_path, run_command
 
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
 FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "256", "--limit-test",
@@ -23,19 +23,6 @@ FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "256", "--li
 def run(args, n=None, timeout=120):
     cmd = ([mpiexec_path(), "-n", str(n)] if n else []) + MPIDL + [str(a) for a in args]
     return run_command(cmd, timeout=timeout)
-
-
-def assert_one_line_error(launch, *needles):
-    assert not launch.timed_out, launch.output
-    assert launch.returncode == 2, launch.output
-    lines = [line for line in launch.output.splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected one line, got:\n{launch.output}"
-    line = lines[0]
-    assert line.startswith("mpidl: error: "), line
-    assert "Traceback" not in launch.output
-    for needle in needles:
-        assert needle in line, f"{needle!r} not in {line!r}"
-    return line
 
 
 def test_unknown_config_key(tmp_path):

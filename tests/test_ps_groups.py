@@ -28,8 +28,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpirun import (HERE, assert_bitwise_equal, model_arrays, run_command, run_ranks,
-                    train_cmd)
+from mpirun import (HERE, assert_bitwise_equal, assert_one_line_error, model_arrays,
+                    run_command, run_ranks, train_cmd)
 
 CHECK = os.path.join(HERE, "ranks", "ps_groups_check.py")
 SMALL = ["--dataset", "synthetic", "--model", "mlp", "--epochs", "2", "--batch-size", "16",
@@ -176,15 +176,6 @@ def test_group_size_below_one(bad):
         build("ps", _fake_comm(0, 4), group_size=bad)
 
 
-def _one_line(launch, *needles):
-    assert not launch.timed_out, launch.output
-    assert launch.returncode == 2, launch.output
-    lines = [line for line in launch.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("mpidl: error: "), launch.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
-
 def test_group_size_below_one_from_the_command_line_or_a_config_file(tmp_path):
     from mpidl import config
     from mpidl.errors import ConfigError
@@ -199,15 +190,15 @@ def test_group_size_below_one_from_the_command_line_or_a_config_file(tmp_path):
     assert config.strategy_kwargs(config.resolve({}, str(toml)))["group_size"] == 2
 
 
-def test_cli_refusals_are_one_line(tmp_path):
+def test_cli_refusals_areassert_one_line_error(tmp_path):
     """Under mpiexec (every rank refuses, the line is printed once) and on one process."""
     fast = ["--dataset", "synthetic", "--limit-train", "64", "--limit-test", "32",
             "--epochs", "1"]
-    _one_line(run_command(train_cmd(4, tmp_path, "--strategy", "ps", "--group-size", "2",
+    assert_one_line_error(run_command(train_cmd(4, tmp_path, "--strategy", "ps", "--group-size", "2",
                                     *fast), timeout=60),
               "--group-size 2 does not divide the 3 worker(s)")
     cmd = train_cmd(1, tmp_path, "--group-size", "2", *fast)[3:]  # one process, no mpiexec
-    _one_line(run_command(cmd, timeout=60), "--group-size 2 makes worker groups of a "
+    assert_one_line_error(run_command(cmd, timeout=60), "--group-size 2 makes worker groups of a "
               "parameter server, not of --strategy local")
 
 

@@ -22,7 +22,7 @@ import pytest
 from mpidl.errors import ConfigError
 from mpidl.runtime import build
 from mpidl.runtime.zero import exact_reduce_scatter
-from mpirun import mpiexec_path, run_command, run_ranks
+from mpirun import assert_one_line_error, mpiexec_path, run_command, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECK = os.path.join(HERE, "ranks", "zero_check.py")
@@ -155,28 +155,19 @@ def test_model_and_optimizer_checks():
         rt.check(model, Clipped(model.named_parameters(), lr=0.1))
 
 
-def _one_line(launch, *needles):
-    assert not launch.timed_out, launch.output
-    assert launch.returncode == 2, launch.output
-    lines = [ln for ln in launch.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("mpidl: error: "), launch.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
-
 @pytest.mark.parametrize("args, needles", [
     (["--zero", "5"], ["--zero must be 0, 1, 2 or 3"]),
     (["--zero", "1", "--compression", "topk", "--ratio", "0.1"],
      ["--zero 1 cannot serve --compression topk"]),
 ])
-def test_cli_bad_input_is_one_line(args, needles, tmp_path):
-    _one_line(run_command(MPIDL + ["train"] + FAST + ["--out-dir", tmp_path] + args), *needles)
+def test_cli_bad_input_isassert_one_line_error(args, needles, tmp_path):
+    assert_one_line_error(run_command(MPIDL + ["train"] + FAST + ["--out-dir", tmp_path] + args), *needles)
 
 
-def test_cli_ps_under_mpiexec_is_one_line(tmp_path):
+def test_cli_ps_under_mpiexec_isassert_one_line_error(tmp_path):
     cmd = [mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + FAST + [
         "--out-dir", tmp_path, "--strategy", "ps", "--zero", "2"]
-    _one_line(run_command(cmd), "--zero 2", "--strategy allreduce")
+    assert_one_line_error(run_command(cmd), "--zero 2", "--strategy allreduce")
 
 
 # -- checkpoints --------------------------------------------------------------------------------
@@ -278,7 +269,7 @@ def build(input_shape, num_classes, rng, dtype):
 """
 
 
-def test_cli_zero_3_with_a_layer_it_cannot_serve_is_one_line(tmp_path):
+def test_cli_zero_3_with_a_layer_it_cannot_serve_isassert_one_line_error(tmp_path):
     (tmp_path / "direct.py").write_text(DIRECT)
     cmd = [mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + FAST + [
         "--out-dir", tmp_path / "out", "--model", f"{tmp_path / 'direct.py'}:build",
