@@ -1,45 +1,22 @@
-"""Install mpidl.
+"""Build-time check only: mpidl's metadata, packages and extras are in pyproject.toml.
 
-``kernels/`` sits at the top of the source tree but installs as ``mpidl.kernels``, so it
-never shadows someone else's top-level ``kernels`` package.
+setuptools before 70.1 builds wheels and editable installs with the ``wheel`` package.
+pyproject.toml asks for it, but ``pip install --no-build-isolation`` installs nothing
+and setuptools would then stop with "invalid command 'bdist_wheel'"; this says instead
+what to install.
 """
-from setuptools import find_packages, setup
+import sys
 
-packages = find_packages(include=["mpidl", "mpidl.*"])
-kernel_packages = ["mpidl.kernels"] + [
-    "mpidl.kernels." + p for p in find_packages(where="kernels")
-]
+from setuptools import setup
 
-setup(
-    name="mpidl",
-    version="0.1.0",
-    description="Pure-MPI distributed training of neural networks on NumPy and CuPy",
-    long_description=open("README.md", encoding="utf-8").read(),
-    long_description_content_type="text/markdown",
-    python_requires=">=3.9",
-    packages=packages + kernel_packages,
-    package_dir={"mpidl.kernels": "kernels"},
-    package_data={"mpidl.kernels": ["*.cu", "cuda/*.cu"]},
-    install_requires=[
-        "numpy>=1.22",
-        "mpi4py>=3.1",
-        "numba>=0.57",
-        "tqdm>=4.0",
-        'tomli>=1.1; python_version < "3.11"',
-    ],
-    extras_require={
-        "mpich": ["mpich"],
-        "gpu": ["cupy-cuda12x"],
-        "plot": ["matplotlib"],
-        # mpidl rl: the environments (CartPole..., MinAtar), scipy for the replay's
-        # chi-squared test
-        "rl": ["gymnasium>=0.29", "minatar", "scipy"],
-        "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "matplotlib"],
-    },
-    entry_points={"console_scripts": ["mpidl=mpidl.cli.main:main"]},
-    classifiers=[
-        "Programming Language :: Python :: 3",
-        "Topic :: Scientific/Engineering :: Artificial Intelligence",
-        "Topic :: System :: Distributed Computing",
-    ],
-)
+if {"bdist_wheel", "editable_wheel"} & set(sys.argv[1:]):
+    try:
+        import setuptools.command.bdist_wheel  # noqa: F401  (setuptools >= 70.1)
+    except ImportError:
+        try:
+            import wheel.bdist_wheel  # noqa: F401
+        except ImportError:
+            sys.exit("mpidl: error: building mpidl with this setuptools needs the 'wheel' "
+                     "package: pip install wheel (or setuptools>=70.1), then build again")
+
+setup()
