@@ -11,6 +11,46 @@ command sets each rank's BLAS threads before NumPy is imported):
 
 __version__ = "0.1.0"
 
+
+def _find_kernels():
+    """Make sure ``mpidl.kernels`` is the one beside this ``mpidl``, or fail now in one line.
+
+    ``kernels/`` sits beside ``mpidl/`` in the source tree and installs as ``mpidl.kernels``.
+    Imported from a checkout (``python -m pytest`` there, which shadows an installed mpidl;
+    ``PYTHONPATH=checkout``; an editable install whose setuptools did not map the folder),
+    nothing else finds the checkout's ``kernels/``, or finds another tree's: then it is the
+    checkout's that answers for ``mpidl.kernels``. A finder, not an eager import, so
+    ``import mpidl`` still loads no NumPy.
+    """
+    import importlib.abc
+    import importlib.util
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    if os.path.isfile(os.path.join(package, "kernels", "__init__.py")):
+        return  # installed: mpidl/kernels/ is a real folder
+    tree = os.path.dirname(package)
+    folder = os.path.join(tree, "kernels")
+    init = os.path.join(folder, "__init__.py")
+    if os.path.isfile(init) and os.path.isfile(os.path.join(tree, "pyproject.toml")):
+
+        class CheckoutKernels(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name != __name__ + ".kernels":
+                    return None
+                return importlib.util.spec_from_file_location(
+                    name, init, submodule_search_locations=[folder])
+
+        sys.meta_path.insert(0, CheckoutKernels())
+    elif importlib.util.find_spec(__name__ + ".kernels") is None:
+        raise ImportError(
+            f"mpidl: error: the mpidl in {package} has no mpidl.kernels (a broken install): "
+            "reinstall it (pip install --force-reinstall --no-deps mpidl, or . in a checkout)")
+
+
+_find_kernels()
+
 _LAZY = {
     "Communicator": ("mpidl.comm", "Communicator"),
     "build_runtime": ("mpidl.runtime", "build"),
