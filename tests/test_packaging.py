@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELHOUSE = Path(os.environ.get("MPIDL_WHEELHOUSE", ROOT / ".ci" / "wheelhouse-cache"))
 
 # (pip, setuptools, wheel): the oldest and newest pairs mpidl's install is tested on;
-# .ci/wheelhouse downloads exactly these. wheel 0.45.1 is the last whose bdist_wheel runs
-# under setuptools < 70.1 (which needs it); newer setuptools has its own.
+# .ci/wheelhouse downloads exactly these. setuptools < 70.1 needs the 'wheel' package to
+# build (the oldest pair gets one of its time); newer setuptools has its own bdist_wheel.
 OLDEST = ("23.0.1", "68.0.0", "0.45.1")
 NEWEST = ("25.3", "81.0.0", None)
 RUNTIME = ["numpy", "mpi4py", "mpich", "numba", "tqdm"]
@@ -189,8 +189,18 @@ def test_wheel_and_editable_install_offline(pair, tmp_path):
     rundir = tmp_path / "elsewhere"
     rundir.mkdir()
 
-    sh([python, "-m", "pip", "wheel", "-q", "--no-index", "--no-build-isolation", "--no-deps",
-        "--wheel-dir", tmp_path / "dist", src], cwd=rundir)
+    build = [python, "-m", "pip", "wheel", "-q", "--no-index", "--no-build-isolation",
+             "--no-deps", "--wheel-dir", tmp_path / "dist", src]
+    if pair == OLDEST:  # setuptools < 70.1 without 'wheel': one line saying what to install
+        sh([python, "-m", "pip", "uninstall", "-q", "-y", "wheel"])
+        out = subprocess.run([str(c) for c in build], capture_output=True, text=True,
+                             cwd=rundir, env=clean_env(), timeout=300)
+        assert out.returncode != 0, out.stdout
+        assert ("mpidl: error: building mpidl with this setuptools needs the 'wheel' package: "
+                "pip install wheel") in out.stdout + out.stderr, out.stdout + out.stderr
+        sh([python, "-m", "pip", "install", "-q", "--no-index", "--find-links", WHEELHOUSE,
+            f"wheel=={pair[2]}"])
+    sh(build, cwd=rundir)
     wheel, = (tmp_path / "dist").glob("mpidl-*.whl")
     assert re.fullmatch(rf"mpidl-{re.escape(mpidl.__version__)}-py3-none-any\.whl", wheel.name)
     sh([python, "-m", "pip", "install", "-q", "--no-index", "--no-build-isolation", wheel],
