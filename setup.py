@@ -1,12 +1,17 @@
-"""Build-time check only: mpidl's metadata, packages and extras are in pyproject.toml.
+"""What differs between setuptools 68 and 81; the rest of mpidl's package is in pyproject.toml.
 
-setuptools before 70.1 makes wheel metadata, wheels and editable installs with the
-``wheel`` package. pyproject.toml asks for it, but ``pip install --no-build-isolation``
+The licence (MIT, text in LICENSE): setuptools >= 77 writes it as an SPDX expression and
+deprecates every older way to say it (a ``license`` table, a licence classifier), with a
+date after which builds stop; setuptools before 77 knows only the older ``license`` field.
+
+The ``wheel`` package: setuptools before 70.1 makes wheel metadata, wheels and editable
+installs with it. pyproject.toml asks for it, but ``pip install --no-build-isolation``
 installs nothing, and setuptools would then stop with "invalid command 'bdist_wheel'";
-this says instead what to install.
+the check below says instead what to install.
 """
 import sys
 
+import setuptools
 from setuptools import setup
 
 if {"dist_info", "bdist_wheel", "editable_wheel"} & set(sys.argv[1:]):
@@ -19,4 +24,7 @@ if {"dist_info", "bdist_wheel", "editable_wheel"} & set(sys.argv[1:]):
             sys.exit("mpidl: error: building mpidl with this setuptools needs the 'wheel' "
                      "package: pip install wheel (or setuptools>=70.1), then build again")
 
-setup()
+if int(setuptools.__version__.split(".")[0]) >= 77:
+    setup(license_expression="MIT")
+else:
+    setup(license="MIT")
