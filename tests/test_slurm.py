@@ -53,7 +53,7 @@ def cluster():
 def mpi_library(python=sys.executable):
     """The MPI library mpi4py loads in that Python's venv, asked without starting MPI."""
     code = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
-            "print(MPI.Get_library_version().split(',')[0].strip().rstrip(chr(0)))")
+            "print(MPI.Get_library_version().splitlines()[0].split(',')[0].strip())")
     p = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, f"{python}: mpi4py does not load its MPI library:\n{p.stderr}"
     return p.stdout.strip()
