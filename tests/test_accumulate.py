@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import fashion_available, mpiexec_path, run_command
+from mpirun import fashion_available, mpiexec_cmd, run_command
 
 CONV_NO_BN = '''
 from mpidl.engine import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential
@@ -35,7 +35,7 @@ def _mpidl():
 
 
 def train(out, args, n=1, timeout=300):
-    cmd = ([mpiexec_path(), "-n", str(n)] if n > 1 else []) + [_mpidl(), "train"]
+    cmd = ([*mpiexec_cmd(), "-n", str(n)] if n > 1 else []) + [_mpidl(), "train"]
     run_command(cmd + args + ["--dtype", "float64", "--no-progress", "--out-dir", str(out)],
                 timeout=timeout).check()
     with np.load(os.path.join(out, "model.npz")) as f:

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import assert_one_line_error, mpiexec_path, run_command
+from mpirun import assert_one_line_error, mpiexec_cmd, run_command
 
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
 FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "256", "--limit-test",
@@ -21,7 +21,7 @@ FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "256", "--li
 
 
 def run(args, n=None, timeout=120):
-    cmd = ([mpiexec_path(), "-n", str(n)] if n else []) + MPIDL + [str(a) for a in args]
+    cmd = ([*mpiexec_cmd(), "-n", str(n)] if n else []) + MPIDL + [str(a) for a in args]
     return run_command(cmd, timeout=timeout)
 
 
@@ -243,7 +243,7 @@ def test_ranks_that_disagree_end_with_one_line(tmp_path, flag, a, b):
     """Before, these diverged silently (lr, momentum, ...) or hung forever (epochs, batch
     size, limit-train, overlap, compression on one rank only)."""
     common = MPIDL + ["train"] + FAST + ["--out-dir", str(tmp_path)]
-    cmd = [mpiexec_path(), "-n", "1"] + common + [flag, a, ":", "-n", "1"] + common + [flag, b]
+    cmd = [*mpiexec_cmd(), "-n", "1"] + common + [flag, a, ":", "-n", "1"] + common + [flag, b]
     launch = run_command(cmd, timeout=60)
     assert_one_line_error(launch, f"ranks disagree on {flag}", "rank 0:", "rank 1:")
 
@@ -251,6 +251,6 @@ def test_ranks_that_disagree_end_with_one_line(tmp_path, flag, a, b):
 def test_flags_that_only_exist_on_one_rank_are_named(tmp_path):
     common = MPIDL + ["train"] + FAST + ["--out-dir", str(tmp_path)]
     for flag in ("--scale-lr", "--drop-last"):
-        cmd = [mpiexec_path(), "-n", "1"] + common + [flag, ":", "-n", "1"] + common
+        cmd = [*mpiexec_cmd(), "-n", "1"] + common + [flag, ":", "-n", "1"] + common
         assert_one_line_error(run_command(cmd, timeout=60), f"ranks disagree on {flag}",
                               "rank 0: True", "rank 1: False")

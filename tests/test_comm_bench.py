@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mpirun import mpiexec_path, run_command
+from mpirun import mpiexec_cmd, run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIDL = shutil.which("mpidl", path=os.path.dirname(sys.executable)) or shutil.which("mpidl")
@@ -19,7 +19,7 @@ FAST = ["--sizes", "4,4KiB,64KiB", "--iters", "3", "--repeats", "1"]
 
 @pytest.mark.skipif(MPIDL is None, reason="mpidl command not installed")
 def test_cli_under_mpiexec_prints_table():
-    launch = run_command([mpiexec_path(), "-n", "2", MPIDL, "bench", "collectives", *FAST,
+    launch = run_command([*mpiexec_cmd(), "-n", "2", MPIDL, "bench", "collectives", *FAST,
                           "--algorithms", "ring,tree,recursive_doubling,mpi,auto"],
                          timeout=120).check()
     out = launch.output
@@ -65,7 +65,7 @@ def test_runner_writes_json_and_png(tmp_path):
 
 def test_tune_writes_thresholds_that_auto_uses(tmp_path):
     path = tmp_path / "tuning.json"
-    run_command([mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+    run_command([*mpiexec_cmd(), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
                  "mpidl.benchmarks.collectives", "--tune", "--collective", "allreduce,bcast",
                  "--sizes", "4,64KiB", "--repeats", "2"], timeout=180,
                 env={"MPIDL_TUNING": str(path)}).check()

@@ -21,13 +21,13 @@ import time
 import numpy as np
 import pytest
 
-from mpirun import fashion_available, mpi_env, mpiexec_path, run_command
+from mpirun import fashion_available, mpi_env, mpiexec_cmd, run_command
 
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
 
 
 def mpidl_cmd(n, *args):
-    return [mpiexec_path(), "-n", str(n)] + MPIDL + ["train", "--no-progress"] + list(args)
+    return [*mpiexec_cmd(), "-n", str(n)] + MPIDL + ["train", "--no-progress"] + list(args)
 
 
 def records(path):

@@ -19,7 +19,7 @@ from mpidl.engine.models import build_model
 from mpidl.engine.normalization import LayerNorm
 from mpidl.data.text import split_text
 from mpidl.training.checkpoint import load_model_arrays, save_model
-from mpirun import mpi_env, mpiexec_path, run_command
+from mpirun import mpi_env, mpiexec_cmd, run_command
 
 F64 = "float64"
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
@@ -288,7 +288,7 @@ def test_two_ranks_equal_one_process_at_the_global_batch(tmp_path, tie):
     one, two = tmp_path / "one.npz", tmp_path / "two.npz"
     r = mpidl("train", *common, "--batch-size", "8", "--save", one, "--out-dir", tmp_path / "a")
     assert r.returncode == 0, r.stderr
-    launch = run_command([mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + common +
+    launch = run_command([*mpiexec_cmd(), "-n", "2"] + MPIDL + ["train"] + common +
                          ["--batch-size", "4", "--save", two, "--out-dir", tmp_path / "b"],
                          timeout=120).check()
     a, _ = load_model_arrays(one)

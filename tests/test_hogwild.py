@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import HERE, fashion_available, mpiexec_path, run_command, run_ranks
+from mpirun import HERE, fashion_available, mpiexec_cmd, run_command, run_ranks
 
 RMA = os.path.join(HERE, "ranks", "rma_shared.py")
 SPARSE = os.path.join(HERE, "ranks", "hogwild_sparse.py")
@@ -65,7 +65,7 @@ def test_one_worker_is_serial_sgd_bitwise():
 
 
 def _train(tmp_path, n, *args):
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, "-m", "mpidl", "train",
+    cmd = [*mpiexec_cmd(), "-n", str(n), sys.executable, "-m", "mpidl", "train",
            "--strategy", "hogwild", "--model", "mlp", "--epochs", "2", "--batch-size", "32",
            "--limit-train", "1024", "--limit-test", "512", "--no-progress",
            "--out-dir", str(tmp_path), *args]

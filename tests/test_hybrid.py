@@ -32,7 +32,7 @@ from mpidl.errors import ConfigError
 from mpidl.runtime import build
 from mpidl.runtime.hybrid import (Hybrid, ring_allgather_bytes, ring_allreduce_bytes,
                                   ring_reduce_scatter_bytes)
-from mpirun import mpiexec_path, run_command, run_ranks
+from mpirun import mpiexec_cmd, run_command, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECK = os.path.join(HERE, "ranks", "hybrid_check.py")
@@ -79,7 +79,7 @@ def test_cli_save_equals_one_process_and_logs_the_formula(tmp_path):
     model.write_text(SMALL_CNN)
     common = ["--model", f"{model}:small", "--dataset", "synthetic", "--limit-train", "120",
               "--limit-test", "50", "--epochs", "2", "--dtype", "float64"]
-    hybrid = run_command([mpiexec_path(), "-n", "3"] + MPIDL + common + [
+    hybrid = run_command([*mpiexec_cmd(), "-n", "3"] + MPIDL + common + [
         "--batch-size", "4", "--hybrid", "conv-dp-fc-mp", "--sync-bn", "--algorithm", "ring",
         "--save", tmp_path / "h.npz", "--metrics", tmp_path / "h.jsonl",
         "--out-dir", tmp_path / "h"], timeout=180).check()
@@ -107,7 +107,7 @@ def test_cli_full_cnn_on_4_ranks_equals_one_process(tmp_path):
     """The zoo's cnn as it is (hidden 128: 32 columns per rank), 60 steps, float64."""
     common = ["--model", "cnn", "--dataset", "synthetic", "--limit-train", "480",
               "--limit-test", "100", "--epochs", "2", "--dtype", "float64", "--dropout", "0.25"]
-    run_command([mpiexec_path(), "-n", "4"] + MPIDL + common + [
+    run_command([*mpiexec_cmd(), "-n", "4"] + MPIDL + common + [
         "--batch-size", "4", "--hybrid", "conv-dp-fc-mp", "--sync-bn", "--save",
         tmp_path / "h.npz", "--out-dir", tmp_path / "h"], timeout=900).check()
     run_command(MPIDL + common + ["--batch-size", "16", "--save", tmp_path / "one.npz",
@@ -175,7 +175,7 @@ def test_cnn_and_resnet_have_a_boundary():
 
 
 def test_cli_refusal_is_one_line_exit_2(tmp_path):
-    launch = run_command([mpiexec_path(), "-n", "2"] + MPIDL + [
+    launch = run_command([*mpiexec_cmd(), "-n", "2"] + MPIDL + [
         "--model", "mlp", "--dataset", "synthetic", "--limit-train", "64", "--epochs", "1",
         "--hybrid", "conv-dp-fc-mp", "--out-dir", tmp_path], timeout=120)
     assert launch.returncode == 2, launch.output

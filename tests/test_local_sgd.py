@@ -20,7 +20,7 @@ import pytest
 from mpidl.errors import ConfigError
 from mpidl.runtime import build
 from mpidl.runtime.averaging import DiLoCo, ModelAveraging
-from mpirun import model_arrays, mpiexec_path, run_command, run_ranks
+from mpirun import model_arrays, mpiexec_cmd, run_command, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
@@ -101,7 +101,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, flags, message):
 
 
 def test_cli_bad_input_on_two_ranks_is_one_line_and_exit_2(tmp_path):
-    launch = run_command([mpiexec_path(), "-n", "2"] + MPIDL + BASE +
+    launch = run_command([*mpiexec_cmd(), "-n", "2"] + MPIDL + BASE +
                          ["--out-dir", tmp_path / "run", "--sync", "local-sgd",
                           "--period", "4", "--outer-momentum", "0.5"], timeout=60)
     lines = [ln for ln in launch.output.splitlines() if ln.strip()]
@@ -119,7 +119,7 @@ RESUME = ["--model", "mlp", "--dataset", "synthetic", "--epochs", "2", "--batch-
 
 
 def mpidl2(*args):
-    return [mpiexec_path(), "-n", "2"] + MPIDL + ["train", "--no-progress"] + list(args)
+    return [*mpiexec_cmd(), "-n", "2"] + MPIDL + ["train", "--no-progress"] + list(args)
 
 
 

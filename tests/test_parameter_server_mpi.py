@@ -195,10 +195,10 @@ def _cli_ready():
 
 @pytest.mark.skipif(not _cli_ready(), reason="needs the engine's models and the communicator")
 def test_cli_ps_two_servers_ssp_with_straggler(tmp_path):
-    from mpirun import mpiexec_path
+    from mpirun import mpiexec_cmd
 
     metrics = tmp_path / "m.jsonl"
-    cmd = [mpiexec_path(), "-n", "4", _mpidl(), "train", "--strategy", "ps", "--servers",
+    cmd = [*mpiexec_cmd(), "-n", "4", _mpidl(), "train", "--strategy", "ps", "--servers",
            "2", "--mode", "ssp", "--staleness", "1", "--straggler", "3:2",
            "--dataset", "synthetic", "--model", "mlp", "--epochs", "2", "--batch-size", "32",
            "--limit-train", "512", "--limit-test", "256", "--no-progress",
@@ -224,10 +224,10 @@ def test_cli_ps_two_servers_ssp_with_straggler(tmp_path):
 def test_cli_epoch_quorum_cuts_the_stragglers_epochs(tmp_path):
     """The trainer's side of --epoch-quorum: the straggler (6x slower) leaves each epoch
     when the two others are done, and the run still ends normally with every count."""
-    from mpirun import mpiexec_path
+    from mpirun import mpiexec_cmd
 
     metrics = tmp_path / "m.jsonl"
-    cmd = [mpiexec_path(), "-n", "4", _mpidl(), "train", "--strategy", "ps", "--mode",
+    cmd = [*mpiexec_cmd(), "-n", "4", _mpidl(), "train", "--strategy", "ps", "--mode",
            "backup", "--epoch-quorum", "2", "--straggler", "3:6", "--dataset", "synthetic",
            "--model", "mlp", "--epochs", "2", "--batch-size", "32", "--limit-train", "768",
            "--limit-test", "256", "--no-progress", "--metrics", str(metrics),
@@ -283,14 +283,14 @@ def test_cli_ps_checkpoint_after_rank_failure_then_resume_is_bitwise_equal(tmp_p
     model and counts."""
     import numpy as np
 
-    from mpirun import mpiexec_path
+    from mpirun import mpiexec_cmd
 
     n = 4 if "--servers" in extra else 3  # two workers either way
     steps_per_epoch = 512 // (32 * 2)
     args = ["train", "--strategy", "ps", "--dataset", "synthetic", "--model", "mlp",
             "--epochs", "3", "--batch-size", "32", "--limit-train", "512", "--limit-test",
             "128", "--seed", "3", "--no-progress"] + extra
-    cmd = [mpiexec_path(), "-n", str(n), _mpidl()] + args
+    cmd = [*mpiexec_cmd(), "-n", str(n), _mpidl()] + args
     full, run = tmp_path / "full", tmp_path / "run"
     run_command(cmd + ["--out-dir", str(full)], timeout=120).check()
     ckpt = ["--out-dir", str(run), "--checkpoint-dir", str(run / "ckpt")]
@@ -332,7 +332,7 @@ def test_compression_means_the_same_under_ps_and_allreduce(tmp_path, spec):
     compressed gradients, averaged in rank order)."""
     import numpy as np
 
-    from mpirun import mpiexec_path
+    from mpirun import mpiexec_cmd
 
     common = ["train", "--dataset", "synthetic", "--model", "mlp", "--epochs", "2",
               "--batch-size", "32", "--limit-train", "512", "--limit-test", "64",
@@ -340,7 +340,7 @@ def test_compression_means_the_same_under_ps_and_allreduce(tmp_path, spec):
     saved = {}
     for name, n, extra in (("allreduce", 2, []), ("ps", 3, ["--strategy", "ps"])):
         out = tmp_path / name
-        run_command([mpiexec_path(), "-n", str(n), _mpidl()] + common + extra +
+        run_command([*mpiexec_cmd(), "-n", str(n), _mpidl()] + common + extra +
                     ["--out-dir", str(out)], timeout=180).check()
         with np.load(out / "model.npz") as f:
             saved[name] = {k: f[k] for k in f.files if k != "__meta__"}

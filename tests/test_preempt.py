@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from mpirun import assert_bitwise_equal, model_arrays, mpi_env, mpiexec_path, run_command
+from mpirun import assert_bitwise_equal, model_arrays, mpi_env, mpiexec_cmd, run_command
 
 STOPPED = 75
 MPIDL = [sys.executable, "-m", "mpidl.cli.main", "train", "--no-progress"]
@@ -28,7 +28,7 @@ ARGS = ["--model", "mlp", "--dataset", "synthetic", "--limit-test", "256", "--ep
 
 
 def command(args, n=None):
-    return ([mpiexec_path(), "-n", str(n)] if n else []) + MPIDL + [str(a) for a in args]
+    return ([*mpiexec_cmd(), "-n", str(n)] if n else []) + MPIDL + [str(a) for a in args]
 
 
 def train(args, n=None, timeout=180):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mpirun import mpiexec_path, run_command
+from mpirun import mpiexec_cmd, run_command
 from test_cli_errors import assert_one_line_error
 
 pytest.importorskip("gymnasium", reason="pip install 'mpidl[rl]'")
@@ -19,7 +19,7 @@ SHORT = ["--no-progress", "--frames", "800", "--learn-start", "200", "--hidden",
 
 
 def run(args, n=None, timeout=120, env=None):
-    cmd = ([mpiexec_path(), "-n", str(n)] if n else []) + MPIDL + [str(a) for a in args]
+    cmd = ([*mpiexec_cmd(), "-n", str(n)] if n else []) + MPIDL + [str(a) for a in args]
     return run_command(cmd, timeout=timeout, env=env)
 
 

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from mpirun import HERE, fashion_available, mpi_env, mpiexec_path, rank_pids
+from mpirun import HERE, fashion_available, mpi_env, mpiexec_cmd, rank_pids
 
-pytestmark = pytest.mark.skipif(mpiexec_path() is None, reason="needs mpiexec")
+pytestmark = pytest.mark.skipif(not mpiexec_cmd(), reason="needs mpiexec")
 PYTHON = sys.executable
 SMALL = ["--model", "mlp", "--limit-train", "20000", "--limit-test", "500", "--epochs", "4",
          "--batch-size", "32", "--no-progress", "--seed", "1"]
@@ -28,7 +28,7 @@ class Job:
     """A launch whose output is read as it comes (to act once training has started)."""
 
     def __init__(self, n, args, env=None, cwd=None):
-        cmd = [mpiexec_path(), "-n", str(n), PYTHON, *args]
+        cmd = [*mpiexec_cmd(), "-n", str(n), PYTHON, *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=mpi_env(env), cwd=cwd, text=True)
         self.lines = []

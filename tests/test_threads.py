@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from mpidl import threads
-from mpirun import mpi_env, mpiexec_path
+from mpirun import mpi_env, mpiexec_cmd
 
 
 @pytest.mark.parametrize("env, want", [
@@ -37,7 +37,7 @@ def test_the_mpidl_command_sets_the_share_before_numpy_under_mpiexec():
     env = mpi_env()
     for var in threads.THREAD_VARS:
         env.pop(var, None)
-    out = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-c", code],
+    out = subprocess.run([*mpiexec_cmd(), "-n", "2", sys.executable, "-c", code],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=env, timeout=60)
     assert out.returncode == 0, out.stdout
@@ -45,7 +45,7 @@ def test_the_mpidl_command_sets_the_share_before_numpy_under_mpiexec():
     assert out.stdout.count(f"threads {want}") == 2, out.stdout
     # the user's choice stays
     env["OMP_NUM_THREADS"] = "3"
-    out = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-c", code],
+    out = subprocess.run([*mpiexec_cmd(), "-n", "2", sys.executable, "-c", code],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=env, timeout=60)
     assert out.stdout.count("threads 3") == 2, out.stdout

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import assert_bitwise_equal, model_arrays, mpiexec_path, run_command
+from mpirun import assert_bitwise_equal, model_arrays, mpiexec_cmd, run_command
 
 MPIDL = [sys.executable, "-m", "mpidl.cli.main", "train", "--no-progress"]
 FASHION = "/usr/share/datasets/fashion-mnist"
@@ -22,7 +22,7 @@ needs_fashion = pytest.mark.skipif(not os.path.isdir(FASHION),
 
 
 def train(args, n=None, timeout=180, env=None):
-    cmd = ([mpiexec_path(), "-n", str(n)] if n else []) + MPIDL + [str(a) for a in args]
+    cmd = ([*mpiexec_cmd(), "-n", str(n)] if n else []) + MPIDL + [str(a) for a in args]
     return run_command(cmd, timeout=timeout, env=env)
 
 
@@ -86,7 +86,7 @@ def test_mpiexec_n1(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "mpidl")
     if not os.path.exists(script):
         pytest.skip("the mpidl console script is not installed (pip install -e .)")
-    launch = run_command([mpiexec_path(), "-n", "1", script, "train", "--no-progress",
+    launch = run_command([*mpiexec_cmd(), "-n", "1", script, "train", "--no-progress",
                           "--dataset", "synthetic", "--limit-train", "1024", "--limit-test",
                           "256", "--epochs", "2", "--out-dir", tmp_path / "o"],
                          timeout=180).check()

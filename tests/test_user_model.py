@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mpirun import fashion_available, mpiexec_path, run_command, run_ranks
+from mpirun import fashion_available, mpiexec_cmd, run_command, run_ranks
 
 MODEL_FILE = '''
 from mpidl.engine import Flatten, LayerNorm, Linear, Sequential, Tanh
@@ -47,7 +47,7 @@ def model_file(tmp_path):
 
 
 def _train(args, n=1, cwd=None):
-    cmd = ([mpiexec_path(), "-n", str(n)] if n > 1 else []) + [_mpidl(), "train"] + args
+    cmd = ([*mpiexec_cmd(), "-n", str(n)] if n > 1 else []) + [_mpidl(), "train"] + args
     return run_command(cmd, timeout=120, cwd=cwd)
 
 

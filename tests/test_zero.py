@@ -22,7 +22,7 @@ import pytest
 from mpidl.errors import ConfigError
 from mpidl.runtime import build
 from mpidl.runtime.zero import exact_reduce_scatter
-from mpirun import assert_one_line_error, mpiexec_path, run_command, run_ranks
+from mpirun import assert_one_line_error, mpiexec_cmd, run_command, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECK = os.path.join(HERE, "ranks", "zero_check.py")
@@ -165,7 +165,7 @@ def test_cli_bad_input_isassert_one_line_error(args, needles, tmp_path):
 
 
 def test_cli_ps_under_mpiexec_isassert_one_line_error(tmp_path):
-    cmd = [mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + FAST + [
+    cmd = [*mpiexec_cmd(), "-n", "2"] + MPIDL + ["train"] + FAST + [
         "--out-dir", tmp_path, "--strategy", "ps", "--zero", "2"]
     assert_one_line_error(run_command(cmd), "--zero 2", "--strategy allreduce")
 
@@ -203,7 +203,7 @@ def test_cli_run_stopped_and_resumed_at_another_stage_as_if_never_stopped(tmp_pa
     checkpoint and resumes at --zero THEN; the final model is bitwise the uninterrupted
     --zero 0 run's (evaluation and the saved model at --zero 3 gather the parameters)."""
     def train(args, env=None):
-        cmd = [mpiexec_path(), "-n", "3"] + MPIDL + [
+        cmd = [*mpiexec_cmd(), "-n", "3"] + MPIDL + [
             "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "200",
             "--limit-test", "32", "--epochs", "2", "--batch-size", "16", "--model", "mlp",
             "--optimizer", "adam", "--lr", "0.001", "--algorithm", "ring",
@@ -271,7 +271,7 @@ def build(input_shape, num_classes, rng, dtype):
 
 def test_cli_zero_3_with_a_layer_it_cannot_serve_isassert_one_line_error(tmp_path):
     (tmp_path / "direct.py").write_text(DIRECT)
-    cmd = [mpiexec_path(), "-n", "2"] + MPIDL + ["train"] + FAST + [
+    cmd = [*mpiexec_cmd(), "-n", "2"] + MPIDL + ["train"] + FAST + [
         "--out-dir", tmp_path / "out", "--model", f"{tmp_path / 'direct.py'}:build",
         "--zero", "3"]
     launch = run_command(cmd)
