@@ -7,6 +7,13 @@ cores). ``torchrun`` sets ``OMP_NUM_THREADS=1`` for the same reason. The thread 
 BLAS uses is read from the environment when NumPy is first imported, so the ``mpidl``
 command calls ``share_blas_threads()`` before anything imports NumPy. An explicit
 ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` or ``MKL_NUM_THREADS`` always wins.
+
+A rank's share is its CPUs divided by the ranks of the node it shares them with. Under
+MPICH's Hydra every rank may run on every core, so that is the node's CPUs over the ranks;
+Open MPI (bound to cores by default), Intel MPI (pinned) and ``srun -c 8`` hand each rank
+CPUs of its own, already its share, which must not be divided again. Which case holds
+cannot be read from one rank's affinity (a job confined by a cgroup looks bound), so the
+ranks of a node compare their CPU sets once, over MPI, before NumPy is imported.
 """
 
 import os
@@ -47,36 +54,81 @@ def blas_threads_set(environ=None):
     return None
 
 
-def usable_cpus():
+def cpu_set():
+    """The CPUs this process may run on (its affinity)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return frozenset(range(os.cpu_count() or 1))
 
 
-def blas_threads_share(environ=None, cpus=None):
+def usable_cpus():
+    return len(cpu_set())
+
+
+def sharing_ranks(mine, node_sets):
+    """How many of the node's ranks (CPU sets ``node_sets``, this rank's ``mine`` among
+    them) may run on this rank's CPUs: all of them when nobody is bound, 1 when each rank
+    has CPUs of its own."""
+    mine = set(mine)
+    return max(1, sum(1 for cpus in node_sets if mine & set(cpus)))
+
+
+def blas_threads_share(environ=None, cpus=None, node_sets=None):
     """The BLAS threads this rank should use, or None to leave the BLAS alone (one rank
-    on the node, or the user chose a thread count)."""
+    on the node, or the user chose a thread count).
+
+    ``cpus``: this rank's CPU set (or only its size); ``node_sets``: the CPU sets of the
+    node's ranks. Without them every rank is taken to share every CPU (divide by ranks)."""
     env = os.environ if environ is None else environ
     if any(env.get(var) for var in THREAD_VARS):
         return None
     ranks = ranks_on_this_node(env)
     if ranks <= 1:
         return None
-    return max(1, (usable_cpus() if cpus is None else cpus) // ranks)
+    cpus = cpu_set() if cpus is None else cpus
+    count = cpus if isinstance(cpus, int) else len(cpus)
+    sharing = ranks if node_sets is None else sharing_ranks(cpus, node_sets)
+    return max(1, count // sharing)
+
+
+def node_cpu_sets(mine):
+    """The CPU sets of every rank on this node, gathered over MPI (mpi4py's pickled
+    objects: NumPy stays unimported), or None without MPI or with one rank.
+
+    Every rank of the job must call it (the mpidl command does, before NumPy)."""
+    try:
+        from mpi4py import MPI  # noqa: PLC0415
+    except ImportError:
+        return None
+    world = MPI.COMM_WORLD
+    if world.Get_size() <= 1:
+        return None
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return [frozenset(s) for s in node.allgather(sorted(mine))]
+    finally:
+        node.Free()
 
 
 def share_blas_threads():
-    """Set the BLAS thread variables to this rank's share of the node's cores, if NumPy
-    is not imported yet and nobody chose a count. Returns the count set, or None."""
+    """Set the BLAS thread variables to this rank's share of its CPUs, if NumPy is not
+    imported yet and nobody chose a count. Returns the count set, or None."""
     global _SET_BY_MPIDL
-    if "numpy" in sys.modules:
+    if "numpy" in sys.modules or blas_threads_share() is None:
         return None
-    share = blas_threads_share()
-    if share is not None:
-        for var in THREAD_VARS:
-            os.environ[var] = str(share)
-        _SET_BY_MPIDL = f"{usable_cpus()} CPUs / {ranks_on_this_node()} ranks on this node"
+    mine = cpu_set()
+    node_sets = node_cpu_sets(mine)
+    share = blas_threads_share(cpus=mine, node_sets=node_sets)
+    for var in THREAD_VARS:
+        os.environ[var] = str(share)
+    if node_sets is None:
+        _SET_BY_MPIDL = f"{len(mine)} CPUs / {ranks_on_this_node()} ranks on this node"
+    elif sharing_ranks(mine, node_sets) == 1:
+        _SET_BY_MPIDL = f"{len(mine)} CPUs bound to this rank alone"
+    else:
+        _SET_BY_MPIDL = (f"{len(mine)} CPUs shared by {sharing_ranks(mine, node_sets)} "
+                         "ranks on this node")
     return share
 
 

@@ -1,11 +1,16 @@
 """``mpidl info``: versions, the MPI library, ranks, backend and GPUs.
 
+The MPI facts are those of the library this process actually loaded (mpi4py may find
+another MPI than the one a user thinks of): vendor and version, whether it offers ULFM
+fault tolerance and whether this launch turned it on, and whether it is CUDA-aware.
 Under a launcher every rank reports its host, node-local rank and GPU; rank 0 prints.
 ``mpidl info --memory --model M --zero S --ranks N`` prints instead what ZeRO's formula
 predicts each rank will hold (``mpidl.runtime.memory``), before any run.
 """
 
+import ctypes
 import json
+import os
 import platform
 import socket
 import sys
@@ -50,13 +55,13 @@ def _version(module):
     return getattr(mod, "__version__", "unknown")
 
 
-def local_facts(world, device=None):
-    """What this rank sees."""
+def local_facts(world, device=None, local_rank=None):
+    """What this rank sees; on GPU the device is the one its node-local rank picks."""
     from mpidl import backend  # noqa: PLC0415
 
     facts = {"host": socket.gethostname(), "rank": world.rank}
     try:
-        backend.use(device)
+        backend.use(device, local_rank=local_rank)
         facts["backend"] = backend.device()
         facts["gpu_id"] = backend.gpu_id()
     except backend.BackendError as e:
@@ -71,8 +76,9 @@ def prepare(args, world):
     if args.memory:
         return lambda: memory_report(args, world)
 
-    mine = local_facts(world, args.device)
-    mine["local_rank"] = _local_rank(world)
+    local_rank = _local_rank(world)
+    mine = local_facts(world, args.device, local_rank)
+    mine["local_rank"] = local_rank
 
     def job():
         from mpidl import __version__, backend  # noqa: PLC0415
@@ -91,25 +97,18 @@ def prepare(args, world):
             "tqdm": _version("tqdm"),
         }
         if world.mpi is not None:
-            MPI = world.MPI
-            info["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0].strip()
-            info["mpi_standard"] = "%d.%d" % MPI.Get_version()
-            try:
-                info["mpi_vendor"] = "%s %s" % (MPI.get_vendor()[0],
-                                                ".".join(map(str, MPI.get_vendor()[1])))
-            except Exception:  # noqa: BLE001
-                pass
-            info["thread_level"] = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED:
-                                    "funneled", MPI.THREAD_SERIALIZED: "serialized",
-                                    MPI.THREAD_MULTIPLE: "multiple"}.get(
-                                        MPI.Query_thread(), "?")
+            info.update(mpi_facts(world.MPI))
         else:
             info["mpi_library"] = None
         info["ranks"] = world.size
         info["hosts"] = sorted({r["host"] for r in ranks})
         info["backend"] = mine["backend"]
         info["gpus"] = mine["gpus"]
-        info["cuda_aware_mpi"] = backend.cuda_aware_mpi()
+        info.update(cuda_facts(backend))
+        info["cuda_aware_mpi"] = (cuda_aware(world.MPI, backend) if world.mpi is not None
+                                  else None)
+        info["gpu_buffers_to_mpi"] = "direct" if backend.cuda_aware_mpi() else \
+            "staged through host memory"
         info["per_rank"] = ranks
         if args.models:
             info["models"] = _models()
@@ -136,6 +135,97 @@ def prepare(args, world):
         return 0
 
     return job
+
+
+def mpi_facts(MPI):
+    """The loaded MPI library: its own version line, vendor and version, MPI standard,
+    thread level and ULFM."""
+    # Open MPI's version string ends in a NUL byte: it must not reach the JSON
+    text = MPI.Get_library_version().replace("\0", "").strip()
+    facts = {"mpi_library": text.splitlines()[0].strip() if text else None,
+             "mpi_standard": "%d.%d" % MPI.Get_version()}
+    try:
+        name, version = MPI.get_vendor()
+        facts["mpi_vendor"] = name
+        facts["mpi_version"] = ".".join(map(str, version))
+    except Exception:  # noqa: BLE001 - report, never fail
+        facts["mpi_vendor"] = facts["mpi_version"] = None
+    facts["thread_level"] = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                             MPI.THREAD_SERIALIZED: "serialized",
+                             MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "?")
+    facts["ulfm_api"], facts["ulfm_enabled"] = ulfm(MPI, facts["mpi_vendor"])
+    return facts
+
+
+def ulfm(MPI, vendor):
+    """(api, enabled): whether the loaded library exports ULFM's calls (revoke, shrink,
+    agree), and whether this launch runs with fault tolerance on (None: cannot tell).
+
+    The symbols are looked up in the library itself: mpi4py offers ``Comm.Revoke`` and
+    friends whatever the library, with stand-ins where it has none (Open MPI 4.1). And
+    having the calls is not enough: Open MPI 5 recovers only when started with
+    ``mpiexec --with-ft ulfm``, which sets ``OMPI_MCA_mpi_ft_enable`` for the ranks (as
+    ``--mca mpi_ft_enable 1`` does); MPICH's launcher ends the job when a rank dies."""
+    path = loaded_mpi_library()
+    if path is None:
+        return None, None
+    lib = ctypes.CDLL(path)
+    api = all(hasattr(lib, f"MPIX_Comm_{call}") for call in ("revoke", "shrink", "agree"))
+    if not api:
+        return False, False
+    if vendor == "Open MPI":
+        flag = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower()
+        return True, flag in ("1", "true", "yes", "on", "enabled")
+    return True, None
+
+
+def loaded_mpi_library():
+    """The path of the libmpi this process loaded, or None (not Linux, or static)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            for line in f:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libmpi.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def cuda_aware(MPI, backend):
+    """True/False when the library says (Open MPI's MPIX_Query_cuda_support, or what
+    mpidl's backend detects for MPICH), None ("unknown") when an Open MPI build has no
+    such query. ``MPIDL_CUDA_AWARE`` overrides, as it does for the backend."""
+    if os.environ.get("MPIDL_CUDA_AWARE") is not None:
+        return backend.cuda_aware_mpi()
+    try:
+        vendor = MPI.get_vendor()[0]
+    except Exception:  # noqa: BLE001
+        vendor = None
+    if vendor != "Open MPI":
+        return backend.cuda_aware_mpi()
+    path = loaded_mpi_library()
+    query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None) if path else None
+    if query is None:
+        return None
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
+def cuda_facts(backend):
+    """The CuPy and CUDA versions mpidl found (None where absent)."""
+    cp = backend.cupy_module()
+    facts = {"cuda_runtime": None, "cuda_driver": None}
+    if cp is None:
+        return facts
+    for key, call in (("cuda_runtime", "runtimeGetVersion"), ("cuda_driver",
+                                                               "driverGetVersion")):
+        try:
+            v = int(getattr(cp.cuda.runtime, call)())
+            facts[key] = f"{v // 1000}.{v % 1000 // 10}"
+        except Exception:  # noqa: BLE001 - no driver, no device: report, never fail
+            pass
+    return facts
 
 
 def _models():

@@ -59,6 +59,9 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     world = World()
     install_excepthook(world)
+    from mpidl.launcher import watch_launcher  # noqa: PLC0415
+
+    watch_launcher(world.size)  # no rank outlives a killed mpiexec: see mpidl.launcher
     from mpidl.training.log import setup_logging  # noqa: PLC0415
 
     setup_logging(world.rank, verbose="--verbose" in argv)
