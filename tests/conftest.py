@@ -10,6 +10,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CuPy and a CUDA device (skipped otherwise)")
     config.addinivalue_line("markers", "slurm: needs the single-node Slurm cluster (tests/slurm)")
     config.addinivalue_line("markers", "slow: trains on real data; minutes, not seconds")
+    config.addinivalue_line("markers", "mpi_matrix: the multi-rank slice CI runs again under "
+                            "each other MPI (collectives incl. float16, data parallelism, "
+                            "one-line errors, fp16 compression, launcher behaviour): "
+                            "pytest -m mpi_matrix")
 
 
 def pytest_collection_modifyitems(config, items):
