@@ -116,6 +116,7 @@ def test_more_user_errors(args, needles):
     assert_one_line_error(run(args), *needles)
 
 
+@pytest.mark.mpi_matrix
 def test_user_error_under_mpiexec_is_printed_once_and_all_ranks_exit_2():
     launch = run(["train", "--lr", "-1"] + FAST, n=3)
     assert_one_line_error(launch, "--lr must be positive")
@@ -140,6 +141,7 @@ def test_info():
         assert key in launch.output, key
 
 
+@pytest.mark.mpi_matrix
 def test_info_under_mpiexec_json():
     import json
 
@@ -248,6 +250,7 @@ def test_ranks_that_disagree_end_with_one_line(tmp_path, flag, a, b):
     assert_one_line_error(launch, f"ranks disagree on {flag}", "rank 0:", "rank 1:")
 
 
+@pytest.mark.mpi_matrix
 def test_flags_that_only_exist_on_one_rank_are_named(tmp_path):
     common = MPIDL + ["train"] + FAST + ["--out-dir", str(tmp_path)]
     for flag in ("--scale-lr", "--drop-last"):

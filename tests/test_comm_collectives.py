@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "ranks", "comm_equivalence.py")
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("p", [1, pytest.param(2, marks=pytest.mark.mpi_matrix), pytest.param(3, marks=pytest.mark.mpi_matrix), pytest.param(4, marks=pytest.mark.mpi_matrix), 5, 8])
 def test_every_algorithm_equals_native(p):
     launch = run_ranks(p, [SCRIPT], timeout=300).check()
     assert f"EQUIVALENCE OK p={p}" in launch.output, launch.output
@@ -29,6 +29,7 @@ def test_random_draws_with_another_seed():
     assert "EQUIVALENCE OK p=3" in launch.output, launch.output
 
 
+@pytest.mark.mpi_matrix
 def test_nonblocking_with_polling_progress_thread():
     """MPIDL_PROGRESS_WAIT=poll: the progress thread polls and sleeps instead of spinning."""
     launch = run_ranks(3, [SCRIPT, "--sections", "nonblocking"], timeout=120,
@@ -36,7 +37,7 @@ def test_nonblocking_with_polling_progress_thread():
     assert "EQUIVALENCE OK p=3" in launch.output, launch.output
 
 
-@pytest.mark.parametrize("p, per_node", [(4, 2), (5, 3)])
+@pytest.mark.parametrize("p, per_node", [pytest.param(4, 2, marks=pytest.mark.mpi_matrix), (5, 3)])
 def test_hierarchical_equals_native_on_pretended_nodes(p, per_node):
     """The node-aware algorithm (``algorithm="hierarchical"``) of every collective equals
     MPI's native result, on nodes pretended by ``MPIDL_RANKS_PER_NODE`` (2 + 2 ranks;

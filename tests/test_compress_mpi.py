@@ -9,7 +9,7 @@ from mpirun import run_ranks
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("p", [pytest.param(2, marks=pytest.mark.mpi_matrix), 3])
 def test_compressed_exchange_on_ranks(p):
     launch = run_ranks(p, [os.path.join(HERE, "ranks", "compress_exchange.py")],
                        timeout=240).check()

@@ -35,6 +35,7 @@ def records(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+@pytest.mark.mpi_matrix
 def test_two_ranks_learn_fashion_mnist_subset(tmp_path):
     if not fashion_available():
         pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
@@ -49,6 +50,7 @@ def test_two_ranks_learn_fashion_mnist_subset(tmp_path):
     assert rec["bytes_sent_per_step"] > 0 and rec["compute_ms"] > 0, rec
 
 
+@pytest.mark.mpi_matrix
 def test_exception_on_one_rank_ends_all_ranks_fast(tmp_path):
     """Rank 2 of 4 raises at step 3: every rank ends, non-zero, within 10 s of the error."""
     cmd = mpidl_cmd(4, "--model", "mlp", "--dataset", "synthetic", "--epochs", "50",
@@ -165,6 +167,7 @@ def test_rank_failure_mid_epoch_then_resume_is_bitwise_equal(tmp_path, uninterru
     assert_same_model(model_arrays(run / "model.npz"), uninterrupted)
 
 
+@pytest.mark.mpi_matrix
 def test_compressed_exchange_reports_bytes_sent(tmp_path):
     """--compression topk --ratio 0.01: far fewer bytes per step than the dense all-reduce."""
     metrics = tmp_path / "m.jsonl"

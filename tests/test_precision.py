@@ -330,6 +330,7 @@ def test_cli_epoch_line_carries_the_loss_scale(tmp_path):
 
 
 # -- real ranks ------------------------------------------------------------------------------
+@pytest.mark.mpi_matrix
 def test_two_ranks_allreduce_overflow_agreement_and_replicas():
     launch = run_ranks(2, [SCRIPT], timeout=120).check()
     for line in ("section allreduce: p=2", "section overflow: p=2 every rank skipped step",
@@ -337,7 +338,7 @@ def test_two_ranks_allreduce_overflow_agreement_and_replicas():
         assert line in launch.output, launch.output
 
 
-@pytest.mark.parametrize("p", [3, 4])
+@pytest.mark.parametrize("p", [pytest.param(3, marks=pytest.mark.mpi_matrix), 4])
 def test_allreduce_tolerance_and_overflow_agreement(p):
     launch = run_ranks(p, [SCRIPT, "--sections", "allreduce,overflow"], timeout=180).check()
     assert f"PRECISION OK p={p}" in launch.output, launch.output
