@@ -192,8 +192,8 @@ def assert_one_line_error(launch, *needles):
     lines = error_lines(launch.output)
     assert len(lines) == 1, f"expected one mpidl: error: line, got:\n{launch.output}"
     line = lines[0]
+    # nothing else from the ranks: no traceback, no rank-prefixed log lines
     assert "Traceback" not in launch.output and "[rank " not in launch.output, launch.output
-    assert launch.output.lstrip().startswith("mpidl: error: "), launch.output
     for needle in needles:
         assert needle in line, f"{needle!r} not in {line!r}"
     return line

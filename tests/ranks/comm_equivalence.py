@@ -18,8 +18,10 @@ Sections:
 Tolerances, stated: integers and max/min must be exact. A float sum of p terms rounds
 at most p-1 times in either implementation, so ``|ours - native| <= 2 (p-1) eps S`` per
 element, with eps the dtype's machine epsilon and S the sum of |x_i| over ranks (mean:
-divided by p, plus one rounding of the result). allreduce results must also be bitwise
-identical on every rank. Failures are collected and printed by rank 0; exit 1 then.
+divided by p, plus one rounding of the result). float16's native reference is the sum
+in float64 rounded once to float16 (MPI may lack a float16 datatype: Open MPI 4.1), which
+the same bound covers (at most p roundings of half an eps in all). allreduce results must
+also be bitwise identical on every rank. Failures are collected and printed by rank 0; exit 1 then.
 """
 
 import argparse
