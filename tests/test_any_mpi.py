@@ -186,7 +186,7 @@ def test_user_error_is_one_mpidl_error_line_and_exit_2():
 
 # -- float16 on any MPI --------------------------------------------------------------------
 @pytest.mark.mpi_matrix
-@pytest.mark.parametrize("algorithm", ["auto", "mpi", "ring"])
+@pytest.mark.parametrize("algorithm", ["mpi", "ring"])
 def test_fp16_compression_trains_on_any_mpi(tmp_path, algorithm):
     """--compression fp16 sends float16 gradients: on an MPI without a float16 datatype
     (Open MPI 4.1) every algorithm still reduces them (mpidl's own reduction)."""

@@ -167,7 +167,6 @@ def test_rank_failure_mid_epoch_then_resume_is_bitwise_equal(tmp_path, uninterru
     assert_same_model(model_arrays(run / "model.npz"), uninterrupted)
 
 
-@pytest.mark.mpi_matrix
 def test_compressed_exchange_reports_bytes_sent(tmp_path):
     """--compression topk --ratio 0.01: far fewer bytes per step than the dense all-reduce."""
     metrics = tmp_path / "m.jsonl"
