@@ -15,7 +15,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "ranks", "comm_equivalence.py")
 
 
-@pytest.mark.parametrize("p", [1, pytest.param(2, marks=pytest.mark.mpi_matrix), pytest.param(3, marks=pytest.mark.mpi_matrix), 4, 5, 8])
+MATRIX = pytest.mark.mpi_matrix  # p = 2 and 3 run again under each other MPI
+
+
+@pytest.mark.parametrize("p", [1, pytest.param(2, marks=MATRIX), pytest.param(3, marks=MATRIX),
+                               4, 5, 8])
 def test_every_algorithm_equals_native(p):
     launch = run_ranks(p, [SCRIPT], timeout=300).check()
     assert f"EQUIVALENCE OK p={p}" in launch.output, launch.output
@@ -37,7 +41,7 @@ def test_nonblocking_with_polling_progress_thread():
     assert "EQUIVALENCE OK p=3" in launch.output, launch.output
 
 
-@pytest.mark.parametrize("p, per_node", [pytest.param(4, 2, marks=pytest.mark.mpi_matrix), (5, 3)])
+@pytest.mark.parametrize("p, per_node", [pytest.param(4, 2, marks=MATRIX), (5, 3)])
 def test_hierarchical_equals_native_on_pretended_nodes(p, per_node):
     """The node-aware algorithm (``algorithm="hierarchical"``) of every collective equals
     MPI's native result, on nodes pretended by ``MPIDL_RANKS_PER_NODE`` (2 + 2 ranks;
