@@ -92,11 +92,17 @@ def blas_threads_share(environ=None, cpus=None, node_sets=None):
     return max(1, count // sharing)
 
 
+#: set by launchers in every rank they start (Hydra/PMI, Open MPI, PMIx, Cray PALS, srun)
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
+
+
 def node_cpu_sets(mine):
     """The CPU sets of every rank on this node, gathered over MPI (mpi4py's pickled
     objects: NumPy stays unimported), or None without MPI or with one rank.
 
-    Every rank of the job must call it (the mpidl command does, before NumPy)."""
+    A collective over the world: every rank must call it, so whether to call depends on
+    nothing that may differ between ranks (a node with one rank, a thread count set on
+    some ranks only)."""
     try:
         from mpi4py import MPI  # noqa: PLC0415
     except ImportError:
@@ -115,20 +121,23 @@ def share_blas_threads():
     """Set the BLAS thread variables to this rank's share of its CPUs, if NumPy is not
     imported yet and nobody chose a count. Returns the count set, or None."""
     global _SET_BY_MPIDL
-    if "numpy" in sys.modules or blas_threads_share() is None:
+    if "numpy" in sys.modules:
         return None
     mine = cpu_set()
-    node_sets = node_cpu_sets(mine)
+    launched = any(var in os.environ for var in RANK_VARS)
+    node_sets = node_cpu_sets(mine) if launched else None
     share = blas_threads_share(cpus=mine, node_sets=node_sets)
+    if share is None:
+        return None
     for var in THREAD_VARS:
         os.environ[var] = str(share)
-    if node_sets is None:
+    sharing = None if node_sets is None else sharing_ranks(mine, node_sets)
+    if sharing is None:
         _SET_BY_MPIDL = f"{len(mine)} CPUs / {ranks_on_this_node()} ranks on this node"
-    elif sharing_ranks(mine, node_sets) == 1:
+    elif sharing == 1:
         _SET_BY_MPIDL = f"{len(mine)} CPUs bound to this rank alone"
     else:
-        _SET_BY_MPIDL = (f"{len(mine)} CPUs shared by {sharing_ranks(mine, node_sets)} "
-                         "ranks on this node")
+        _SET_BY_MPIDL = f"{len(mine)} CPUs shared by {sharing} ranks on this node"
     return share
 
 

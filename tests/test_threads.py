@@ -68,3 +68,20 @@ def test_the_mpidl_command_sets_the_share_before_numpy_under_mpiexec():
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=env, timeout=60)
     assert out.stdout.count("threads 3") == 2, out.stdout
+
+
+@pytest.mark.mpi_matrix
+def test_ranks_that_differ_in_their_thread_variables_do_not_hang():
+    """The CPU sets are gathered by a collective every rank joins, so a count chosen on
+    one rank only (an MPMD launch) changes that rank's share, never the others' progress."""
+    code = ("import mpidl.cli.main, os; "
+            "os.write(1, ('threads %s\\n' % os.environ.get('OMP_NUM_THREADS')).encode())")
+    env = mpi_env()
+    for var in threads.THREAD_VARS:
+        env.pop(var, None)
+    out = subprocess.run([*mpiexec_cmd(), "-n", "1", "env", "OMP_NUM_THREADS=3", sys.executable,
+                          "-c", code, ":", "-n", "1", sys.executable, "-c", code],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.count("threads 3") == 1 and out.stdout.count("threads ") == 2, out.stdout
