@@ -116,6 +116,37 @@ def synchronize(a=None):
         cupy_module().cuda.get_current_stream().synchronize()
 
 
+def loaded_mpi_library():
+    """The path of the libmpi this process loaded, or None (not Linux, or linked
+    statically)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            for line in f:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libmpi.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def open_mpi_cuda_support():
+    """Open MPI's own answer, ``MPIX_Query_cuda_support()`` (True/False), or None where
+    the loaded library has no such call (MPICH, or an Open MPI built without its CUDA
+    extension). Looked up in the library itself: mpi4py does not wrap it."""
+    import ctypes  # noqa: PLC0415
+
+    path = loaded_mpi_library()
+    try:
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None) if path else None
+    except OSError:
+        return None
+    if query is None:
+        return None
+    query.restype = ctypes.c_int
+    return bool(query())
+
+
 def cuda_aware_mpi():
     """Whether the MPI library can take device pointers directly.
 
@@ -128,12 +159,9 @@ def cuda_aware_mpi():
         from mpi4py import MPI  # noqa: PLC0415
     except Exception:
         return False
-    try:  # Open MPI's extension
-        from mpi4py.MPI import Query_cuda_support  # type: ignore # noqa: PLC0415
-
-        return bool(Query_cuda_support())
-    except Exception:
-        pass
+    answer = open_mpi_cuda_support()
+    if answer is not None:
+        return answer
     try:  # MPI 4.1 info key (MPICH >= 4.1, Open MPI >= 5)
         info = MPI.INFO_ENV
         value = info.Get("mpi_memory_alloc_kinds") if info != MPI.INFO_NULL else None

@@ -166,6 +166,8 @@ def ulfm(MPI, vendor):
     having the calls is not enough: Open MPI 5 recovers only when started with
     ``mpiexec --with-ft ulfm``, which sets ``OMPI_MCA_mpi_ft_enable`` for the ranks (as
     ``--mca mpi_ft_enable 1`` does); MPICH's launcher ends the job when a rank dies."""
+    from mpidl.backend import loaded_mpi_library  # noqa: PLC0415
+
     path = loaded_mpi_library()
     if path is None:
         return None, None
@@ -179,19 +181,6 @@ def ulfm(MPI, vendor):
     return True, None
 
 
-def loaded_mpi_library():
-    """The path of the libmpi this process loaded, or None (not Linux, or static)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as f:
-            for line in f:
-                path = line.split()[-1]
-                if os.path.basename(path).startswith("libmpi.so"):
-                    return path
-    except OSError:
-        pass
-    return None
-
-
 def cuda_aware(MPI, backend):
     """True/False when the library says (Open MPI's MPIX_Query_cuda_support, or what
     mpidl's backend detects for MPICH), None ("unknown") when an Open MPI build has no
@@ -202,14 +191,9 @@ def cuda_aware(MPI, backend):
         vendor = MPI.get_vendor()[0]
     except Exception:  # noqa: BLE001
         vendor = None
-    if vendor != "Open MPI":
-        return backend.cuda_aware_mpi()
-    path = loaded_mpi_library()
-    query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None) if path else None
-    if query is None:
+    if vendor == "Open MPI" and backend.open_mpi_cuda_support() is None:
         return None
-    query.restype = ctypes.c_int
-    return bool(query())
+    return backend.cuda_aware_mpi()
 
 
 def cuda_facts(backend):
