@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from mpirun import error_lines, mpi_env, mpiexec_cmd, run_command, run_ranks, train_cmd
+from mpirun import (assert_one_line_error, error_lines, mpi_env, mpiexec_cmd, run_command,
+                    run_ranks, train_cmd)
 
 from mpidl import threads
 
@@ -196,6 +197,28 @@ def test_fp16_compression_trains_on_any_mpi(tmp_path, algorithm):
                           "--metrics", metrics, dtype="float32"), timeout=120).check()
     record = json.loads(metrics.read_text().splitlines()[-1])
     assert record["ranks"] == 2 and record["compression_ratio"] > 1.9, record
+
+
+@pytest.mark.mpi_matrix
+def test_float16_collectives_bench_measures_or_says_why_not():
+    """``mpidl bench collectives --dtype float16`` compares mpidl's algorithms with MPI's
+    own collective on float16: where the library has a float16 datatype it measures; where
+    it has none (Open MPI 4.1) it says so in one line and exits 2, never a traceback."""
+    from mpidl.comm.ops import mpi_datatype
+
+    try:
+        mpi_datatype("float16")
+        has_float16 = True
+    except TypeError:
+        has_float16 = False
+    launch = run_command([*mpiexec_cmd(), "-n", "2"] + MPIDL + [
+        "bench", "collectives", "--dtype", "float16", "--sizes", "1KiB", "--repeats", "1",
+        "--collective", "allreduce"], timeout=120)
+    if has_float16:
+        launch.check()
+        assert "allreduce" in launch.output, launch.output
+    else:
+        assert_one_line_error(launch, "--dtype float16", "no float16 datatype")
 
 
 # -- mpidl info ----------------------------------------------------------------------------

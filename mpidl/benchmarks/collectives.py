@@ -546,6 +546,15 @@ def validate(args):
         raise ValueError(f"unknown dtype {args.dtype!r}") from None
     if args.np_dtype.kind not in "iuf":
         raise ValueError(f"--dtype {args.dtype}: use an integer or floating type")
+    from mpidl.comm.ops import mpi_datatype  # noqa: PLC0415
+
+    try:  # the native row is MPI's own collective on this type: it needs the datatype
+        mpi_datatype(args.np_dtype)
+    except TypeError:
+        raise ValueError(f"--dtype {args.dtype}: this MPI library has no {args.np_dtype} "
+                         "datatype (Open MPI 4.1 has no float16), so MPI's own collective "
+                         "cannot be measured against mpidl's; choose another --dtype or "
+                         "another MPI") from None
     return args
 
 
