@@ -185,7 +185,9 @@ def cuda_aware(MPI, backend):
     """True/False when the library says (Open MPI's MPIX_Query_cuda_support, or what
     mpidl's backend detects for MPICH), None ("unknown") when an Open MPI build has no
     such query. ``MPIDL_CUDA_AWARE`` overrides, as it does for the backend."""
-    if os.environ.get("MPIDL_CUDA_AWARE") is not None:
+    from mpidl import env  # noqa: PLC0415
+
+    if env.get("MPIDL_CUDA_AWARE") is not None:
         return backend.cuda_aware_mpi()
     try:
         vendor = MPI.get_vendor()[0]
