@@ -44,6 +44,12 @@ def _usable():
             return f"needs {tool} (iproute2, util-linux)"
     if os.path.exists(STATE):
         return f"a virtual cluster is already up ({STATE}): not touching it"
+    from mpi4py import MPI
+
+    vendor = MPI.get_vendor()[0]
+    if vendor != "MPICH":  # slurm/vcluster.sh launches through Hydra's ssh hook
+        return (f"the virtual cluster's launcher is MPICH's Hydra; this Python's mpi4py "
+                f"loads {vendor} (other launchers across the namespaces are not built)")
     return None
 
 
