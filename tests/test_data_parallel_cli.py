@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from mpirun import fashion_available, mpi_env, mpiexec_cmd, run_command
+from mpirun import fashion_available, mpi_env, mpiexec_cmd, rank_pids, run_command
 
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
 
@@ -122,8 +122,9 @@ def assert_same_model(a, b):
 
 
 def kill_after_checkpoint(cmd, directory, min_step, timeout=120):
-    """Start ``cmd``; SIGKILL its whole process group once a checkpoint of step >=
-    ``min_step`` exists. Returns the checkpoint steps present after the kill."""
+    """Start ``cmd``; SIGKILL its whole process group, and every rank by PID, once a
+    checkpoint of step >= ``min_step`` exists (Open MPI starts its ranks outside the
+    launcher's process group). Returns the checkpoint steps present after the kill."""
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, env=mpi_env())
     deadline = time.monotonic() + timeout
@@ -140,6 +141,11 @@ def kill_after_checkpoint(cmd, directory, min_step, timeout=120):
             raise AssertionError(f"no checkpoint {min_step} within {timeout} s")
     finally:
         if proc.poll() is None:
+            for pid in rank_pids(proc.pid).values():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     return checkpoint_steps(directory)

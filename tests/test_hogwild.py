@@ -23,12 +23,18 @@ def test_no_update_is_lost_and_every_update_is_counted():
 
 def test_an_owner_that_computes_still_receives_updates():
     """Exclusive-lock updates reach an owner that computes without MPI calls, thanks to
-    its progress thread; without the thread they do not (so the thread is what works)."""
+    its progress thread; under MPICH they do not without the thread (so the thread is what
+    works). Open MPI's one-sided component applies them without the owner's help."""
+    from mpi4py import MPI
+
     ok = run_ranks(2, [RMA, "progress", "--locks"], timeout=120).check()
     assert "rank 0 saw 20 remote adds" in ok.output
     without = run_ranks(2, [RMA, "progress", "--locks", "--no-progress", "--limit", "3"],
                         timeout=120)
-    assert without.returncode != 0 and "never reached the owner's memory" in without.output
+    if MPI.get_vendor()[0] == "MPICH":
+        assert without.returncode != 0, without.output
+    if without.returncode != 0:
+        assert "never reached the owner's memory" in without.output, without.output
 
 
 def _sparse(*extra, ranks=3):

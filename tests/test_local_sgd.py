@@ -20,7 +20,7 @@ import pytest
 from mpidl.errors import ConfigError
 from mpidl.runtime import build
 from mpidl.runtime.averaging import DiLoCo, ModelAveraging
-from mpirun import model_arrays, mpiexec_cmd, run_command, run_ranks
+from mpirun import assert_one_line_error, model_arrays, mpiexec_cmd, run_command, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
@@ -104,10 +104,8 @@ def test_cli_bad_input_on_two_ranks_is_one_line_and_exit_2(tmp_path):
     launch = run_command([*mpiexec_cmd(), "-n", "2"] + MPIDL + BASE +
                          ["--out-dir", tmp_path / "run", "--sync", "local-sgd",
                           "--period", "4", "--outer-momentum", "0.5"], timeout=60)
-    lines = [ln for ln in launch.output.splitlines() if ln.strip()]
-    assert launch.returncode == 2, launch.output
-    assert lines == ["mpidl: error: --outer-momentum needs --sync diloco (--sync is "
-                     "local-sgd)"], launch.output
+    line = assert_one_line_error(launch)
+    assert line == "mpidl: error: --outer-momentum needs --sync diloco (--sync is local-sgd)"
 
 
 # -- resume in the middle of a period
