@@ -101,6 +101,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# a requeued job may start again after the credentials' lifetime (default 120 s): short here
+# so that the requeue test does not wait 2 minutes; long enough to launch a step under load
+AuthInfo=cred_expire=20
 SlurmctldPort=6817
 SlurmdPort=6818
 StateSaveLocation=$STATE/ctld

@@ -259,8 +259,8 @@ def wait_for_output(path, needle, job_id, timeout):
 
 def wait_requeued_job(job_id, timeout):
     """Wait for a job that requeues itself to end (through its restarts). Slurm holds a
-    requeued job for about 2 minutes (its credentials' lifetime) before it may start again;
-    starting it at once with ``scontrol update StartTime=now`` made the new step collide
+    requeued job for its credentials' lifetime before it may start again (120 s by default,
+    20 s on the CI cluster: ``AuthInfo=cred_expire``); starting it at once with ``scontrol update StartTime=now`` made the new step collide
     with the old one's (same job and step ids: "mpi/pmi2: failed to send temp kvs"), so
     the test waits."""
     end = time.monotonic() + timeout
@@ -311,7 +311,7 @@ def test_train_sbatch_signalled_job_checkpoints_and_requeues_itself(cluster, tmp
     preemption or `--signal=TERM@T` does): they checkpoint and exit 75, train.sbatch
     requeues the job, the requeued job (same id, same --name slurm-JOBID, --resume auto)
     continues from the checkpoint and its final model is bitwise equal to an uninterrupted
-    run's. About 3 minutes: Slurm holds a requeued job for ~2 minutes."""
+    run's. About 35 s, 20 of them Slurm holding the requeued job (cred_expire)."""
     reference = uninterrupted_model(tmp_path / "full")
     out = tmp_path / "job.out"
     job_id = submit(PREEMPT_TRAIN, out, tmp_path)
