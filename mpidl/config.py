@@ -95,6 +95,11 @@ OPTIONS = [
            "rank)", choices=("cpu", "gpu")),
     Option("dtype", str, "float32", "float32 or float64 parameters and activations",
            choices=("float32", "float64")),
+    Option("fused_optimizer", str, "auto", "optimizer updates on CPU: on (Numba kernels, one "
+           "pass over memory per parameter), off (NumPy's sequence of array operations), or "
+           "auto (fused when the run makes enough updates to repay loading Numba, about a "
+           "second per process). Both give bitwise the same parameters",
+           choices=("auto", "on", "off")),
     # outputs
     Option("stall_warning", float, None, "seconds a rank may wait in a collective, a "
            "point-to-point call or the parameter server's protocol before it names the "

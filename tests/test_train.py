@@ -38,6 +38,41 @@ def json_lines(text):
 
 
 
+def test_fused_optimizer_auto_picks_numpy_for_a_short_run_with_bitwise_the_same_model(tmp_path):
+    """--fused-optimizer auto skips loading Numba on CPU for a run too short to repay it,
+    and says so in the start line; on/off/auto end with bitwise the same model."""
+    run = ["--model", "mlp", "--dataset", "synthetic", "--limit-train", "256",
+           "--limit-test", "64", "--batch-size", "32", "--epochs", "2", "--dtype", "float64"]
+    starts = {}
+    for choice in ("auto", "on", "off"):
+        launch = train([*run, "--fused-optimizer", choice, "--out-dir", tmp_path / choice])
+        starts[choice] = launch.check().output.splitlines()[0]
+    assert "NumPy updates" in starts["auto"] and "NumPy updates" in starts["off"], starts
+    assert "NumPy updates" not in starts["on"], starts
+    for choice in ("on", "off"):
+        assert_bitwise_equal(model_arrays(tmp_path / "auto" / "model.npz"),
+                             model_arrays(tmp_path / choice / "model.npz"))
+
+
+@pytest.mark.parametrize("choice, parameters, steps, device, want", [
+    ("auto", 2_000_000, 100, "cpu", False),        # a short run: NumPy
+    ("auto", 2_000_000, 2000, "cpu", None),        # a long one: the fused kernels
+    ("auto", 2_000_000, None, "cpu", None),        # steps unknown: as the library's default
+    ("auto", 2_000_000, 100, "gpu", None),         # CuPy's kernels cost nothing to load
+    ("on", 10, 1, "cpu", None),
+    ("off", 10**9, 10**6, "cpu", False),
+])
+def test_fused_optimizer_choice(monkeypatch, choice, parameters, steps, device, want):
+    from types import SimpleNamespace
+
+    from mpidl import backend
+    from mpidl.cli.train import fused_updates
+
+    monkeypatch.setattr(backend, "device", lambda: device)
+    cfg = SimpleNamespace(fused_optimizer=choice)
+    assert fused_updates(cfg, parameters, steps) is want
+
+
 @needs_fashion
 def test_mlp_learns_fashion_mnist_subset(tmp_path):
     out = tmp_path / "run"

@@ -181,7 +181,8 @@ def prepare(args, world):
     if cfg.limit_train or cfg.limit_test:
         dataset = dataset.limit(cfg.limit_train, cfg.limit_test)
 
-    model, optimizer = build_model_and_optimizer(cfg, dataset, init)
+    model, optimizer = build_model_and_optimizer(cfg, dataset, init,
+                                                 planned_steps(cfg, dataset, world.size))
     from mpidl.runtime.precision import check_model  # noqa: PLC0415
 
     check_model(model, getattr(cfg, "precision", "fp32"))
@@ -249,7 +250,7 @@ def prepare(args, world):
                 f"{cfg.batch_size}/rank = {trainer.loader.global_batch_size} global, "
                 f"{trainer.steps_per_epoch} steps/epoch x {cfg.epochs} epochs | "
                 f"{cfg.optimizer} lr {trainer.base_lr:g} ({cfg.schedule}, warm-up "
-                f"{trainer.warmup_steps} steps) | {blas_threads_note()} | outputs in "
+                f"{trainer.warmup_steps} steps{updates_note(optimizer)}) | {blas_threads_note()} | outputs in "
                 f"{out_dir}")
             unused = runtime.unused_options  # one command line runs on 1 and N ranks
             if unused:
@@ -373,7 +374,15 @@ def read_init(path):
     return arrays, meta
 
 
-def build_model_and_optimizer(cfg, dataset, init=None):
+def planned_steps(cfg, dataset, ranks):
+    """About how many optimizer steps each rank will make: the epochs times the training
+    set over the global batch, counting every rank as a data-parallel replica (so a lower
+    bound under tensor or pipeline parallelism)."""
+    per_step = cfg.batch_size * getattr(cfg, "accumulate", 1) * ranks
+    return cfg.epochs * -(-len(dataset.train_y) // per_step)
+
+
+def build_model_and_optimizer(cfg, dataset, init=None, steps=None):
     """Model and optimizer; a model that does not fit the data is a UserError.
 
     With ``init`` (from ``read_init``) the model is built as it was saved and its weights
@@ -419,7 +428,7 @@ def build_model_and_optimizer(cfg, dataset, init=None):
             raise ConfigError(f"--init {cfg.init}: weights do not fit model {cfg.model!r}: "
                               f"{e}") from None
     check_model_fits(model, dataset, where, cfg.dtype)
-    return model, make_optimizer(cfg, model)
+    return model, make_optimizer(cfg, model, steps)
 
 
 def _taking(models, option):
@@ -464,12 +473,34 @@ def check_model_fits(model, dataset, where, dtype):
                         f"sample, expected {per_sample} {what}")
 
 
-def make_optimizer(cfg, model):
+def make_optimizer(cfg, model, steps=None):
+    """The optimizer of ``cfg``; ``steps`` (planned per rank) lets ``--fused-optimizer
+    auto`` skip the Numba kernels on CPU for a run too short to repay loading them."""
     from mpidl.engine import optim  # noqa: PLC0415
 
     params = model.named_parameters()
+    fused = fused_updates(cfg, sum(p.data.size for _, p in params), steps)
     if cfg.optimizer == "sgd":
         return optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                         weight_decay=cfg.weight_decay)
+                         weight_decay=cfg.weight_decay, fused=fused)
     cls = {"adam": optim.Adam, "adamw": optim.AdamW}[cfg.optimizer]
-    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+
+
+def updates_note(optimizer):
+    """For the start line: how the optimizer updates, when it is not the fused kernels."""
+    return ", NumPy updates" if optimizer.fused is False else ""
+
+
+def fused_updates(cfg, parameters, steps):
+    """The optimizer's ``fused`` argument for ``--fused-optimizer``: None (the fused kernels
+    where they exist) or False (NumPy's operations). ``auto`` is None on a GPU (CuPy's
+    kernels cost nothing to load) and on CPU when the run repays loading Numba."""
+    from mpidl import backend  # noqa: PLC0415
+    from mpidl.engine import _fused  # noqa: PLC0415
+
+    choice = getattr(cfg, "fused_optimizer", "auto")
+    if choice == "auto":
+        long_run = steps is None or _fused.pays_back(parameters, steps)
+        return None if long_run or backend.device() == "gpu" else False
+    return None if choice == "on" else False

@@ -11,6 +11,19 @@ import math
 
 _KERNELS = {}
 
+#: parameter updates (parameters x steps) a run must make before the fused kernels repay
+#: what they cost to load: importing Numba and loading its cached machine code takes about a
+#: second per process, and one pass instead of NumPy's 4-6 saves about half a nanosecond
+#: per parameter per step (README, "Fused optimizer updates", has the measurements)
+PAYBACK_UPDATES = 2e9
+
+
+def pays_back(parameters, steps):
+    """Whether ``steps`` updates of ``parameters`` numbers repay loading the kernels: true
+    for a long run of a large model; false for the short runs of tests, sweeps and smoke
+    checks, whose start-up the load would dominate."""
+    return parameters * steps >= PAYBACK_UPDATES
+
 
 def _compile():
     import numba  # noqa: PLC0415 - optional, and slow to import: only when first needed
