@@ -197,6 +197,20 @@ def test_digits():
     assert d.train_x.dtype == np.float32
 
 
+def test_digits_read_from_the_file_are_scikit_learns_arrays():
+    """digits reads scikit-learn's table itself (importing scikit-learn takes seconds a
+    process): the images and labels are exactly load_digits'."""
+    load_digits = pytest.importorskip("sklearn.datasets").load_digits
+    from mpidl.data.datasets import digits_file
+
+    table = np.loadtxt(digits_file(), delimiter=",")
+    want = load_digits()
+    np.testing.assert_array_equal(table[:, :-1].reshape(-1, 8, 8), want.images)
+    np.testing.assert_array_equal(table[:, -1].astype(np.int64), want.target)
+    d = load_dataset("digits")
+    assert sorted(np.concatenate([d.train_y, d.test_y]).tolist()) == sorted(want.target.tolist())
+
+
 def test_synthetic_is_seeded_and_learnable():
     a = load_dataset("synthetic", seed=3, n_train=2000, n_test=500)
     b = load_dataset("synthetic", seed=3, n_train=2000, n_test=500)
