@@ -197,6 +197,31 @@ def test_digits():
     assert d.train_x.dtype == np.float32
 
 
+def test_byte_images_standardize_as_float_images_bitwise():
+    """The byte path (integer sums, a 256-entry table) gives the arrays of the general
+    float path: on Fashion-MNIST when installed, and on random images of 1-3 channels."""
+    from mpidl.data import datasets
+
+    rng = np.random.default_rng(0)
+    cases = []
+    for _ in range(100):
+        shape = (int(rng.integers(1, 200)), int(rng.integers(1, 4)), 3, 3)
+        hi = int(rng.integers(1, 257))
+        cases.append((rng.integers(0, hi, shape, dtype=np.uint8),
+                      rng.integers(0, 256, (5,) + shape[1:], dtype=np.uint8)))
+    if os.path.isdir(FASHION_DIR):
+        from mpidl.data.idx import read_idx
+
+        cases.append(tuple(read_idx(os.path.join(FASHION_DIR, f), ndim=3)[:, None] for f in
+                           ("train-images-idx3-ubyte.gz", "t10k-images-idx3-ubyte.gz")))
+    for train_x, test_x in cases:
+        fast = datasets.standardize(train_x, test_x)
+        general = datasets._standardize_floats(train_x, test_x)
+        for a, b in zip(fast, general):
+            assert a.dtype == np.float32
+            np.testing.assert_array_equal(a, b)
+
+
 def test_digits_read_from_the_file_are_scikit_learns_arrays():
     """digits reads scikit-learn's table itself (importing scikit-learn takes seconds a
     process): the images and labels are exactly load_digits'."""
