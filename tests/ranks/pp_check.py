@@ -66,12 +66,14 @@ def make(name, optimizer, dropout):
         model = build_model("mlp", input_shape=SHAPES[name], num_classes=10, seed=3,
                             dtype="float64", hidden=(12,) * 8, dropout=dropout)
     named = model.named_parameters()
+    # NumPy updates (fused=False): the models are tiny, and loading Numba would cost each of
+    # up to 8 ranks a second; the fused kernels are bitwise these (tests/test_optim.py)
     if optimizer == "sgd":
-        opt = SGD(named, lr=0.05, momentum=0.9, weight_decay=1e-4)
+        opt = SGD(named, lr=0.05, momentum=0.9, weight_decay=1e-4, fused=False)
     elif optimizer == "adamw":
-        opt = AdamW(named, lr=2e-3, weight_decay=0.01)
+        opt = AdamW(named, lr=2e-3, weight_decay=0.01, fused=False)
     else:
-        opt = Adam(named, lr=1e-3)
+        opt = Adam(named, lr=1e-3, fused=False)
     return model, opt
 
 

@@ -54,8 +54,10 @@ def make(name, optimizer, dropout):
                         input_shape=SHAPES[name], num_classes=CLASSES.get(name, 10), seed=3,
                         dtype="float64", **opts)
     named = model.named_parameters()
-    opt = (SGD(named, lr=0.05, momentum=0.9, weight_decay=1e-4) if optimizer == "sgd"
-           else Adam(named, lr=1e-3))
+    # NumPy updates (fused=False): the models are tiny, and loading Numba would cost each of
+    # up to 8 ranks a second; the fused kernels are bitwise these (tests/test_optim.py)
+    opt = (SGD(named, lr=0.05, momentum=0.9, weight_decay=1e-4, fused=False)
+           if optimizer == "sgd" else Adam(named, lr=1e-3, fused=False))
     return model, opt
 
 
