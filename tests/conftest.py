@@ -14,6 +14,11 @@ def pytest_configure(config):
                             "each other MPI (collectives incl. float16, data parallelism, "
                             "one-line errors, fp16 compression, launcher behaviour): "
                             "pytest -m mpi_matrix")
+    config.addinivalue_line("markers", "mpi_matrix_extra: one multi-rank test of each other "
+                            "part (groups, point-to-point, one-sided, ZeRO, pipeline, tensor "
+                            "parallelism, stalls, signals, finalize) that CI runs again under "
+                            "Open MPI 5 beside the mpi_matrix slice: "
+                            "pytest -m 'mpi_matrix or mpi_matrix_extra'")
 
 
 def pytest_collection_modifyitems(config, items):

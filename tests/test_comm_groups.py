@@ -20,7 +20,8 @@ SCRIPT = os.path.join(HERE, "ranks", "comm_groups.py")
 
 
 @pytest.mark.parametrize("n, args", [
-    (4, ["--dp", "2", "--tp", "2", "--grid", "full"]),
+    pytest.param(4, ["--dp", "2", "--tp", "2", "--grid", "full"],
+                 marks=pytest.mark.mpi_matrix_extra),
     (8, ["--dp", "2", "--tp", "4", "--grid", "full"]),
     (8, ["--dp", "4", "--tp", "2", "--order", "tp,dp,pp"]),
 ], ids=["2x2-full-grid", "2x4-full-grid", "4x2-tp-outer"])
@@ -59,7 +60,7 @@ def test_groups_with_eager_progress():
 
 
 @pytest.mark.parametrize("n, args", [
-    (8, ["--dp", "4", "--tp", "2"]),
+    pytest.param(8, ["--dp", "4", "--tp", "2"], marks=pytest.mark.slow),
     (8, ["--dp", "2", "--tp", "2", "--pp", "2"]),
 ], ids=["4x2-full-grid", "2x2x2-full-grid"])
 def test_mesh_groups_full_grid(n, args):

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from mpirun import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,6 +25,7 @@ def test_eager_progress_when_asked(tmp_path):
     assert "progress mode eager" in launch.output, launch.output
 
 
+@pytest.mark.mpi_matrix_extra
 def test_exit_does_not_hang_on_an_orphaned_nonblocking_collective():
     launch = run_ranks(2, [os.path.join(HERE, "ranks", "comm_exit_stall.py")], timeout=60,
                        env={"MPIDL_EXIT_TIMEOUT": "2"}, module_mpi4py=False).check()

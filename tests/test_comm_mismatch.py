@@ -3,11 +3,14 @@
 import os
 import time
 
+import pytest
+
 from mpirun import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.mpi_matrix_extra
 def test_mismatch_raises_on_all_ranks_naming_tensor_and_ranks():
     t0 = time.perf_counter()
     launch = run_ranks(3, [os.path.join(HERE, "ranks", "comm_mismatch.py")], timeout=60)

@@ -278,7 +278,8 @@ def test_cli_errors(tmp_path, monkeypatch):
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tie", [False, pytest.param(True, marks=pytest.mark.mpi_matrix_extra)],
+                         ids=["untied", "tied"])
 def test_two_ranks_equal_one_process_at_the_global_batch(tmp_path, tie):
     """float64, AdamW, 2 epochs: every parameter within 1e-12 of the one-process run."""
     data = corpus(tmp_path)

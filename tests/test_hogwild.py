@@ -43,7 +43,7 @@ def _sparse(*extra, ranks=3):
     return json.loads(line[len("HOGWILD "):])
 
 
-@pytest.mark.parametrize("locks", [False, True])
+@pytest.mark.parametrize("locks", [False, pytest.param(True, marks=pytest.mark.mpi_matrix_extra)])
 def test_sparse_logistic_regression_matches_serial_sgd(locks):
     """Two lock-free workers (and the locked comparison) reach serial SGD's loss, within
     2 %, at equal updates; every update's staleness is recorded, and locks make it 0.

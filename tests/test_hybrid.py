@@ -45,7 +45,8 @@ def small(input_shape, num_classes, rng, dtype):
 '''
 
 
-@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("p", [pytest.param(2, marks=pytest.mark.mpi_matrix_extra), 3,
+                               pytest.param(4, marks=pytest.mark.slow)])
 def test_equals_one_process_and_counted_bytes_equal_the_formula(p):
     out = run_ranks(p, [CHECK], timeout=180).check().output
     for kind, n in (("cnn", 4 * p), ("cnn", 3 * p + 1), ("head", 3 * p + 1)):

@@ -31,7 +31,8 @@ class FakeComm:
         self.rank, self.size = rank, size
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.mpi_matrix_extra), 3,
+                               pytest.param(4, marks=pytest.mark.slow)])
 def test_identities_and_bytes_on_n_ranks(n):
     out = run_ranks(n, [os.path.join(HERE, "ranks", "local_sgd_check.py")],
                     timeout=240).check().output

@@ -163,7 +163,8 @@ def test_epoch_quorum_ends_epochs_without_the_straggler(results, case):
     assert all(w["finite"] for w in workers)
 
 
-@pytest.mark.parametrize("bad", ["shape", "dtype"])
+@pytest.mark.parametrize("bad", [pytest.param("shape", marks=pytest.mark.mpi_matrix_extra),
+                                 "dtype"])
 def test_bad_push_ends_every_rank_with_the_message(bad):
     t0 = time.monotonic()
     launch = run_ranks(3, [CHECK, "--bad-push", bad], timeout=60)
@@ -193,6 +194,7 @@ def _cli_ready():
     return _mpidl() is not None
 
 
+@pytest.mark.mpi_matrix_extra
 @pytest.mark.skipif(not _cli_ready(), reason="needs the engine's models and the communicator")
 def test_cli_ps_two_servers_ssp_with_straggler(tmp_path):
     from mpirun import mpiexec_cmd

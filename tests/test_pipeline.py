@@ -415,6 +415,7 @@ def test_three_d_zero1_checkpoint_resumes_as_plain_data_parallelism(tmp_path):
     assert worst <= 1e-12, worst
 
 
+@pytest.mark.mpi_matrix_extra
 def test_given_stage_costs_and_emulated_compute_from_the_command_line(tmp_path):
     """--stage-costs cuts where the costs say (the last layer alone weighs as much as the
     five before it), the cut is printed before training, and --emulate-compute runs the

@@ -104,7 +104,9 @@ def stop_line(output):
     return lines[0]
 
 
-@pytest.mark.parametrize("sig, n", [(signal.SIGTERM, 2), (signal.SIGUSR1, 2),
+@pytest.mark.parametrize("sig, n", [(signal.SIGTERM, 2),
+                                    pytest.param(signal.SIGUSR1, 2,
+                                                 marks=pytest.mark.mpi_matrix_extra),
                                     (signal.SIGINT, 2), (signal.SIGTERM, None)],
                          ids=["SIGTERM-mpiexec-2", "SIGUSR1-mpiexec-2", "SIGINT-mpiexec-2",
                               "SIGTERM-one-process"])

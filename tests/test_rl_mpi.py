@@ -97,6 +97,7 @@ def test_lockstep_is_reproducible(apex_det, tmp_path):
         assert (d / f).read_text() == (d2 / f).read_text(), f
 
 
+@pytest.mark.mpi_matrix_extra
 def test_gorila_deterministic_equals_single_process_replay(tmp_path):
     from mpidl.rl.replay_check import load_run, replay_gorila
 

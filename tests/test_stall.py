@@ -179,7 +179,8 @@ def test_point_to_point_wait_names_the_peer(tmp_path):
     assert elapsed < 25, elapsed
 
 
-@pytest.mark.parametrize("algorithm", ["mpi", "tree"])
+@pytest.mark.parametrize("algorithm", [pytest.param("mpi", marks=pytest.mark.mpi_matrix_extra),
+                                       pytest.param("tree", marks=pytest.mark.slow)])
 def test_a_straggler_is_not_a_mismatch(algorithm):
     from mpirun import run_ranks  # noqa: PLC0415
 

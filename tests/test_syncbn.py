@@ -11,7 +11,7 @@ from mpidl.engine import BatchNorm1d, BatchNorm2d, ShapeError, build_model, conv
 RANKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ranks")
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.mpi_matrix_extra), 3])
 def test_sync_batchnorm_on_n_ranks_equals_one_process(n):
     launch = run_ranks(n, [os.path.join(RANKS, "syncbn_check.py")], timeout=120).check()
     assert f"syncbn ok: {n} ranks, 8 cases" in launch.output

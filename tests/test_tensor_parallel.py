@@ -92,7 +92,7 @@ def test_pairs_are_column_then_row_and_the_last_linear_slices_the_classes():
 # -- real ranks --------------------------------------------------------------------------------
 
 CASES = [  # (ranks, model, T, steps, optimizer, dropout)
-    (2, "mlp", 2, 100, "sgd", 0.0),
+    pytest.param(2, "mlp", 2, 100, "sgd", 0.0, marks=pytest.mark.mpi_matrix_extra),
     (3, "mlp", 3, 100, "adam", 0.2),   # uneven slices, dropout inside the pairs
     (4, "cnn", 4, 30, "sgd", 0.0),
     (4, "mlp", 2, 50, "adam", 0.0),    # DP x TP = 2 x 2

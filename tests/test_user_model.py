@@ -157,6 +157,7 @@ print(f"rank {r} OWN LOOP OK {worst:.1e}", flush=True)
 '''
 
 
+@pytest.mark.mpi_matrix_extra
 def test_distributed_optimizer_in_your_own_loop_equals_one_process(tmp_path):
     """Horovod's pattern: 2 ranks with batch b and the wrapped optimizer end where one
     process with batch 2b ends (float64, relative 1e-13)."""

@@ -38,6 +38,7 @@ def check(n, *args, timeout=240):
 
 
 # -- the slice that always runs ---------------------------------------------------------------
+@pytest.mark.mpi_matrix_extra
 def test_stages_1_2_3_bitwise_on_3_ranks_uneven_shards_and_ring_bytes():
     out = check(3, "--model", "mlp", "--optimizers", "adam", "--dtypes", "float32",
                 "--stages", "1,2,3", "--steps", "30", "--bucket-mb", "0.001")
