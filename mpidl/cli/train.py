@@ -250,8 +250,8 @@ def prepare(args, world):
                 f"{cfg.batch_size}/rank = {trainer.loader.global_batch_size} global, "
                 f"{trainer.steps_per_epoch} steps/epoch x {cfg.epochs} epochs | "
                 f"{cfg.optimizer} lr {trainer.base_lr:g} ({cfg.schedule}, warm-up "
-                f"{trainer.warmup_steps} steps){updates_note(optimizer)} | {blas_threads_note()} | outputs in "
-                f"{out_dir}")
+                f"{trainer.warmup_steps} steps){updates_note(optimizer)} | "
+                f"{blas_threads_note()} | outputs in {out_dir}")
             unused = runtime.unused_options  # one command line runs on 1 and N ranks
             if unused:
                 flags = ", ".join("--" + k.replace("_", "-") for k in unused)
