@@ -75,6 +75,10 @@ ACCURACY_CONFIGS = [
     ("ssp-1", ["--mode", "ssp", "--staleness", "1"] + ASYNC),
     ("ssp-4", ["--mode", "ssp", "--staleness", "4"] + ASYNC),
     ("backup", ["--mode", "backup"]),
+    # n-softsync, async's settings: c = 1 is async with weighted gradients; c = W averages
+    # W gradients per update, so W times the lr for async's step per sample
+    ("softsync", ["--mode", "softsync"] + ASYNC + ["--lr", "0.45"]),
+    ("softsync-1", ["--mode", "softsync", "--wait", "1"] + ASYNC),
 ]
 
 

@@ -17,7 +17,7 @@ from mpidl.ps.server import ParameterServer, _mean
 from mpidl.ps.sharding import shard_parameters
 from mpidl.runtime import build
 from mpidl.runtime.schedule import MicroBatches, Transient, parse_straggler
-from mpidl.runtime.sync.pushpull import summarize
+from mpidl.runtime.sync.pushpull import mode_config, summarize
 
 
 def _params(*shapes, dtype=np.float32):
@@ -67,6 +67,18 @@ def test_mode_config_checks():
         ModeConfig("ssp", staleness=-1).check(3)
     with pytest.raises(ConfigError, match="async or ssp only"):
         ModeConfig("sync", staleness_aware_lr=True).check(3)
+    assert ModeConfig("softsync").check(3).quorum(3) == 3  # default: 1-softsync
+    assert ModeConfig("softsync", wait=1).check(3).quorum(3) == 1
+    with pytest.raises(ConfigError, match=r"--wait 4: softsync .* 1 <= c <= 3"):
+        ModeConfig("softsync", wait=4).check(3)
+    with pytest.raises(ConfigError, match="async or ssp only"):
+        ModeConfig("softsync", staleness_aware_lr=True).check(3)  # softsync weighs already
+    with pytest.raises(ConfigError, match="--wait applies to --mode backup or softsync"):
+        mode_config(3, "sync", wait=2)
+    with pytest.raises(ConfigError, match=r"--staleness applies to --mode ssp \(got --mode "
+                       "async\)"):
+        mode_config(3, "async", staleness=1)
+    assert mode_config(3, "ssp", staleness=0).staleness == 0
     assert ModeConfig("async", epoch_quorum=2).check(3).epoch_quorum == 2
     with pytest.raises(ConfigError, match="--epoch-quorum applies to --mode async, ssp or "
                        "backup"):
@@ -175,6 +187,20 @@ def test_summarize_sums_servers():
 
 
 # -- averaging
+
+def test_staleness_weight_and_weighted_mean():
+    from mpidl.ps.modes import staleness_weight  # noqa: PLC0415
+
+    assert [staleness_weight(t) for t in (0, 1, 2, 4)] == [1.0, 1.0, 0.5, 0.25]
+    a, b = np.array([1.0, 2.0]), np.array([4.0, 8.0])
+    assert _mean([a, b], 2, weights=[1.0, 0.5]).tolist() == [1.5, 3.0]
+    assert _mean([a, b], 2, weights=[1.0, 1.0]).tolist() == _mean([a, b], 2).tolist()
+    assert a.tolist() == [1.0, 2.0] and b.tolist() == [4.0, 8.0]  # inputs untouched
+    s = SparseGrad(np.array([1]), np.array([[2.0, 4.0]]), (3, 2))
+    got = _mean([s, s], 2, weights=[1.0, 0.25])
+    assert isinstance(got, SparseGrad)
+    assert got.to_dense().tolist() == [[0, 0], [1.25, 2.5], [0, 0]]
+
 
 def test_mean_dense_and_sparse():
     a, b = np.ones(4, np.float32), np.full(4, 3, np.float32)

@@ -70,8 +70,8 @@ def test_one_worker_every_mode_gives_sync_parameters(results):
     rows = results["one_worker"]
     worker = next(r for r in rows if "vs_sync" in r)
     server = next(r for r in rows if "counts" in r)
-    assert sorted(worker["vs_sync"]) == sorted(["sync", "async", "async_salr", "ssp0",
-                                                "ssp2", "backup"])
+    assert sorted(worker["vs_sync"]) == sorted(["sync", "async", "async_salr", "softsync",
+                                                "ssp0", "ssp2", "backup"])
     assert all(d == 0.0 for d in worker["vs_sync"].values()), worker["vs_sync"]
     assert worker["vs_reference"] <= 1e-12
     for mode, c in server["counts"].items():
@@ -88,7 +88,7 @@ def test_sparse_gradients_travel_as_rows(results):
 
 
 MODES = ["mode_sync", "mode_async", "mode_async_salr", "mode_ssp1", "mode_ssp3",
-         "mode_backup"]
+         "mode_backup", "mode_softsync"]
 
 
 @pytest.mark.parametrize("case", MODES)
@@ -139,6 +139,21 @@ def test_async_and_ssp_equal_a_replay_of_the_servers_schedule(results, case):
     r = results[case][0]
     assert r["stale"] > 0 and r["max_staleness"] >= 2, r  # staleness really happened
     assert r["vs_replay"] <= 1e-12, r
+
+
+@pytest.mark.parametrize("case, c", [("replay_softsync1", 1), ("replay_softsync2", 2),
+                                     ("replay_softsync3", 3)])
+def test_softsync_equals_a_replay_of_its_weighted_groups(results, case, c):
+    """n-softsync with c = 1, 2 and 3 (the default: all 3 workers) of 3 workers, a 3x
+    straggler, float64: each update is the mean of c gradients (fewer only at an epoch's
+    end), each weighted by 1/staleness; recomputing them from the trace gives the
+    server's parameters. No worker waits for an update, so gradients are stale."""
+    r = results[case]
+    row = r[0]
+    assert row["vs_replay"] <= 1e-12, row
+    assert max(row["group_sizes"]) == c and min(row["group_sizes"]) >= 1, row
+    assert row["updates"] < row["pushes"] or c == 1, row
+    assert row["stale"] > 0, row
 
 
 @pytest.mark.parametrize("case", ["quorum_async", "quorum_ssp", "quorum_backup"])

@@ -20,11 +20,21 @@ server's version (number of updates applied) of the parameters it was computed f
 - ssp (``staleness=s``): applied on arrival like async, but the answer to a push of
   clock ``t`` waits until the slowest active worker has reached clock ``t + 1 - s``, so
   no worker starts step ``t + 1`` more than ``s`` clocks ahead of the slowest.
+- softsync (``wait=c``; n-softsync of Zhang et al., IJCAI 2016, with n = workers / c):
+  each push is answered at once with the current parameters, so no worker ever waits
+  for another; every ``c`` pushes, whatever their versions, make one update from their
+  staleness-weighted mean ``(1/c) sum_l w(tau_l) g_l``, where ``tau_l`` is the number of
+  updates between the version a gradient was computed from and the one it is applied to,
+  and ``w(tau) = 1/tau`` for ``tau >= 1``, ``w(0) = 1`` (``staleness_weight``). With
+  ``c = workers`` (the default, 1-softsync) the mean staleness is about 1; with ``c = 1``
+  it is async with each gradient scaled by ``w``. When every worker still pushing waits
+  at the epoch barrier (or has ended), a partial group is applied as the mean of its
+  pushes.
 """
 
 from dataclasses import dataclass
 
-MODES = ("sync", "async", "ssp", "backup")
+MODES = ("sync", "async", "ssp", "backup", "softsync")
 
 
 @dataclass(frozen=True)
@@ -33,7 +43,8 @@ class ModeConfig:
 
     mode: str = "sync"
     staleness: int = 0          # ssp: the bound s
-    wait: int = 0               # backup: gradients used per step (0: all but one)
+    wait: int = 0               # backup: gradients used per step (0: all but one);
+                                # softsync: gradients per update (0: all workers)
     staleness_aware_lr: bool = False  # async/ssp: lr / max(1, staleness of the gradient)
     epoch_quorum: int = 0       # async/ssp/backup: workers whose finish ends the epoch (0: all)
 
@@ -51,6 +62,10 @@ class ModeConfig:
                 raise ConfigError(f"--wait {self.wait}: backup mode uses the first k of "
                                   f"{num_workers} workers' gradients, so 1 <= k <= "
                                   f"{num_workers}")
+        if self.mode == "softsync" and not 1 <= self.quorum(num_workers) <= num_workers:
+            raise ConfigError(f"--wait {self.wait}: softsync makes each update from c "
+                              f"gradients of the {num_workers} workers, so 1 <= c <= "
+                              f"{num_workers}")
         if self.epoch_quorum:
             if self.mode == "sync":
                 raise ConfigError("--epoch-quorum applies to --mode async, ssp or backup: in "
@@ -68,11 +83,18 @@ class ModeConfig:
     def quorum(self, num_workers):
         if self.mode == "backup":
             return self.wait if self.wait > 0 else max(1, num_workers - 1)
+        if self.mode == "softsync" and self.wait > 0:
+            return self.wait
         return num_workers
 
     def policy(self):
         return {"sync": QuorumMode, "backup": QuorumMode, "async": AsyncMode,
-                "ssp": SSPMode}[self.mode](self)
+                "ssp": SSPMode, "softsync": SoftsyncMode}[self.mode](self)
+
+
+def staleness_weight(tau):
+    """softsync's weight of a gradient of staleness ``tau``: 1/tau, and 1 for a fresh one."""
+    return 1.0 / max(1, tau)
 
 
 class QuorumMode:
@@ -138,3 +160,28 @@ class SSPMode:
             if slowest is None or srv.epoch_cut or t + 1 - slowest <= self.cfg.staleness:
                 del self.held[w]
                 srv.reply(w)
+
+
+class SoftsyncMode:
+    """n-softsync: answer every push at once; each c pushes make one weighted update."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.group = []  # pushes not applied yet, in arrival order
+
+    def on_push(self, srv, push):
+        self.group.append(push)
+        if len(self.group) >= self.cfg.quorum(srv.num_workers):
+            self._apply(srv)
+        else:
+            srv.keep(push)  # answered now, applied later
+        srv.reply(push.worker)  # (after the update when this push completed the group)
+
+    def recheck(self, srv):
+        # nobody left to fill the group before the barrier: apply what there is
+        if self.group and not srv.pushing():
+            self._apply(srv)
+
+    def _apply(self, srv):
+        group, self.group = self.group, []
+        srv.apply(group, weights=[staleness_weight(p.staleness) for p in group])

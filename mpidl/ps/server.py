@@ -37,6 +37,7 @@ class Push:
     lead: int = 0
     staleness: int = 0
     lr: float = None  # the worker's learning rate for this step (its schedule's value)
+    row: list = None  # its row of the server's trace, when it keeps one
 
 
 @dataclass
@@ -61,7 +62,9 @@ class ServerStats:
     wall_s: float = 0.0
     cpu_s: float = 0.0
     idle_s: float = 0.0
-    trace: list = field(default_factory=list)  # (worker, clock, lead, staleness, applied)
+    # (worker, clock, lead, staleness, applied, update): update is the version the push
+    # was applied to (None when dropped)
+    trace: list = field(default_factory=list)
 
     #: what a checkpoint keeps, so that a resumed run's counts go on from there
     CUMULATIVE = ("pushed", "applied", "dropped", "pulls", "pushes_by_worker",
@@ -170,7 +173,9 @@ class ParameterServer:
     def _into_buffer(self, source):
         """A push is received into buffers kept per (worker, array): no allocation per
         step. Safe to reuse: a worker pushes again only after its answer, and the answer
-        comes after the push was applied or dropped, when nothing refers to it any more."""
+        comes after the push was applied or dropped, when nothing refers to it any more —
+        except where a mode answers first and applies later (softsync), which calls
+        ``keep(push)`` so that the worker's next push goes into new buffers."""
         def into(header, i, shape, dtype):
             if header.get("kind") != "push":
                 return None
@@ -241,7 +246,8 @@ class ParameterServer:
         push = Push(w, clock, int(header["version"]), grads, lead, staleness,
                     header.get("lr"))
         if self.trace:
-            st.trace.append([w, clock, lead, staleness, 1])
+            push.row = [w, clock, lead, staleness, 1, None]
+            st.trace.append(push.row)
         self.policy.on_push(self, push)
 
     def _maybe_pass_barrier(self):
@@ -349,23 +355,30 @@ class ParameterServer:
             return 1.0 / max(1, push.staleness)
         return 1.0
 
+    def keep(self, push):
+        """``push`` stays unapplied after its worker is answered: its arrays must not be
+        reused for that worker's next push (``_into_buffer``)."""
+        for key in [k for k in self._recv_buffers if k[0] == push.worker]:
+            del self._recv_buffers[key]
+
     def drop(self, push):
         self.stats.dropped += 1
         self.stats.dropped_by_worker[push.worker] += 1
-        if self.trace:
-            for row in reversed(self.stats.trace):
-                if row[0] == push.worker and row[1] == push.clock:
-                    row[4] = 0
-                    break
+        if push.row is not None:
+            push.row[4] = 0
 
-    def apply(self, pushes, lr_scale=1.0):
-        """One optimizer step from the mean of ``pushes`` (summed in worker order)."""
-        pushes = sorted(pushes, key=lambda p: p.worker)
+    def apply(self, pushes, lr_scale=1.0, weights=None):
+        """One optimizer step from the mean of ``pushes`` (summed in worker order, then
+        clock order), each push's gradient times its entry of ``weights`` if given."""
+        weights = [1.0] * len(pushes) if weights is None else list(weights)
+        order = sorted(range(len(pushes)), key=lambda i: (pushes[i].worker, pushes[i].clock))
+        pushes, weights = [pushes[i] for i in order], [weights[i] for i in order]
         n = len(pushes)
         present = [name for name in self.names if any(name in p.grads for p in pushes)]
         for name in present:
-            parts = [p.grads[name] for p in pushes if name in p.grads]
-            self.params[name].grad = _mean(parts, n, self._sums, name)
+            parts = [(p.grads[name], w) for p, w in zip(pushes, weights) if name in p.grads]
+            self.params[name].grad = _mean([g for g, _ in parts], n, self._sums, name,
+                                           weights=[w for _, w in parts])
         lr = pushes[-1].lr
         if lr is not None and hasattr(self.optimizer, "lr"):
             self.optimizer.lr = lr  # the workers run the schedule; the server follows it
@@ -374,6 +387,9 @@ class ParameterServer:
                 self.optimizer.step(names=present)
         for name in present:
             self.params[name].grad = None
+        for p in pushes:
+            if p.row is not None:
+                p.row[5] = self.version
         self.version += 1
         self.stats.applied += n
         if self.on_update is not None:
@@ -440,10 +456,13 @@ class ParameterServer:
         raise PSError(message)
 
 
-def _mean(parts, n, sums=None, name=None):
-    """Sum ``parts`` in order and divide by ``n`` (dense, or row-sparse when all are).
+def _mean(parts, n, sums=None, name=None, weights=None):
+    """Sum ``parts`` in order and divide by ``n`` (dense, or row-sparse when all are);
+    ``weights``: one factor per part (a part of weight 1 is used as it is).
 
     ``sums[name]``, when given, is reused as the dense result's storage."""
+    if weights is not None and any(w != 1.0 for w in weights):
+        parts = [_scaled(g, w) for g, w in zip(parts, weights)]
     if n == 1 and len(parts) == 1:
         return parts[0]
     if all(isinstance(g, SparseGrad) for g in parts):
@@ -473,6 +492,15 @@ def _mean(parts, n, sums=None, name=None):
     return total
 
 
+def _scaled(g, w):
+    """``w * g`` for a dense or row-sparse gradient (a new array; ``g`` is kept)."""
+    if w == 1.0:
+        return g
+    if isinstance(g, SparseGrad):
+        return SparseGrad(g.indices, g.values * g.values.dtype.type(w), g.shape)
+    return g * g.dtype.type(w)
+
+
 class _scaled_lr:
     """Scale the optimizer's learning rate for one step (staleness-aware lr)."""
 
@@ -488,11 +516,7 @@ class _scaled_lr:
             self.opt.lr = self.saved * self.scale
         else:  # no settable lr: scaling the gradient is the same for plain SGD
             for p in self.params:
-                if isinstance(p.grad, SparseGrad):
-                    p.grad = SparseGrad(p.grad.indices, p.grad.values * self.scale,
-                                        p.grad.shape)
-                else:
-                    p.grad = p.grad * p.grad.dtype.type(self.scale)
+                p.grad = _scaled(p.grad, self.scale)
 
     def __exit__(self, *exc):
         if self.saved is not None:

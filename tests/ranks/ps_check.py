@@ -237,14 +237,17 @@ def replay_model(dtype):
 
 
 def async_replay(comm, mode="async", **kw):
-    """Async (or SSP) with 3 workers and a straggler, replayed in one process.
+    """Async, SSP or softsync with 3 workers and a straggler, replayed in one process.
 
-    The server's trace gives the order in which pushes were applied and each one's
-    staleness, so the version of the parameters it was computed from (push i of an
-    all-applied run came from version i - staleness). Replaying that schedule —
-    the gradient of worker w's clock-t batch at that old version, then one optimizer
-    step on the newest parameters — must give the server's parameters exactly: any
-    mix-up of buffers, versions or batches between workers shows here."""
+    The server's trace gives, for every push, the update it went into and its staleness,
+    so the version of the parameters it was computed from (that update's number minus
+    the staleness). Replaying that schedule — for each update, the gradients of its pushes'
+    batches at their old versions, weighted as the mode weights them (softsync: 1/staleness;
+    ``--staleness-aware-lr``: the lr divided by it), averaged in (worker, clock) order, then
+    one optimizer step on the newest parameters — must give the server's parameters
+    exactly: any mix-up of buffers, versions, groups or batches between workers shows."""
+    from mpidl.ps.modes import staleness_weight  # noqa: PLC0415
+
     epochs, dtype = 2, "float64"
     s = ps_runtime(comm, servers=1, mode=mode, trace=True,
                                 straggler=f"{comm.size - 1}:3", **kw)
@@ -261,22 +264,38 @@ def async_replay(comm, mode="async", **kw):
     batches = worker_batches(x, y, ((r, sh) for r, sh in enumerate(shards) if sh is not None),
                              epochs, dtype)
     ref, named, opt, loss, versions = replay_model(dtype)
-    for i, (w, clock, _lead, staleness, applied) in enumerate(trace):
-        assert applied, "async/SSP apply every push"
-        lr, xb, yb = batches[w, clock]
-        for n, p in named.items():  # the gradient at the version the worker had
-            p.data[...] = versions[i - staleness][n]
-        ref.zero_grad()
-        loss.forward(ref.forward(xb), yb)
-        ref.backward(loss.backward())
+    updates = {}
+    for w, clock, _lead, staleness, applied, update in trace:
+        assert applied, "async, SSP and softsync apply every push"
+        updates.setdefault(update, []).append((w, clock, staleness))
+    assert sorted(updates) == list(range(len(updates))), "updates numbered 0, 1, ..."
+    for u in range(len(updates)):
+        group = sorted(updates[u])
+        total = {n: 0.0 for n in named}
+        for w, clock, staleness in group:
+            _, xb, yb = batches[w, clock]
+            for n, p in named.items():  # the gradient at the version the worker had
+                p.data[...] = versions[u - staleness][n]
+            ref.zero_grad()
+            loss.forward(ref.forward(xb), yb)
+            ref.backward(loss.backward())
+            weight = staleness_weight(staleness) if mode == "softsync" else 1.0
+            for n, p in named.items():
+                total[n] = total[n] + weight * p.grad
         for n, p in named.items():  # applied to the newest parameters
-            p.data[...] = versions[i][n]
-        opt.lr = lr * (1.0 / max(1, staleness) if kw.get("staleness_aware_lr") else 1.0)
+            p.data[...] = versions[u][n]
+            p.grad = total[n] / len(group)
+        lr = batches[group[-1][0], group[-1][1]][0]
+        scale = 1.0 / max(1, group[0][2]) if kw.get("staleness_aware_lr") else 1.0
+        opt.lr = lr * scale
         opt.step()
         versions.append({n: p.data.copy() for n, p in named.items()})
+    sizes = [len(g) for g in updates.values()]
     out.update(vs_replay=max_rel_diff(final, versions[-1]), pushes=len(trace),
                stale=sum(1 for row in trace if row[3] > 0),
-               max_staleness=max(row[3] for row in trace))
+               max_staleness=max(row[3] for row in trace),
+               mean_staleness=float(np.mean([row[3] for row in trace])),
+               group_sizes=sorted(set(sizes)), updates=len(updates))
     return out
 
 
@@ -299,6 +318,7 @@ def epoch_quorum(comm, mode, **kw):
 
 ONE_WORKER_MODES = [("sync", "sync", {}), ("async", "async", {}),
                     ("async_salr", "async", {"staleness_aware_lr": True}),
+                    ("softsync", "softsync", {}),
                     ("ssp0", "ssp", {"staleness": 0}), ("ssp2", "ssp", {"staleness": 2}),
                     ("backup", "backup", {"wait": 1})]
 
@@ -364,13 +384,17 @@ def main():
                            ("async_salr", "async", {"staleness_aware_lr": True}),
                            ("ssp1", "ssp", {"staleness": 1}),
                            ("ssp3", "ssp", {"staleness": 3}),
-                           ("backup", "backup", {"wait": 2})]:
+                           ("backup", "backup", {"wait": 2}),
+                           ("softsync", "softsync", {"wait": 2})]:
         results["mode_" + name] = world.gather(modes(world, mode, **kw))
     for name, mode, kw in [("async", "async", {}), ("ssp", "ssp", {"staleness": 1}),
                            ("backup", "backup", {"wait": 2})]:
         results["quorum_" + name] = world.gather(epoch_quorum(world, mode, **kw))
     for name, mode, kw in [("async", "async", {}), ("ssp1", "ssp", {"staleness": 1}),
-                           ("async_salr", "async", {"staleness_aware_lr": True})]:
+                           ("async_salr", "async", {"staleness_aware_lr": True}),
+                           ("softsync1", "softsync", {"wait": 1}),
+                           ("softsync2", "softsync", {"wait": 2}),
+                           ("softsync3", "softsync", {})]:
         results["replay_" + name] = world.gather(async_replay(world, mode, **kw))
     for name, kw in [("fp16", {}), ("topk", {"ratio": 0.1}), ("onebit", {}),
                      ("qsgd", {}), ("randomk", {"ratio": 0.25}), ("dgc", {"ratio": 0.1})]:

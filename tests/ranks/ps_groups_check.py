@@ -118,7 +118,7 @@ def replay(trace, shards, epochs, dtype="float64"):
     x, y = dense_data(n=192)
     batches = worker_batches(x, y, shards.items(), epochs, dtype)
     ref, named, opt, loss, versions = replay_model(dtype)
-    for i, (leader, clock, _lead, staleness, applied) in enumerate(trace):
+    for i, (leader, clock, _lead, staleness, applied, _update) in enumerate(trace):
         assert applied
         mean = {}
         for rank in range(leader, leader + GROUP):

@@ -5,7 +5,8 @@ others workers. The parameters are sharded over the servers by size
 (``mpidl.ps.sharding``); each server runs the optimizer for its shard only, so the
 optimizer is *placed on the servers* (``mpidl.runtime.placement.OnServers``) and a
 worker never steps one. ``--mode`` picks how pushes become updates (``mpidl.ps.modes``):
-``sync``, ``async`` (Downpour), ``ssp --staleness s``, ``backup --wait k``;
+``sync``, ``async`` (Downpour), ``ssp --staleness s``, ``backup --wait k``, ``softsync
+--wait c`` (n-softsync: every c gradients, each weighted by 1/staleness, make an update);
 ``--staleness-aware-lr`` divides async/SSP updates by the gradient's staleness.
 
 A step: the first one pulls the servers' parameters; after backward, ``finish`` pushes
@@ -44,15 +45,17 @@ OPTIONS = [
            "0..S-1; parameters sharded over them); default 1", "parallelism", metavar="S",
            check=lambda v: None if v >= 1 else "must be at least 1"),
     Option("mode", str, None, "--strategy ps: sync, async (Downpour), ssp (bounded "
-           "staleness) or backup (first k of n gradients); default sync", "parallelism",
+           "staleness), backup (first k of n gradients) or softsync (each c gradients make "
+           "an update, each weighted by 1/staleness); default sync", "parallelism",
            choices=(None,) + MODES),
     Option("staleness", int, None, "--mode ssp: a worker may run at most this many clocks "
            "ahead of the slowest", "parallelism", metavar="S",
            check=lambda v: None if v >= 0 else "must be at least 0"),
     Option("wait", int, None, "--mode backup: use the first K gradients of each step, drop "
-           "the late ones (default: workers - 1)", "parallelism", metavar="K",
+           "the late ones (default: workers - 1); --mode softsync: gradients per update "
+           "(default: workers)", "parallelism", metavar="K",
            check=lambda v: None if v >= 1 else "must be at least 1 (leave it out for the "
-           "default, workers - 1)"),
+           "default)"),
     Option("epoch_quorum", int, None, "--mode async/ssp/backup: an epoch ends once K "
            "workers finished their share; the others skip the rest of theirs (default: "
            "all workers, so the slowest sets every epoch's length)", "parallelism",
@@ -66,6 +69,11 @@ OPTIONS = [
 def mode_config(num_workers, mode=None, staleness=None, wait=None, staleness_aware_lr=None,
                 epoch_quorum=None):
     """The checked ``ModeConfig`` (the same on every rank)."""
+    mode = mode or "sync"
+    if wait is not None and mode not in ("backup", "softsync"):
+        raise ConfigError(f"--wait applies to --mode backup or softsync (got --mode {mode})")
+    if staleness is not None and mode != "ssp":
+        raise ConfigError(f"--staleness applies to --mode ssp (got --mode {mode})")
     return ModeConfig(mode=(mode or "sync"), staleness=int(staleness or 0),
                       wait=int(wait or 0), staleness_aware_lr=bool(staleness_aware_lr),
                       epoch_quorum=int(epoch_quorum or 0)).check(num_workers)
