@@ -177,12 +177,13 @@ def test_strategy_option_errors():
 
 def test_summarize_sums_servers():
     a = {"pushed": 10, "applied": 7, "dropped": 3, "updates": 4, "max_lead": 2,
-         "sum_staleness": 5}
+         "sum_staleness": 5, "pushes_by_worker": {1: 6, 2: 4}}
     b = {"pushed": 10, "applied": 8, "dropped": 2, "updates": 5, "max_lead": 1,
-         "sum_staleness": 5}
+         "sum_staleness": 5, "pushes_by_worker": {1: 6, 2: 4}}
     s = summarize([a, b])
     assert s["ps_pushed"] == s["ps_applied"] + s["ps_dropped"] == 20
     assert s["ps_updates"] == 5 and s["ps_max_lead"] == 2 and s["ps_mean_staleness"] == 0.5
+    assert s["ps_pushed_by_worker"] == {"1": 6, "2": 4}
     assert summarize(None) == {}
 
 

@@ -30,6 +30,14 @@ server's version (number of updates applied) of the parameters it was computed f
   it is async with each gradient scaled by ``w``. When every worker still pushing waits
   at the epoch barrier (or has ended), a partial group is applied as the mean of its
   pushes.
+- sync with dealt portions (``deal=True``, ``--deal portions``): every worker holds the
+  same global batch, cut into P portions; the first server (the dealer) hands out portion
+  indices on request, in order, to whichever worker asks; each server keeps the portions
+  of its shard as they come and, once it has all P, applies their sum in portion order
+  (each is already scaled by its share of the batch), so the update does not depend on
+  who computed what. When no portion is left undealt, a worker that asks gets a backup
+  copy of one still out (each at most once; the first copy to arrive counts, the other is
+  dropped); otherwise it waits for the update, which every worker gets.
 """
 
 from dataclasses import dataclass
@@ -47,6 +55,7 @@ class ModeConfig:
                                 # softsync: gradients per update (0: all workers)
     staleness_aware_lr: bool = False  # async/ssp: lr / max(1, staleness of the gradient)
     epoch_quorum: int = 0       # async/ssp/backup: workers whose finish ends the epoch (0: all)
+    deal: bool = False          # sync: portions of a global batch dealt on demand
 
     def check(self, num_workers):
         from mpidl.errors import ConfigError
@@ -75,6 +84,10 @@ class ModeConfig:
                 raise ConfigError(f"--epoch-quorum {self.epoch_quorum}: the epoch ends once "
                                   f"K of the {num_workers} workers are done, so 1 <= K <= "
                                   f"{num_workers}")
+        if self.deal and self.mode != "sync":
+            raise ConfigError(f"--deal portions keeps synchronous semantics (one update "
+                              f"from the whole global batch): use it with --mode sync, not "
+                              f"--mode {self.mode}")
         if self.staleness_aware_lr and self.mode not in ("async", "ssp"):
             raise ConfigError("--staleness-aware-lr applies to --mode async or ssp only "
                               f"(got --mode {self.mode})")
@@ -88,6 +101,8 @@ class ModeConfig:
         return num_workers
 
     def policy(self):
+        if self.deal:
+            return DealMode(self)
         return {"sync": QuorumMode, "backup": QuorumMode, "async": AsyncMode,
                 "ssp": SSPMode, "softsync": SoftsyncMode}[self.mode](self)
 
@@ -185,3 +200,69 @@ class SoftsyncMode:
     def _apply(self, srv):
         group, self.group = self.group, []
         srv.apply(group, weights=[staleness_weight(p.staleness) for p in group])
+
+
+class DealMode:
+    """sync with portions dealt on demand (``--deal portions``; module doc)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.total = None     # portions in this step's global batch (the workers say)
+        self.got = {}         # portion -> its push, this version
+        self.undealt = 0      # the next portion never dealt (the dealer's count)
+        self.backed_up = set()  # portions already dealt twice
+        self.idle = set()     # workers told nothing: they wait for the update
+
+    def on_deal(self, srv, worker, version, total):
+        if version != srv.version:
+            return  # asked before an update it has not read yet: its answer is the update
+        self._deal(srv, worker, total)
+
+    def on_push(self, srv, push):
+        if push.version != srv.version or push.portion in self.got:
+            srv.drop(push)  # a backup copy's loser (or the original's), after or before
+            if push.want and push.version == srv.version:
+                self._deal(srv, push.worker, push.portions)
+            return
+        self._check(srv, push)
+        self.got[push.portion] = push
+        srv.keep(push)
+        if len(self.got) == self.total:
+            self._update(srv)
+        elif push.want:
+            self._deal(srv, push.worker, push.portions)
+
+    def recheck(self, srv):
+        pass  # every worker takes part in every step: nobody stops in the middle of one
+
+    def _check(self, srv, push):
+        total = int(push.portions or 0)
+        if self.total is None:
+            self.total = total
+        if total != self.total or not 0 <= int(push.portion) < total:
+            srv._fail(f"worker rank {push.worker} pushed portion {push.portion} of "
+                      f"{push.portions}, but this step has {self.total} portions; do all "
+                      "ranks run the same --batch-size and --portion-size?")
+
+    def _deal(self, srv, worker, total):
+        if self.total is None:
+            self.total = total
+        if self.undealt < self.total:
+            portion = self.undealt
+            self.undealt += 1
+        else:
+            out = [k for k in range(self.total)
+                   if k not in self.got and k not in self.backed_up]
+            if not out:
+                self.idle.add(worker)
+                return
+            portion = out[0]  # the oldest still out: most likely the straggler's
+            self.backed_up.add(portion)
+        srv.deal(worker, portion)
+
+    def _update(self, srv):
+        pushes = [self.got[k] for k in sorted(self.got)]
+        self.total, self.got, self.undealt = None, {}, 0
+        self.backed_up, self.idle = set(), set()
+        srv.apply(pushes, portions=True)
+        srv.reply_many(sorted(srv.active))

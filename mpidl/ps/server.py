@@ -38,6 +38,9 @@ class Push:
     staleness: int = 0
     lr: float = None  # the worker's learning rate for this step (its schedule's value)
     row: list = None  # its row of the server's trace, when it keeps one
+    portion: int = None  # --deal portions: which portion of the step's global batch
+    portions: int = None  # ... of how many
+    want: bool = False    # ... and the worker asks this server (the dealer) for another
 
 
 @dataclass
@@ -193,6 +196,12 @@ class ParameterServer:
         kind = header.get("kind")
         if kind == "push":
             self._on_push(source, header, arrays)
+        elif kind == "deal":  # --deal portions: a worker asks the dealer for a portion
+            self._check_worker(source, "deal")
+            if not hasattr(self.policy, "on_deal"):
+                self._fail(f"worker rank {source} asked for a portion, but this server does "
+                           "not deal portions; give every rank the same --deal")
+            self.policy.on_deal(self, source, int(header["version"]), int(header["portions"]))
         elif kind == "pull":
             self.stats.pulls += 1
             self.reply(source)
@@ -244,7 +253,8 @@ class ParameterServer:
         st.max_staleness = max(st.max_staleness, staleness)
         st.sum_staleness += staleness
         push = Push(w, clock, int(header["version"]), grads, lead, staleness,
-                    header.get("lr"))
+                    header.get("lr"), portion=header.get("portion"),
+                    portions=header.get("portions"), want=bool(header.get("want")))
         if self.trace:
             push.row = [w, clock, lead, staleness, 1, None]
             st.trace.append(push.row)
@@ -367,13 +377,17 @@ class ParameterServer:
         if push.row is not None:
             push.row[4] = 0
 
-    def apply(self, pushes, lr_scale=1.0, weights=None):
+    def apply(self, pushes, lr_scale=1.0, weights=None, portions=False):
         """One optimizer step from the mean of ``pushes`` (summed in worker order, then
-        clock order), each push's gradient times its entry of ``weights`` if given."""
+        clock order), each push's gradient times its entry of ``weights`` if given.
+        ``portions``: the pushes are the portions of one global batch, each already
+        scaled by its share of it: their sum, in portion order, is the gradient."""
         weights = [1.0] * len(pushes) if weights is None else list(weights)
-        order = sorted(range(len(pushes)), key=lambda i: (pushes[i].worker, pushes[i].clock))
+        key = ((lambda i: pushes[i].portion) if portions
+               else (lambda i: (pushes[i].worker, pushes[i].clock)))
+        order = sorted(range(len(pushes)), key=key)
         pushes, weights = [pushes[i] for i in order], [weights[i] for i in order]
-        n = len(pushes)
+        n = 1 if portions else len(pushes)
         present = [name for name in self.names if any(name in p.grads for p in pushes)]
         for name in present:
             parts = [(p.grads[name], w) for p, w in zip(pushes, weights) if name in p.grads]
@@ -391,12 +405,17 @@ class ParameterServer:
             if p.row is not None:
                 p.row[5] = self.version
         self.version += 1
-        self.stats.applied += n
+        self.stats.applied += len(pushes)
         if self.on_update is not None:
             self.on_update(self)
 
     def reply(self, worker):
         self.reply_many([worker])
+
+    def deal(self, worker, portion):
+        """--deal portions: tell ``worker`` which portion of this step to compute."""
+        self.sends += send(self.comm, worker, TAG_REPLY, TAG_DOWN,
+                           {"kind": "dealt", "portion": int(portion), "version": self.version})
 
     def reply_many(self, workers, **extra):
         from mpidl.backend import to_numpy

@@ -88,6 +88,50 @@ class PSWorker:
         self._take_params(replies)
         self.begin_step()
 
+    # -- dealt portions (--deal portions)
+    def deal(self, portions):
+        """Ask the dealer (the first server) for a portion of this step's global batch of
+        ``portions``; returns its index, or None when there is none left for this worker
+        (then the step's update has been taken, as ``push`` takes it)."""
+        dealer = self.servers[0]
+        self.sends += send(self.comm, dealer, TAG_CTRL, TAG_UP,
+                           {"kind": "deal", "version": self.versions[dealer],
+                            "portions": int(portions)})
+        return self._next_portion()
+
+    def push_portion(self, portion, portions, lr=None):
+        """Push the gradients of ``portion`` (already scaled by its share of the batch) to
+        every server, and ask the dealer for another: its index, or None as ``deal``."""
+        for s, server in enumerate(self.servers):
+            arrays, tensors = [], []
+            for name in self.layout.names[s]:
+                g = self.params[name].grad
+                if g is None:
+                    continue
+                enc, meta, payload = self._encode(name, g)
+                tensors.append((name, enc, meta, len(payload)))
+                arrays += payload
+            header = {"kind": "push", "clock": self.clock, "lr": lr,
+                      "version": self.versions[server], "tensors": tensors,
+                      "portion": int(portion), "portions": int(portions), "want": s == 0}
+            self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, header, arrays)
+            self.stats["bytes_sent"] += sum(int(a.nbytes) for a in arrays)
+            self.stats["messages"] += 1
+        self.stats["pushes"] += 1
+        self.clock += 1
+        return self._next_portion()
+
+    def _next_portion(self):
+        """The dealer's answer: another portion, or the update (then every server's)."""
+        dealer = self.servers[0]
+        first = self._await(("dealt", "params"), [dealer])
+        header = first[dealer][0]
+        if header["kind"] == "dealt":
+            return int(header["portion"])
+        rest = self._await("params", self.servers[1:]) if len(self.servers) > 1 else {}
+        self._take_params({**first, **rest})
+        return None
+
     def _encode(self, name, g):
         if isinstance(g, SparseGrad):  # Embedding: only the touched rows travel
             return "sparse", None, [g.indices, g.values]
@@ -147,21 +191,28 @@ class PSWorker:
         return self.server_stats
 
     # -- waiting
-    def _await(self, kind):
-        """One ``kind`` answer from every server; an abort from any server ends us."""
+    def _await(self, kind, servers=None):
+        """One ``kind`` answer (or one of the kinds, a tuple) from every server, or from
+        each of ``servers`` in turn (the others' messages stay queued: a dealt portion is
+        computed from the parameters of before the update, so an update from another
+        server must not be taken before the dealer says the step is over); an abort from
+        a server we wait for ends us."""
         t0 = time.perf_counter()
-        pending, got = set(self.servers), {}
+        kinds = (kind,) if isinstance(kind, str) else tuple(kind)
+        pending, got = set(self.servers if servers is None else servers), {}
         while pending:
-            src = self.poller.wait(ANY_SOURCE, TAG_REPLY, idle=self._idle,
+            source = ANY_SOURCE if servers is None else min(pending)
+            src = self.poller.wait(source, TAG_REPLY, idle=self._idle,
                                    what=f"'{kind}' from server ranks {sorted(pending)}",
                                    peers=sorted(pending))
             header, arrays = receive(self.comm, src, TAG_REPLY, TAG_DOWN,
                                      into=self._into_params)
             if header.get("kind") == "abort":
                 self._abort(src, header["message"])
-            if header.get("kind") != kind or src not in pending:
-                raise PSError(f"worker rank {self.rank}: expected '{kind}' from server ranks "
-                              f"{sorted(pending)}, got '{header.get('kind')}' from rank {src}")
+            if header.get("kind") not in kinds or src not in pending:
+                raise PSError(f"worker rank {self.rank}: expected '{kinds[0]}' from server "
+                              f"ranks {sorted(pending)}, got '{header.get('kind')}' from "
+                              f"rank {src}")
             got[src] = (header, arrays)
             pending.discard(src)
         self.stats["wait_s"] += time.perf_counter() - t0

@@ -37,6 +37,7 @@ from mpidl.errors import ConfigError
 from mpidl.options import Option
 from mpidl.runtime import averaging as averaging_part
 from mpidl.runtime import hogwild as hogwild_part
+from mpidl.runtime import dealing as dealing_part
 from mpidl.runtime import hybrid as hybrid_part
 from mpidl.runtime import pipeline as pipeline_part
 from mpidl.runtime import precision as precision_part
@@ -75,7 +76,8 @@ def cli_options():
     return (OPTIONS + schedule_part.OPTIONS + fused.OPTIONS + rowsparse.OPTIONS
             + compressed.OPTIONS + pushpull.OPTIONS + groups.OPTIONS + averaging_part.OPTIONS
             + zero_part.OPTIONS + hogwild_part.OPTIONS + precision_part.OPTIONS
-            + tp_part.OPTIONS + hybrid_part.OPTIONS + pipeline_part.OPTIONS)
+            + tp_part.OPTIONS + hybrid_part.OPTIONS + pipeline_part.OPTIONS
+            + dealing_part.OPTIONS)
 
 
 def names():
@@ -349,7 +351,8 @@ def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
 def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, staleness=None,
        wait=None, staleness_aware_lr=None, epoch_quorum=None, compression=None, ratio=None,
        trace=False, poll_max_ms=None, precision=None, loss_scale=None,
-       loss_scale_window=None, group_size=1, algorithm=None, bucket_mb=None, overlap=None):
+       loss_scale_window=None, group_size=1, algorithm=None, bucket_mb=None, overlap=None,
+       deal=None, portion_size=None):
     _precision(precision, loss_scale, loss_scale_window,
                ("--strategy ps", "the parameter servers step their own parameters in the "
                 "format they receive, with no float32 master weights or loss scaling"))
@@ -363,8 +366,6 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
         unused = sorted(set(unused) | {k for k, v in (("algorithm", algorithm),
                                                        ("bucket_mb", bucket_mb),
                                                        ("overlap", overlap)) if v is not None})
-    cfg = pushpull.mode_config(len(pushers), mode, staleness, wait, staleness_aware_lr,
-                               epoch_quorum)
     try:
         from mpidl.compress import build_compression  # noqa: PLC0415
 
@@ -373,8 +374,14 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
         raise ConfigError(f"--compression {compression}: {e}" if compression else str(e)) \
             from None
     pushpull.check_compressor(compressor)
+    dealt = dealing_part.check_deal(deal, portion_size, compressor, group_size, accumulate)
+    cfg = pushpull.mode_config(len(pushers), mode, staleness, wait, staleness_aware_lr,
+                               epoch_quorum, deal=dealt)
     rank = comm.rank
     sched = _schedule(accumulate, straggler, rank, worker_ranks, "worker")
+    if dealt:  # every worker holds the global batch; the dealer says which part to do
+        sched = dealing_part.DealtPortions(len(worker_ranks), portion_size,
+                                           sched.straggler, sched.transient, rank)
     poll = (1.0 if poll_max_ms is None else poll_max_ms) * 1e-3  # 0: block inside MPI
     roles = {"server": server_ranks, "trainer": worker_ranks}
     if rank in server_ranks:
@@ -387,6 +394,8 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
     else:
         sync = pushpull.PushPull(cfg, server_ranks, pushers, compressor=compressor,
                                  trace=bool(trace), poll_max_s=poll)
+        if dealt:
+            sched.dealer = sync
         if group_size > 1:
             sync = groups.WorkerGroups(group_size, sync, fused.FusedAllreduce(
                 fused.check_algorithm(algorithm), bucket_mb, overlap or "auto"))
@@ -394,6 +403,9 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
                      unused=unused)
     rt.compressor = compressor
     rt.mode_cfg = cfg
+    rt.whole_batches = dealt
+    if dealt:
+        rt.checks.append(lambda model, optimizer: dealing_part.check_model(model))
     rt.checkpoint_at_epoch_end = "ps" in EPOCH_END_CHECKPOINTS
     return rt
 
@@ -451,6 +463,7 @@ PRESETS = {
                   | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)
                   | _names(hybrid_part.OPTIONS)),
     "ps": (ps, _COMMON | _names(pushpull.OPTIONS) | _names(compressed.OPTIONS)
-           | _names(groups.OPTIONS) | _names(fused.OPTIONS) | set(PS_TUNING)),
+           | _names(groups.OPTIONS) | _names(fused.OPTIONS) | set(PS_TUNING)
+           | _names(dealing_part.OPTIONS)),
     "hogwild": (hogwild, _COMMON | {"servers"} | _names(hogwild_part.OPTIONS)),
 }

@@ -78,6 +78,8 @@ class Runtime:
         self.group = None                     # the data-parallel group of trainers
         self.steps = 0
         self.compressor = None                # set by the preset when --compression is on
+        self.whole_batches = False            # every trainer loads the whole global batch
+                                              # (--deal portions: the schedule deals it)
         self.checks = []                      # fn(model, optimizer): local, may raise
         self.ledger = None                    # the memory figures of the epoch's first step
         self.cuda_graph = False               # --cuda-graph (the local preset sets it)
@@ -306,7 +308,7 @@ class Runtime:
         stats = self.stats
         stats["forward"] += forward_s
         stats["backward"] += backward_s
-        stats["wait"] += wait
+        stats["wait"] += wait + getattr(self.schedule, "wait_s", 0.0)  # (dealt portions)
         stats["update"] += (t4 - t2) - wait
         stats["steps"] += 1
         self.steps += 1

@@ -144,8 +144,10 @@ class Trainer:
             raise ConfigError(epoch_end_checkpoints_only(runtime.name))
         self.index, self.count = runtime.shard()
         micro = getattr(runtime.schedule, "k", 1)
+        # --deal portions: every worker loads the whole global batch (micro = workers)
         self.loader = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size * micro,
-                                  shard=(self.index, self.count), seed=cfg.seed,
+                                  shard=(0, 1) if runtime.whole_batches
+                                  else (self.index, self.count), seed=cfg.seed,
                                   drop_last=cfg.drop_last, dtype=cfg.dtype)
         self.steps_per_epoch = len(self.loader)
         self.total_steps = cfg.epochs * self.steps_per_epoch

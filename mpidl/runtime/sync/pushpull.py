@@ -67,7 +67,7 @@ OPTIONS = [
 
 
 def mode_config(num_workers, mode=None, staleness=None, wait=None, staleness_aware_lr=None,
-                epoch_quorum=None):
+                epoch_quorum=None, deal=False):
     """The checked ``ModeConfig`` (the same on every rank)."""
     mode = mode or "sync"
     if wait is not None and mode not in ("backup", "softsync"):
@@ -76,7 +76,7 @@ def mode_config(num_workers, mode=None, staleness=None, wait=None, staleness_awa
         raise ConfigError(f"--staleness applies to --mode ssp (got --mode {mode})")
     return ModeConfig(mode=(mode or "sync"), staleness=int(staleness or 0),
                       wait=int(wait or 0), staleness_aware_lr=bool(staleness_aware_lr),
-                      epoch_quorum=int(epoch_quorum or 0)).check(num_workers)
+                      epoch_quorum=int(epoch_quorum or 0), deal=bool(deal)).check(num_workers)
 
 
 def check_servers(servers, size, strategy="ps"):
@@ -121,6 +121,7 @@ class PushPull(GradSync):
         self._pulled = False
         self._pushes_since_barrier = 0
         self._wait = 0.0
+        self.dealing = mode_cfg.deal  # --deal portions
 
     def setup(self, ctx, named_params):
         from mpidl.ps.protocol import Poller  # noqa: PLC0415
@@ -150,14 +151,31 @@ class PushPull(GradSync):
         self.worker.begin_step()
 
     def finish(self):
+        if self.dealing:  # the schedule pushed each portion and took the update
+            return iter(())
         t = time.perf_counter()
         self.worker.push(lr=getattr(self.optimizer, "lr", None))
         self._wait = time.perf_counter() - t
         self._pushes_since_barrier += 1
         return iter(())  # the servers applied the update; nothing to step here
 
+    # -- dealt portions (``mpidl.runtime.dealing``): the schedule calls these
+    def deal(self, portions):
+        """The first portion of this step for this worker (or None: the update is taken)."""
+        if not self._pulled:  # (begin_step pulled already; kept for direct callers)
+            self.begin_step()
+        return self.worker.deal(portions)
+
+    def push_portion(self, portion, portions):
+        """Push a computed portion; the next one (or None: the update is taken)."""
+        self._pushes_since_barrier += 1
+        return self.worker.push_portion(portion, portions,
+                                        lr=getattr(self.optimizer, "lr", None))
+
     def wait_seconds(self):
-        return self._wait
+        """Seconds this step's ``finish`` waited (dealt portions: their waits happen inside
+        the schedule, which reports them itself)."""
+        return 0.0 if self.dealing else self._wait
 
     def epoch_cut(self):
         """True once ``--epoch-quorum`` workers finished this epoch: stop it here."""
@@ -187,8 +205,9 @@ class PushPull(GradSync):
 
     def describe(self):
         c = f", compression {self.compressor.name}" if self.compressor is not None else ""
+        d = ", portions dealt on demand" if self.dealing else ""
         return [f"parameter server: {len(self.server_ranks)} server(s), "
-                f"{len(self.worker_ranks)} worker(s), mode {self.mode_cfg.mode}{c}"]
+                f"{len(self.worker_ranks)} worker(s), mode {self.mode_cfg.mode}{d}{c}"]
 
     # -- checkpoints
     def state_dict(self):
@@ -243,4 +262,6 @@ def summarize(stats):
         "ps_max_lead": max(s["max_lead"] for s in stats),
         "ps_mean_staleness": (sum(s["sum_staleness"] for s in stats) / pushed
                               if pushed else 0.0),
+        # every push goes to every server: the first one's count per worker rank
+        "ps_pushed_by_worker": {str(w): n for w, n in stats[0]["pushes_by_worker"].items()},
     }

@@ -1,0 +1,164 @@
+"""Dynamic work dealing (``--strategy ps --deal portions``), after Sandblaster (Dean et al.,
+NIPS 2012): a slow worker simply computes less.
+
+Every worker loads the same global batch (``--batch-size`` times the workers) and cuts it
+into portions of ``--portion-size`` samples (default: a quarter of ``--batch-size``). It
+asks the dealer (the first server) for a portion, computes that portion's gradient
+scaled by its share of the batch, pushes it to the servers and asks for the next, until
+the dealer has none left; the servers apply the sum of all portions in portion order
+(``mpidl.ps.modes.DealMode``). So:
+
+- the update is the global batch's mean gradient, summed in an order fixed by the data:
+  bitwise the same whichever worker computed which portion, so a run with a straggler
+  equals its run without one;
+- every sample is used once per epoch, as in sync training;
+- a worker k times slower takes about 1/k as many portions, instead of making every
+  other worker wait for it each step; near the end of a step, an idle worker gets a
+  backup copy of a portion still out, so the last portion held by the straggler does
+  not hold up the step either.
+
+The portion gradients are exact (no compression) and per portion, so gradient
+accumulation, compression, worker groups and other modes than sync are refused, and so
+is Dropout with p > 0 (its masks would depend on who computed what).
+"""
+
+import time
+
+from mpidl.errors import ConfigError
+from mpidl.options import Option
+
+DEAL_MODES = ("batches", "portions")
+
+OPTIONS = [
+    Option("deal", str, None, "--strategy ps: batches (each worker its own piece of every "
+           "global batch; default) or portions (the global batch cut into portions dealt to "
+           "whichever worker is free: a straggler takes fewer, the update is unchanged)",
+           "parallelism", choices=(None,) + DEAL_MODES),
+    Option("portion_size", int, None, "--deal portions: samples per portion (default: a "
+           "quarter of --batch-size)", "parallelism", metavar="N",
+           check=lambda v: None if v >= 1 else "must be at least 1"),
+]
+
+
+def check_deal(deal, portion_size, compressor, group_size, accumulate):
+    """True for ``--deal portions`` (checked); ConfigError for what it cannot serve."""
+    if deal not in (None, "batches", "portions"):
+        raise ConfigError(f"--deal {deal!r}: choose one of {', '.join(DEAL_MODES)}")
+    if deal != "portions":
+        if portion_size is not None:
+            raise ConfigError("--portion-size applies to --deal portions")
+        return False
+    for given, what in ((compressor is not None, "--compression"),
+                        (group_size > 1, "--group-size"),
+                        ((accumulate or 1) > 1, "--accumulate")):
+        if given:
+            raise ConfigError(f"--deal portions pushes each portion's exact gradient on its "
+                              f"own: drop {what}")
+    return True
+
+
+def check_model(model):
+    """ConfigError for a model whose gradient would depend on who computed a portion."""
+    from mpidl.engine.dropout import Dropout  # noqa: PLC0415
+
+    for name, layer in model.modules():
+        if isinstance(layer, Dropout) and layer.p > 0:
+            raise ConfigError(f"--deal portions: layer {name or 'model'} is Dropout with p "
+                              f"{layer.p:g}, whose masks would depend on which worker "
+                              "computed a portion; use a model without dropout")
+
+
+class DealtPortions:
+    """The step's schedule: compute the portions the dealer hands this worker.
+
+    ``workers``: how many workers share a global batch (the trainer loads ``workers``
+    times ``--batch-size`` samples per step, ``k`` below); ``portion_size``: samples per
+    portion (None: a quarter of the batch each worker would have had); ``straggler``,
+    ``transient``: as ``MicroBatches`` (each portion takes ``F`` times its compute).
+    The runtime hands it the worker (``dealer``) after set-up.
+    """
+
+    name = "dealt portions"
+
+    def __init__(self, workers, portion_size=None, straggler=1.0, transient=None, rank=0):
+        self.k = int(workers)
+        self.portion_size = portion_size
+        self.straggler = float(straggler)
+        self.transient = transient
+        self._rng = None
+        if transient is not None:
+            import numpy as np  # noqa: PLC0415
+
+            self._rng = np.random.default_rng([transient.seed, rank])
+        self.dealer = None  # (PushPull) set by the runtime
+        self.slowed_steps = 0
+        self.measure_activations = False
+        self.activation_bytes = 0
+        self.forward_s = self.backward_s = self.straggle_s = self.wait_s = 0.0
+        self.portions_done = 0  # portions this worker computed (all steps)
+        self._last_loss = 0.0
+
+    def setup(self, model):
+        model.needs_input_grad = False
+
+    def size(self, n):
+        return self.portion_size or max(1, n // (4 * self.k))
+
+    def run(self, model, loss, x, y, arm=None):
+        """Compute dealt portions of this global batch until the dealer has none left
+        (the update is then taken); returns the mean loss over this worker's portions
+        (the last step's when it computed none)."""
+        n = len(y)
+        size = self.size(n)
+        count = -(-n // size)
+        slow = self.straggler
+        if self._rng is not None and self._rng.random() < self.transient.prob:
+            slow = max(slow, self.transient.factor)
+            self.slowed_steps += 1
+        fwd = bwd = straggle = 0.0
+        total, samples = 0.0, 0
+        t = _clock()
+        portion = self.dealer.deal(count)
+        wait = _clock() - t
+        while portion is not None:
+            lo, hi = portion * size, min(n, (portion + 1) * size)
+            model.zero_grad()
+            t0 = _clock()
+            out = model(x[lo:hi])
+            value = float(loss.forward(out, y[lo:hi]))
+            if self.measure_activations:
+                self.activation_bytes = max(self.activation_bytes, model.activation_nbytes())
+            dy = loss.backward()
+            dy *= (hi - lo) / n  # its share of the global batch's mean
+            t1 = _clock()
+            model.backprop(dy)
+            t2 = _clock()
+            fwd += t1 - t0
+            bwd += t2 - t1
+            if slow > 1.0:
+                time.sleep((slow - 1.0) * (t2 - t0))
+                straggle += _clock() - t2
+            total += value * (hi - lo)
+            samples += hi - lo
+            self.portions_done += 1
+            t = _clock()
+            portion = self.dealer.push_portion(portion, count)
+            wait += _clock() - t
+        self.forward_s, self.backward_s, self.straggle_s = fwd, bwd, straggle
+        self.wait_s = wait  # asking, pushing, and waiting for the others and the update
+        if samples:
+            self._last_loss = total / samples
+        return self._last_loss
+
+    def describe(self):
+        size = f"{self.portion_size}-sample" if self.portion_size else "quarter-batch"
+        text = f"{size} portions of the global batch dealt on demand"
+        if self.transient is not None:
+            text += (f"; transient stragglers: {self.transient.factor:g}x slower with "
+                     f"probability {self.transient.prob:g} per step (seed "
+                     f"{self.transient.seed})")
+        return text
+
+
+def _clock():
+    return time.perf_counter()

@@ -1,0 +1,88 @@
+"""Dynamic work dealing (``--strategy ps --deal portions``) on real MPI ranks.
+
+The global batch is cut into portions that the first server deals to whichever worker
+asks; the servers sum the portions in portion order. What must hold:
+
+1. The result does not depend on who computed what: a run with one worker 4x slower,
+   and a run with the parameters on 2 servers, give bitwise the parameters of the run
+   without a straggler (float64 and float32).
+2. The update is still the global batch's mean gradient: float64 parameters within
+   1e-12 of synchronous ``--strategy ps`` (which sums each worker's mean instead).
+3. The straggler takes fewer portions; every pushed portion is applied or dropped (a
+   backup copy's loser), and exactly the portions of every step are applied.
+4. What it cannot serve is one line: another mode, compression, worker groups,
+   --accumulate, --portion-size without --deal portions, a model with dropout.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from mpirun import assert_one_line_error, mpiexec_cmd, run_command
+from test_cli_errors import MPIDL
+
+FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "512", "--limit-test",
+        "64", "--epochs", "2"]
+
+
+def train(tmp_path, name, *args, n=4, dtype="float64"):
+    out = tmp_path / name
+    cmd = [*mpiexec_cmd(), "-n", str(n)] + MPIDL + ["train", "--strategy", "ps",
+                                                   "--dtype", dtype, "--out-dir", str(out),
+                                                   *FAST, *args]
+    launch = run_command([str(c) for c in cmd], timeout=180)
+    launch.check()
+    with np.load(out / "model.npz") as f:
+        params = {k: f[k] for k in f.files if not k.startswith("__")}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    return params, records[-1]
+
+
+def same_bits(a, b):
+    return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_dealt_portions_do_not_depend_on_who_computed_them(tmp_path, dtype):
+    deal = ["--deal", "portions"]
+    alone, rec = train(tmp_path, "plain", *deal, dtype=dtype)
+    slow, slow_rec = train(tmp_path, "straggler", *deal, "--straggler", "3:4", dtype=dtype)
+    assert same_bits(alone, slow)
+    # 3 workers x batch 128, portions of 32: 12 per step, 2 steps per epoch, 2 epochs
+    for r in (rec, slow_rec):
+        assert r["ps_applied"] == 12 * 4 and r["ps_updates"] == 4, r
+        assert r["ps_pushed"] == r["ps_applied"] + r["ps_dropped"], r
+    by_worker = {int(w): n for w, n in slow_rec["ps_pushed_by_worker"].items()}
+    assert by_worker[3] < min(by_worker[1], by_worker[2]), by_worker
+    if dtype == "float64":  # parameters over 2 servers, another straggler, other portions
+        two, _ = train(tmp_path, "two", *deal, "--servers", "2", "--straggler", "2:4", n=5)
+        assert same_bits(alone, two)
+        other, _ = train(tmp_path, "other", *deal, "--portion-size", "48")
+        assert not same_bits(alone, other)  # (the test can tell runs apart)
+        rel = max(float(np.max(np.abs(other[k] - alone[k]))) / float(np.max(np.abs(alone[k])))
+                  for k in alone)
+        assert rel <= 1e-12, rel  # but the same mean gradient
+
+
+def test_dealt_portions_equal_synchronous_ps_in_float64(tmp_path):
+    dealt, _ = train(tmp_path, "dealt", "--deal", "portions", "--portion-size", "16")
+    sync, _ = train(tmp_path, "sync")
+    rel = max(float(np.max(np.abs(dealt[k] - sync[k]))) / float(np.max(np.abs(sync[k])))
+              for k in sync)
+    assert 0 < rel <= 1e-12, rel  # another summation order, the same mean
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--deal", "portions", "--mode", "async"], "--deal portions keeps synchronous "
+     "semantics"),
+    (["--deal", "portions", "--compression", "topk", "--ratio", "0.1"],
+     "--deal portions pushes each portion's exact gradient on its own: drop --compression"),
+    (["--deal", "portions", "--accumulate", "2"], "drop --accumulate"),
+    (["--portion-size", "8"], "--portion-size applies to --deal portions"),
+    (["--deal", "portions", "--dropout", "0.5"], "is Dropout with p 0.5"),
+])
+def test_what_dealing_cannot_serve_is_one_line(args, needle):
+    cmd = [*mpiexec_cmd(), "-n", "3"] + MPIDL + ["train", "--strategy", "ps", *FAST, *args]
+    assert_one_line_error(run_command([str(c) for c in cmd], timeout=120), needle)
