@@ -139,6 +139,10 @@ def run_rank(a):
     options = json.loads(a.ps) if a.ps else {}
     if a.straggler > 1:  # the last rank: a worker in either preset
         options["straggler"] = f"{world.size - 1}:{a.straggler}"
+    if a.transient:  # transient:FACTOR:Q[:SEED] (bench/stragglers.py)
+        options["straggler"] = a.transient
+    if a.pace:  # emulated compute: seconds per sample (bench/stragglers.py)
+        options["compute_pace"] = a.pace
     # poll_max_ms 0 is the anchor: blocking MPI receives (Poller longest=0)
     runtime = build("ps" if a.ps else "allreduce", Communicator(world), **options)
     index, count = runtime.shard()
@@ -568,7 +572,8 @@ def main(argv=None):
                                ("--model", str, "mlp"), ("--straggler", float, 1.0),
                                ("--test-limit", int, 0), ("--ps", str, None),
                                ("--calibrate", int, 2000), ("--limit-train", int, 0),
-                               ("--data-dir", str, None), ("--optimizer", str, "sgd")):
+                               ("--data-dir", str, None), ("--optimizer", str, "sgd"),
+                               ("--transient", str, None), ("--pace", float, 0.0)):
         r.add_argument(flag, type=typ, default=default)
     m = sub.add_parser("summarize", parents=[common])
     m.add_argument("--target", type=float, default=0.85)

@@ -35,9 +35,11 @@ server's version (number of updates applied) of the parameters it was computed f
   indices on request, in order, to whichever worker asks; each server keeps the portions
   of its shard as they come and, once it has all P, applies their sum in portion order
   (each is already scaled by its share of the batch), so the update does not depend on
-  who computed what. When no portion is left undealt, a worker that asks gets a backup
-  copy of one still out (each at most once; the first copy to arrive counts, the other is
-  dropped); otherwise it waits for the update, which every worker gets.
+  who computed what (the sum runs while the portions come in, each added once all lower
+  ones are in). When no portion is left undealt, a worker that asks gets a backup copy of
+  a portion still out that was dealt before the one it just finished, so is overdue
+  (each at most once; the first copy to arrive counts, the other is dropped); otherwise
+  it waits for the update, which every worker gets.
 """
 
 from dataclasses import dataclass
@@ -207,62 +209,88 @@ class DealMode:
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.total = None     # portions in this step's global batch (the workers say)
-        self.got = {}         # portion -> its push, this version
-        self.undealt = 0      # the next portion never dealt (the dealer's count)
-        self.backed_up = set()  # portions already dealt twice
-        self.idle = set()     # workers told nothing: they wait for the update
+        self._new_step()
 
-    def on_deal(self, srv, worker, version, total):
+    def _new_step(self):
+        self.total = None       # portions in this step's global batch (the workers say)
+        self.got = {}           # portion -> its push, this version
+        self.undealt = 0        # the next portion never dealt (the dealer's count)
+        self.backed_up = set()  # portions already dealt twice
+        self.arriving = set()   # portions whose worker said it is pushing them
+        self.summed = 0         # portions 0 .. summed-1 are in ``sums``
+        self.sums = {}          # name -> their running sum (dense), or parts (row-sparse)
+
+    def on_deal(self, srv, worker, version, total, done=None):
         if version != srv.version:
             return  # asked before an update it has not read yet: its answer is the update
-        self._deal(srv, worker, total)
-
-    def on_push(self, srv, push):
-        if push.version != srv.version or push.portion in self.got:
-            srv.drop(push)  # a backup copy's loser (or the original's), after or before
-            if push.want and push.version == srv.version:
-                self._deal(srv, push.worker, push.portions)
-            return
-        self._check(srv, push)
-        self.got[push.portion] = push
-        srv.keep(push)
-        if len(self.got) == self.total:
-            self._update(srv)
-        elif push.want:
-            self._deal(srv, push.worker, push.portions)
-
-    def recheck(self, srv):
-        pass  # every worker takes part in every step: nobody stops in the middle of one
-
-    def _check(self, srv, push):
-        total = int(push.portions or 0)
-        if self.total is None:
-            self.total = total
-        if total != self.total or not 0 <= int(push.portion) < total:
-            srv._fail(f"worker rank {push.worker} pushed portion {push.portion} of "
-                      f"{push.portions}, but this step has {self.total} portions; do all "
-                      "ranks run the same --batch-size and --portion-size?")
-
-    def _deal(self, srv, worker, total):
-        if self.total is None:
-            self.total = total
+        self._count(srv, worker, total)
+        if done is not None and done not in self.got:
+            self.arriving.add(done)
         if self.undealt < self.total:
             portion = self.undealt
             self.undealt += 1
         else:
-            out = [k for k in range(self.total)
-                   if k not in self.got and k not in self.backed_up]
+            # a backup copy of a portion dealt before the one this worker is pushing
+            # (dealt in order, so: a lower index), which is therefore overdue
+            out = [k for k in range(min(self.total, done or 0)) if k not in self.got
+                   and k not in self.arriving and k not in self.backed_up]
             if not out:
-                self.idle.add(worker)
-                return
-            portion = out[0]  # the oldest still out: most likely the straggler's
+                return  # nothing to do: the update will come
+            portion = out[0]
             self.backed_up.add(portion)
         srv.deal(worker, portion)
 
-    def _update(self, srv):
-        pushes = [self.got[k] for k in sorted(self.got)]
-        self.total, self.got, self.undealt = None, {}, 0
-        self.backed_up, self.idle = set(), set()
-        srv.apply(pushes, portions=True)
-        srv.reply_many(sorted(srv.active))
+    def on_push(self, srv, push):
+        if push.version != srv.version or push.portion in self.got:
+            srv.drop(push)  # a backup copy's loser (or the original's), after or before
+            return
+        self._count(srv, push.worker, push.portions)
+        if not 0 <= int(push.portion) < self.total:
+            srv._fail(f"worker rank {push.worker} pushed portion {push.portion}, but this "
+                      f"step has {self.total} portions")
+        self.got[push.portion] = push
+        self.arriving.discard(push.portion)
+        srv.keep(push)
+        self._add_in_order(srv)
+        if self.summed == self.total:
+            from mpidl.ps.server import _mean  # noqa: PLC0415
+
+            pushes = [self.got[k] for k in range(self.total)]
+            grads = {name: (_mean(g, 1) if isinstance(g, list) else g)
+                     for name, g in self.sums.items()}
+            self._new_step()
+            srv.apply_gradients(pushes, grads)
+            srv.reply_many(sorted(srv.active))
+
+    def _add_in_order(self, srv):
+        """Add every portion whose predecessors are all in, in portion order, while the
+        others are still computed: the same sum, in the same order, as at the end."""
+        from mpidl.engine.module import SparseGrad  # noqa: PLC0415
+
+        while self.summed in self.got:
+            push = self.got[self.summed]
+            rows = False
+            for name, g in push.grads.items():
+                if isinstance(g, SparseGrad) or isinstance(self.sums.get(name), list):
+                    self.sums.setdefault(name, []).append(g)  # concatenated at the end
+                    rows = True
+                elif name in self.sums:
+                    self.sums[name] += g
+                else:
+                    total = srv.sum_buffer(name, g)
+                    total[...] = g
+                    self.sums[name] = total
+            if not rows:  # (row-sparse parts keep their buffers until the update)
+                srv.release(push)
+            self.summed += 1
+
+    def recheck(self, srv):
+        pass  # every worker takes part in every step: nobody stops in the middle of one
+
+    def _count(self, srv, worker, total):
+        if self.total is None:
+            self.total = int(total)
+        elif int(total) != self.total:
+            srv._fail(f"worker rank {worker} says this step has {total} portions, another "
+                      f"said {self.total}; do all ranks run the same --batch-size and "
+                      "--portion-size?")

@@ -40,7 +40,7 @@ class Push:
     row: list = None  # its row of the server's trace, when it keeps one
     portion: int = None  # --deal portions: which portion of the step's global batch
     portions: int = None  # ... of how many
-    want: bool = False    # ... and the worker asks this server (the dealer) for another
+    buffers: list = None  # receive buffers it holds while kept (server.keep)
 
 
 @dataclass
@@ -130,6 +130,7 @@ class ParameterServer:
         self._stats_sent = False
         self._snapshot = None
         self._recv_buffers = {}
+        self._spare = {}  # (shape, dtype) -> receive buffers free again (see keep)
         self._sums = {}  # name -> persistent array for averaging a bucket
         self.on_update = None  # called after every update (benchmarks take snapshots)
         self.stats = ServerStats(server=index, rank=self.rank, mode=mode.mode,
@@ -177,15 +178,18 @@ class ParameterServer:
         """A push is received into buffers kept per (worker, array): no allocation per
         step. Safe to reuse: a worker pushes again only after its answer, and the answer
         comes after the push was applied or dropped, when nothing refers to it any more —
-        except where a mode answers first and applies later (softsync), which calls
-        ``keep(push)`` so that the worker's next push goes into new buffers."""
+        except where a mode answers first and applies later (softsync, dealt portions),
+        which calls ``keep(push)``: the worker's next push goes into other buffers, taken
+        from those of pushes already applied (``_spare``) before any is allocated."""
         def into(header, i, shape, dtype):
             if header.get("kind") != "push":
                 return None
             key = (source, i)
             buf = self._recv_buffers.get(key)
             if buf is None or buf.shape != shape or buf.dtype != dtype:
-                buf = self._recv_buffers[key] = np.empty(shape, dtype)
+                spare = self._spare.get((shape, dtype.str))
+                buf = spare.pop() if spare else np.empty(shape, dtype)
+                self._recv_buffers[key] = buf
             return buf
         return into
 
@@ -201,7 +205,9 @@ class ParameterServer:
             if not hasattr(self.policy, "on_deal"):
                 self._fail(f"worker rank {source} asked for a portion, but this server does "
                            "not deal portions; give every rank the same --deal")
-            self.policy.on_deal(self, source, int(header["version"]), int(header["portions"]))
+            done = header.get("done")
+            self.policy.on_deal(self, source, int(header["version"]), int(header["portions"]),
+                                None if done is None else int(done))
         elif kind == "pull":
             self.stats.pulls += 1
             self.reply(source)
@@ -254,7 +260,7 @@ class ParameterServer:
         st.sum_staleness += staleness
         push = Push(w, clock, int(header["version"]), grads, lead, staleness,
                     header.get("lr"), portion=header.get("portion"),
-                    portions=header.get("portions"), want=bool(header.get("want")))
+                    portions=header.get("portions"))
         if self.trace:
             push.row = [w, clock, lead, staleness, 1, None]
             st.trace.append(push.row)
@@ -367,9 +373,9 @@ class ParameterServer:
 
     def keep(self, push):
         """``push`` stays unapplied after its worker is answered: its arrays must not be
-        reused for that worker's next push (``_into_buffer``)."""
-        for key in [k for k in self._recv_buffers if k[0] == push.worker]:
-            del self._recv_buffers[key]
+        reused for that worker's next push (``_into_buffer``) until it is applied."""
+        keys = [k for k in self._recv_buffers if k[0] == push.worker]
+        push.buffers = [self._recv_buffers.pop(k) for k in keys]
 
     def drop(self, push):
         self.stats.dropped += 1
@@ -377,22 +383,26 @@ class ParameterServer:
         if push.row is not None:
             push.row[4] = 0
 
-    def apply(self, pushes, lr_scale=1.0, weights=None, portions=False):
+    def apply(self, pushes, lr_scale=1.0, weights=None):
         """One optimizer step from the mean of ``pushes`` (summed in worker order, then
-        clock order), each push's gradient times its entry of ``weights`` if given.
-        ``portions``: the pushes are the portions of one global batch, each already
-        scaled by its share of it: their sum, in portion order, is the gradient."""
+        clock order), each push's gradient times its entry of ``weights`` if given."""
         weights = [1.0] * len(pushes) if weights is None else list(weights)
-        key = ((lambda i: pushes[i].portion) if portions
-               else (lambda i: (pushes[i].worker, pushes[i].clock)))
-        order = sorted(range(len(pushes)), key=key)
+        order = sorted(range(len(pushes)), key=lambda i: (pushes[i].worker, pushes[i].clock))
         pushes, weights = [pushes[i] for i in order], [weights[i] for i in order]
-        n = 1 if portions else len(pushes)
-        present = [name for name in self.names if any(name in p.grads for p in pushes)]
-        for name in present:
+        grads = {}
+        for name in self.names:
             parts = [(p.grads[name], w) for p, w in zip(pushes, weights) if name in p.grads]
-            self.params[name].grad = _mean([g for g, _ in parts], n, self._sums, name,
-                                           weights=[w for _, w in parts])
+            if parts:
+                grads[name] = _mean([g for g, _ in parts], len(pushes), self._sums, name,
+                                    weights=[w for _, w in parts])
+        self.apply_gradients(pushes, grads, lr_scale)
+
+    def apply_gradients(self, pushes, grads, lr_scale=1.0):
+        """One optimizer step from ``grads`` ({name: gradient}), made from ``pushes``
+        (counted as applied; the lr is the last one's)."""
+        present = [name for name in self.names if name in grads]
+        for name in present:
+            self.params[name].grad = grads[name]
         lr = pushes[-1].lr
         if lr is not None and hasattr(self.optimizer, "lr"):
             self.optimizer.lr = lr  # the workers run the schedule; the server follows it
@@ -404,10 +414,25 @@ class ParameterServer:
         for p in pushes:
             if p.row is not None:
                 p.row[5] = self.version
+            self.release(p)
         self.version += 1
         self.stats.applied += len(pushes)
         if self.on_update is not None:
             self.on_update(self)
+
+    def release(self, push):
+        """A kept push's receive buffers serve later pushes (its gradients are used up)."""
+        for buf in push.buffers or ():
+            self._spare.setdefault((buf.shape, buf.dtype.str), []).append(buf)
+        push.buffers = None
+
+    def sum_buffer(self, name, like):
+        """A persistent array shaped like ``like`` for summing gradient ``name``."""
+        keep = self._sums.get(name)
+        if keep is None or type(keep) is not type(like) or keep.shape != like.shape \
+                or keep.dtype != like.dtype:
+            keep = self._sums[name] = like.copy()
+        return keep
 
     def reply(self, worker):
         self.reply_many([worker])

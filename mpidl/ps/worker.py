@@ -90,18 +90,26 @@ class PSWorker:
 
     # -- dealt portions (--deal portions)
     def deal(self, portions):
-        """Ask the dealer (the first server) for a portion of this step's global batch of
-        ``portions``; returns its index, or None when there is none left for this worker
-        (then the step's update has been taken, as ``push`` takes it)."""
+        """At a step's start: ask the dealer (the first server) for a portion of this
+        step's global batch of ``portions``; returns its index, or None when none is left
+        for this worker (then the step's update has been taken, as ``push`` takes it)."""
+        self.ask(portions)
+        return self._next_portion()
+
+    def ask(self, portions, done=None):
+        """Ask the dealer for a portion. ``done``: the portion this worker is about to
+        push (the dealer backs up only portions dealt before it, and never that one)."""
         dealer = self.servers[0]
         self.sends += send(self.comm, dealer, TAG_CTRL, TAG_UP,
                            {"kind": "deal", "version": self.versions[dealer],
-                            "portions": int(portions)})
-        return self._next_portion()
+                            "portions": int(portions), "done": done})
 
     def push_portion(self, portion, portions, lr=None):
         """Push the gradients of ``portion`` (already scaled by its share of the batch) to
-        every server, and ask the dealer for another: its index, or None as ``deal``."""
+        every server and ask the dealer for another: its index, or None (then the update
+        has been taken, as ``deal``). The request goes first, so the dealer answers it
+        before it receives the push."""
+        self.ask(portions, done=int(portion))
         for s, server in enumerate(self.servers):
             arrays, tensors = [], []
             for name in self.layout.names[s]:
@@ -113,7 +121,7 @@ class PSWorker:
                 arrays += payload
             header = {"kind": "push", "clock": self.clock, "lr": lr,
                       "version": self.versions[server], "tensors": tensors,
-                      "portion": int(portion), "portions": int(portions), "want": s == 0}
+                      "portion": int(portion), "portions": int(portions)}
             self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, header, arrays)
             self.stats["bytes_sent"] += sum(int(a.nbytes) for a in arrays)
             self.stats["messages"] += 1
@@ -127,6 +135,13 @@ class PSWorker:
         first = self._await(("dealt", "params"), [dealer])
         header = first[dealer][0]
         if header["kind"] == "dealt":
+            # finish sending the last portion before computing the next: a large message
+            # moves only while both sides are in MPI calls, and the server would wait in
+            # its receive, dealing nothing, while this worker computes
+            t0 = time.perf_counter()
+            self.poller.wait_requests(self.sends)
+            self.sends = []
+            self.stats["wait_s"] += time.perf_counter() - t0
             return int(header["portion"])
         rest = self._await("params", self.servers[1:]) if len(self.servers) > 1 else {}
         self._take_params({**first, **rest})

@@ -26,6 +26,7 @@ import time
 
 from mpidl.errors import ConfigError
 from mpidl.options import Option
+from mpidl.runtime.schedule import slow_down
 
 DEAL_MODES = ("batches", "portions")
 
@@ -74,14 +75,17 @@ class DealtPortions:
     ``workers``: how many workers share a global batch (the trainer loads ``workers``
     times ``--batch-size`` samples per step, ``k`` below); ``portion_size``: samples per
     portion (None: a quarter of the batch each worker would have had); ``straggler``,
-    ``transient``: as ``MicroBatches`` (each portion takes ``F`` times its compute).
+    ``transient``, ``pace``: as ``MicroBatches`` (each portion takes ``F`` times its
+    compute, or ``F * pace`` per sample).
     The runtime hands it the worker (``dealer``) after set-up.
     """
 
     name = "dealt portions"
 
-    def __init__(self, workers, portion_size=None, straggler=1.0, transient=None, rank=0):
+    def __init__(self, workers, portion_size=None, straggler=1.0, transient=None, rank=0,
+                 pace=None):
         self.k = int(workers)
+        self.pace = pace
         self.portion_size = portion_size
         self.straggler = float(straggler)
         self.transient = transient
@@ -135,9 +139,7 @@ class DealtPortions:
             t2 = _clock()
             fwd += t1 - t0
             bwd += t2 - t1
-            if slow > 1.0:
-                time.sleep((slow - 1.0) * (t2 - t0))
-                straggle += _clock() - t2
+            straggle += slow_down(t2 - t0, hi - lo, slow, self.pace)
             total += value * (hi - lo)
             samples += hi - lo
             self.portions_done += 1

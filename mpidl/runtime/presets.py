@@ -65,6 +65,7 @@ OPTIONS = [
 
 #: options only the Python API takes (benchmarks, tests), never flags
 PS_TUNING = ("trace", "poll_max_ms")
+BENCH_TUNING = ("compute_pace",)  # seconds per sample of emulated compute (schedule.py)
 AVERAGING_CHECK = ("verify_averaging",)  # a digest exchange after every averaging
 #: presets whose ranks agree on the parameters only between epochs: checkpoints are
 #: written at every epoch's end, never every K steps
@@ -133,10 +134,13 @@ def _names(options):
     return {o.name for o in options}
 
 
-def _schedule(accumulate, straggler, rank, trainers, what="training rank"):
+def _schedule(accumulate, straggler, rank, trainers, what="training rank", pace=None):
     spec = schedule_part.parse_straggler(straggler)
+    if pace is not None and not float(pace) > 0:
+        raise ConfigError(f"compute_pace must be a positive number of seconds per sample, "
+                          f"got {pace!r}")
     if isinstance(spec, schedule_part.Transient):
-        return schedule_part.MicroBatches(accumulate, transient=spec, rank=rank)
+        return schedule_part.MicroBatches(accumulate, transient=spec, rank=rank, pace=pace)
     factor = 1.0
     if spec is not None:
         if spec[0] not in trainers:
@@ -144,7 +148,7 @@ def _schedule(accumulate, straggler, rank, trainers, what="training rank"):
                               f"{what}s are ranks {trainers[0]}..{trainers[-1]}"
                               + (f" (ranks 0..{trainers[0] - 1} serve)" if trainers[0] else ""))
         factor = spec[1] if spec[0] == rank else 1.0
-    return schedule_part.MicroBatches(accumulate, straggler=factor)
+    return schedule_part.MicroBatches(accumulate, straggler=factor, pace=pace)
 
 
 def _size(comm):
@@ -202,7 +206,7 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
               sync=None, period=None, warmup_steps=None, outer_lr=None, outer_momentum=None,
               verify_averaging=False, zero=0, precision=None, loss_scale=None,
               loss_scale_window=None, tensor_parallel=1, hybrid=None, micro_batches=None,
-              **pipeline):
+              compute_pace=None, **pipeline):
     tp = tp_part.check_degree(tensor_parallel, _size(comm))
     if tp > 1:
         _check_tensor_parallel(tp, zero=zero, compression=compression, sync=sync,
@@ -224,7 +228,7 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
     prec = _precision(precision, loss_scale, loss_scale_window, refuse)
     size = _size(comm)
     rank = 0 if comm is None else comm.rank
-    sched = _schedule(accumulate, straggler, rank, list(range(size)))
+    sched = _schedule(accumulate, straggler, rank, list(range(size)), pace=compute_pace)
     algorithm = fused.check_algorithm(algorithm)
     sparse_mode = rowsparse.check_sparse_mode(sparse_grads)
     zero = zero_part.check_stage(zero or 0)
@@ -352,7 +356,7 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
        wait=None, staleness_aware_lr=None, epoch_quorum=None, compression=None, ratio=None,
        trace=False, poll_max_ms=None, precision=None, loss_scale=None,
        loss_scale_window=None, group_size=1, algorithm=None, bucket_mb=None, overlap=None,
-       deal=None, portion_size=None):
+       deal=None, portion_size=None, compute_pace=None):
     _precision(precision, loss_scale, loss_scale_window,
                ("--strategy ps", "the parameter servers step their own parameters in the "
                 "format they receive, with no float32 master weights or loss scaling"))
@@ -378,10 +382,11 @@ def ps(comm, unused, accumulate=1, straggler=None, servers=None, mode=None, stal
     cfg = pushpull.mode_config(len(pushers), mode, staleness, wait, staleness_aware_lr,
                                epoch_quorum, deal=dealt)
     rank = comm.rank
-    sched = _schedule(accumulate, straggler, rank, worker_ranks, "worker")
+    sched = _schedule(accumulate, straggler, rank, worker_ranks, "worker", compute_pace)
     if dealt:  # every worker holds the global batch; the dealer says which part to do
         sched = dealing_part.DealtPortions(len(worker_ranks), portion_size,
-                                           sched.straggler, sched.transient, rank)
+                                           sched.straggler, sched.transient, rank,
+                                           compute_pace)
     poll = (1.0 if poll_max_ms is None else poll_max_ms) * 1e-3  # 0: block inside MPI
     roles = {"server": server_ranks, "trainer": worker_ranks}
     if rank in server_ranks:
@@ -461,9 +466,9 @@ PRESETS = {
     "allreduce": (allreduce, _COMMON | _PIPELINE | _names(tp_part.OPTIONS) | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
                   | _names(compressed.OPTIONS) | {"sync_bn"} | _names(averaging_part.OPTIONS)
                   | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)
-                  | _names(hybrid_part.OPTIONS)),
+                  | _names(hybrid_part.OPTIONS) | set(BENCH_TUNING)),
     "ps": (ps, _COMMON | _names(pushpull.OPTIONS) | _names(compressed.OPTIONS)
            | _names(groups.OPTIONS) | _names(fused.OPTIONS) | set(PS_TUNING)
-           | _names(dealing_part.OPTIONS)),
+           | _names(dealing_part.OPTIONS) | set(BENCH_TUNING)),
     "hogwild": (hogwild, _COMMON | {"servers"} | _names(hogwild_part.OPTIONS)),
 }

@@ -17,6 +17,12 @@ every training rank is slowed by FACTOR with probability Q, independently, from 
 generator seeded by (SEED, rank), so a run's slow steps are the same every time
 (``--straggler transient:FACTOR:Q[:SEED]``; the transient stragglers of SSP's use case).
 
+``pace`` (benchmarks, Python API ``compute_pace``): seconds per sample. A step then
+takes ``pace * samples * straggler factor`` whatever its real compute took (it sleeps
+the rest; a real compute already longer is not cut), so timings on a machine with fewer
+cores than ranks model ranks that truly run in parallel. The gradients are still computed
+for real.
+
 Pipeline schedules (GPipe, 1F1B, ...) will be other classes with the same ``run``.
 """
 
@@ -104,14 +110,27 @@ def check_accumulate(k):
     return k
 
 
+def slow_down(computed, samples, factor, pace=None):
+    """Sleep so that a compute of ``computed`` seconds over ``samples`` samples takes
+    ``factor`` times as long (or, with ``pace``, ``factor * pace * samples`` seconds);
+    returns the seconds slept."""
+    target = factor * (computed if pace is None else pace * samples)
+    if target <= computed:
+        return 0.0
+    t = _clock()
+    time.sleep(target - computed)
+    return _clock() - t
+
+
 class MicroBatches:
     """Forward and backward over ``k`` micro-batches of each batch (module doc)."""
 
     name = "micro-batches"
 
-    def __init__(self, k=1, straggler=1.0, transient=None, rank=0):
+    def __init__(self, k=1, straggler=1.0, transient=None, rank=0, pace=None):
         self.k = check_accumulate(k)
         self.straggler = float(straggler)
+        self.pace = pace
         self.transient = transient
         self._rng = None
         if transient is not None:
@@ -167,11 +186,7 @@ class MicroBatches:
         if self._rng is not None and self._rng.random() < self.transient.prob:
             slow = max(slow, self.transient.factor)
             self.slowed_steps += 1
-        self.straggle_s = 0.0
-        if slow > 1.0:
-            t = _clock()
-            time.sleep((slow - 1.0) * (fwd + bwd))
-            self.straggle_s = _clock() - t
+        self.straggle_s = slow_down(fwd + bwd, n, slow, self.pace)
         return total / k
 
     def describe(self):

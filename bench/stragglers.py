@@ -1,0 +1,174 @@
+"""Stragglers handled without losing synchrony: time to 85 % test accuracy.
+
+    python bench/stragglers.py        # -> bench/results/stragglers.json + stragglers.png
+
+Two questions, on the MLP and Fashion-MNIST with 3 workers of batch 128 (a global batch
+of 384), SGD lr 0.05 momentum 0.9:
+
+1. One persistent straggler (the last worker 2x, then 4x slower): how much sooner does
+   ``--deal portions`` (the global batch cut into 32-sample portions dealt to whichever
+   worker is free; synchronous updates, the same mean gradient) reach the target than
+   plain synchronous PS and all-reduce, which wait for the straggler every step?
+2. Transient stragglers (every step, each worker 4x slower with probability 0.1,
+   seeded): how much sooner does SSP (s = 1 and 4; async's settings: momentum 0, lr
+   0.15, a quarter-epoch warm-up) reach it than synchronous PS?
+
+Compute is emulated: 4 ranks share this machine's 2 cores, so real compute times would
+measure the contention, not the method. Each step (or portion) still computes its real
+gradients, then sleeps until it has taken ``--pace`` seconds per sample times its
+straggler factor (``compute_pace``, ``mpidl/runtime/schedule.py``); the pace is set well
+above the contended real compute, so every worker's compute time is what it would be
+on its own core. Communication and the servers' updates are real.
+
+Each configuration runs ``bench/ps.py _run`` (the trainer, the server keeping a copy of
+the parameters every ``--every`` seconds, evaluated on the test set afterwards; all-reduce:
+the first worker keeps them). The figures to quote are ratios of times to target
+measured in the same run.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from ps import fmt, launch, time_to  # noqa: E402
+
+from mpidl.benchmarks.machine import describe as describe_machine  # noqa: E402
+
+DEALT = {"mode": "sync", "deal": "portions", "poll_max_ms": 0.1}  # portion_size from --portion-size
+SSP_SETTINGS = ["--momentum", "0", "--lr", "0.15"]  # plus a quarter-epoch warm-up
+
+# key, ps options (None: all-reduce), persistent factor, transient spec
+RUNS = [(f"{name}{'' if f == 1 else f'+{f:g}x'}", opts, f, None)
+        for f in (1.0, 2.0, 4.0)
+        for name, opts in (("allreduce", None), ("ps-sync", {"mode": "sync"}),
+                           ("ps-dealt", DEALT))]
+RUNS += [(f"{name}+transient", opts, 1.0, "transient:4:0.1:1")
+         for name, opts in (("ps-sync", {"mode": "sync"}), ("ssp-1", {"mode": "ssp",
+                                                                      "staleness": 1}),
+                            ("ssp-4", {"mode": "ssp", "staleness": 4}))]
+
+
+def run(a, key, opts, factor, transient):
+    out = os.path.join(a.work, f"{key}.json")
+    n = a.workers + (0 if opts is None else 1)
+    args = [os.path.join(HERE, "ps.py"), "_run", "--out", out, "--epochs", a.epochs,
+            "--batch", a.batch, "--lr", a.lr, "--every", a.every, "--seed", a.seed,
+            "--model", "mlp", "--straggler", factor, "--pace", a.pace,
+            "--test-limit", a.test_limit]
+    if transient:
+        args += ["--transient", transient]
+    if opts is not None:
+        if opts.get("mode") == "ssp":
+            steps = 60000 // (a.batch * a.workers)
+            args += SSP_SETTINGS + ["--warmup-steps", steps // 4]
+        if opts.get("deal"):
+            opts = dict(opts, portion_size=a.portion_size)
+        args += ["--ps", json.dumps(opts)]
+    if a.data_dir:
+        args += ["--data-dir", a.data_dir]
+    t = time.time()
+    launch(n, args, a.timeout, os.path.join(a.work, f"{key}.log"))
+    with open(out) as f:
+        r = json.load(f)
+    r["time_to_target_s"] = time_to(r["curve"], a.target)
+    r["launch_s"] = time.time() - t
+    r.pop("ranks", None)
+    return r
+
+
+def ratios(runs):
+    """time to target of the slower method / the faster one, in each comparison."""
+    out = {}
+
+    def ratio(slow, fast):
+        ts, tf = (runs.get(k, {}).get("time_to_target_s") for k in (slow, fast))
+        if ts and tf:
+            out[f"{slow} / {fast}"] = ts / tf
+
+    for tag in ("+2x", "+4x"):
+        ratio(f"ps-sync{tag}", f"ps-dealt{tag}")
+        ratio(f"allreduce{tag}", f"ps-dealt{tag}")
+    ratio("ps-sync", "ps-dealt")
+    for s in ("ssp-1", "ssp-4"):
+        ratio("ps-sync+transient", f"{s}+transient")
+    return out
+
+
+def plot(results, path, target):
+    from mpidl.benchmarks.plotting import pyplot  # noqa: PLC0415
+
+    plt = pyplot()
+    if plt is None:
+        return
+    runs = results["runs"]
+    panels = [("no straggler", ""), ("last worker 2x slower", "+2x"),
+              ("last worker 4x slower", "+4x"), ("transient: 4x with p = 0.1", "+transient")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(20, 4.6), sharey=True)
+    for ax, (title, tag) in zip(axes, panels):
+        for key, r in runs.items():
+            if (key.endswith(tag) if tag else "+" not in key):
+                t, acc = zip(*r["curve"])
+                ax.plot(t, acc, marker=".", ms=3, label=key.split("+")[0])
+        ax.axhline(target, color="grey", ls=":", lw=1)
+        ax.set_title(title)
+        ax.set_xlabel("seconds (emulated compute)")
+        ax.set_ylim(max(0.5, target - 0.15), None)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("test accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--pace", type=float, default=4e-4, help="emulated compute, seconds "
+                    "per sample (real compute here: about 1.5e-4 on an idle core)")
+    ap.add_argument("--portion-size", type=int, default=32, help="--deal portions: "
+                    "samples per portion")
+    ap.add_argument("--every", type=float, default=1.0, help="seconds between snapshots")
+    ap.add_argument("--target", type=float, default=0.85)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--test-limit", type=int, default=0)
+    ap.add_argument("--only", default=None, help="comma-separated run keys")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--work", default=os.path.join(ROOT, "runs", "bench-stragglers"))
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "stragglers.json"))
+    ap.add_argument("--plot", default=os.path.join(HERE, "results", "stragglers.png"))
+    a = ap.parse_args(argv)
+    os.makedirs(a.work, exist_ok=True)
+    only = set(a.only.split(",")) if a.only else None
+    results = {"machine": describe_machine(), "settings": vars(a), "runs": {}}
+    if only and os.path.exists(a.out):
+        with open(a.out) as f:
+            results["runs"] = json.load(f).get("runs", {})
+    for key, opts, factor, transient in RUNS:
+        if only and key not in only:
+            continue
+        r = results["runs"][key] = run(a, key, opts, factor, transient)
+        print(f"{key:22s} final acc {r['final_acc']:.4f}  to {a.target:.2f}: "
+              f"{fmt(r['time_to_target_s'])}  ({r['launch_s']:.0f} s)", flush=True)
+    results["ratios"] = ratios(results["runs"])
+    for k, v in results["ratios"].items():
+        print(f"  {k}: {v:.2f}x")
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1)
+    if a.plot:
+        plot(results, a.plot, a.target)
+
+
+if __name__ == "__main__":
+    main()
