@@ -289,6 +289,17 @@ def time_to(curve, target):
     return None
 
 
+def run_one(n, args, out, log, target, timeout):
+    """Launch one ``_run`` on ``n`` ranks; its result, with its time to ``target``."""
+    t = time.time()
+    launch(n, args, timeout, log)
+    with open(out) as f:
+        r = json.load(f)
+    r["time_to_target_s"] = time_to(r["curve"], target)
+    r["launch_s"] = time.time() - t
+    return r
+
+
 def launch(n, args, timeout, log):
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py"] + [str(a) for a in args]
     with open(log, "w") as f:
@@ -338,12 +349,8 @@ def speed(a):
             args += ["--ps", json.dumps(opts)]
         if a.data_dir:
             args += ["--data-dir", a.data_dir]
-        t = time.time()
-        launch(n, args, a.timeout, os.path.join(a.work, f"{key}.{rep}.log"))
-        with open(out) as f:
-            r = json.load(f)
-        r["time_to_target_s"] = time_to(r["curve"], a.target)
-        r["launch_s"] = time.time() - t
+        r = run_one(n, args, out, os.path.join(a.work, f"{key}.{rep}.log"), a.target,
+                    a.timeout)
         repeats.setdefault(key, []).append(r)
         r = results["runs"][key] = median_run(repeats[key])
         print(f"{key:28s} {r['images_per_sec']:8.0f} img/s  final acc {r['final_acc']:.4f}  "

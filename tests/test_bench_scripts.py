@@ -59,6 +59,37 @@ def test_ps_speed_bench_writes_curves_counts_and_plot(tmp_path):
     assert (tmp_path / "ps.png").stat().st_size > 0
 
 
+@pytest.mark.skipif(not fashion_available(), reason="needs Fashion-MNIST "
+                    "(apt-get install dataset-fashion-mnist)")
+def test_stragglers_bench_deals_fewer_portions_to_the_straggler(tmp_path):
+    out = tmp_path / "stragglers.json"
+    bench("stragglers.py", "--only", "ps-sync+4x,ps-dealt+4x", "--epochs", "1",
+          "--limit-train", "3072", "--test-limit", "500", "--target", "0.5", "--pace",
+          "2e-4", "--every", "0.2", "--work", tmp_path / "work", "--out", out, "--plot",
+          tmp_path / "stragglers.png")
+    report = json.loads(out.read_text())
+    assert sorted(report["runs"]) == ["ps-dealt+4x", "ps-sync+4x"]
+    dealt, sync = report["runs"]["ps-dealt+4x"], report["runs"]["ps-sync+4x"]
+    steps = 3072 // (128 * 3)
+    assert sync["ps_applied"] == 3 * steps and dealt["ps_applied"] == 12 * steps
+    by_worker = {int(w): n for w, n in dealt["ps_pushed_by_worker"].items()}
+    assert by_worker[3] < min(by_worker[1], by_worker[2]), by_worker  # 4x slower: fewer
+    assert "ps-sync+4x / ps-dealt+4x, all epochs" in report["ratios"]
+    assert (tmp_path / "stragglers.png").stat().st_size > 0
+
+
+def test_compute_pace_makes_a_step_take_its_pace_times_the_factor():
+    import time  # noqa: PLC0415
+
+    from mpidl.runtime.schedule import slow_down  # noqa: PLC0415
+
+    t = time.perf_counter()
+    slept = slow_down(0.0, 100, 2.0, pace=1e-4)  # 100 samples x 0.1 ms x 2 = 20 ms
+    assert 0.019 <= slept <= time.perf_counter() - t
+    assert slow_down(0.05, 100, 1.0, pace=1e-4) == 0.0  # computed longer than the pace
+    assert slow_down(0.01, 1, 1.0) == 0.0  # no straggler, no pace: nothing
+
+
 def test_batches_as_one_epoch_hands_the_trainers_loader_the_chosen_batches():
     """bench/ps.py and bench/staleness.py run several epochs (or part of one) as one
     trainer epoch: every shard must get exactly the batches its own loader would give."""

@@ -66,22 +66,7 @@ class PSWorker:
             t = time.perf_counter()
             time.sleep((self.straggler - 1.0) * compute)
             self.stats["straggle_s"] += time.perf_counter() - t
-        for s, server in enumerate(self.servers):
-            tensors, arrays = [], []
-            for name in self.layout.names[s]:
-                g = self.params[name].grad
-                if g is None:
-                    continue
-                enc, meta, payload = self._encode(name, g)
-                tensors.append((name, enc, meta, len(payload)))
-                arrays += payload
-            header = {"kind": "push", "clock": self.clock, "lr": lr,
-                      "version": self.versions[server], "tensors": tensors}
-            self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, header, arrays)
-            self.stats["bytes_sent"] += sum(int(a.nbytes) for a in arrays)
-            self.stats["messages"] += 1
-        self.stats["pushes"] += 1
-        self.clock += 1
+        self._send_gradients(lr)
         replies = self._await("params")
         # --epoch-quorum: enough workers finished the epoch; this one skips the rest
         self.epoch_over = any(h.get("epoch_over") for h, _ in replies.values())
@@ -110,23 +95,7 @@ class PSWorker:
         has been taken, as ``deal``). The request goes first, so the dealer answers it
         before it receives the push."""
         self.ask(portions, done=int(portion))
-        for s, server in enumerate(self.servers):
-            arrays, tensors = [], []
-            for name in self.layout.names[s]:
-                g = self.params[name].grad
-                if g is None:
-                    continue
-                enc, meta, payload = self._encode(name, g)
-                tensors.append((name, enc, meta, len(payload)))
-                arrays += payload
-            header = {"kind": "push", "clock": self.clock, "lr": lr,
-                      "version": self.versions[server], "tensors": tensors,
-                      "portion": int(portion), "portions": int(portions)}
-            self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, header, arrays)
-            self.stats["bytes_sent"] += sum(int(a.nbytes) for a in arrays)
-            self.stats["messages"] += 1
-        self.stats["pushes"] += 1
-        self.clock += 1
+        self._send_gradients(lr, portion=int(portion), portions=int(portions))
         return self._next_portion()
 
     def _next_portion(self):
@@ -146,6 +115,25 @@ class PSWorker:
         rest = self._await("params", self.servers[1:]) if len(self.servers) > 1 else {}
         self._take_params({**first, **rest})
         return None
+
+    def _send_gradients(self, lr, **extra):
+        """Start sending each server its shard's gradients (one push, this clock)."""
+        for s, server in enumerate(self.servers):
+            tensors, arrays = [], []
+            for name in self.layout.names[s]:
+                g = self.params[name].grad
+                if g is None:
+                    continue
+                enc, meta, payload = self._encode(name, g)
+                tensors.append((name, enc, meta, len(payload)))
+                arrays += payload
+            header = {"kind": "push", "clock": self.clock, "lr": lr,
+                      "version": self.versions[server], "tensors": tensors, **extra}
+            self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, header, arrays)
+            self.stats["bytes_sent"] += sum(int(a.nbytes) for a in arrays)
+            self.stats["messages"] += 1
+        self.stats["pushes"] += 1
+        self.clock += 1
 
     def _encode(self, name, g):
         if isinstance(g, SparseGrad):  # Embedding: only the touched rows travel
