@@ -59,6 +59,7 @@ def test_ps_speed_bench_writes_curves_counts_and_plot(tmp_path):
     assert (tmp_path / "ps.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # (tests/test_dealing.py covers dealing itself in CI)
 @pytest.mark.skipif(not fashion_available(), reason="needs Fashion-MNIST "
                     "(apt-get install dataset-fashion-mnist)")
 def test_stragglers_bench_deals_fewer_portions_to_the_straggler(tmp_path):
