@@ -13,6 +13,7 @@ import pytest
 
 from mpidl.errors import ConfigError
 from mpidl.runtime import averaging, build, cli_options, presets
+from mpidl.runtime import dealing as dealing_part
 from mpidl.runtime import hybrid as hybrid_part
 from mpidl.runtime import precision as precision_part
 from mpidl.runtime import schedule as schedule_part
@@ -68,11 +69,15 @@ def test_each_preset_takes_exactly_its_parts_options():
                                                | names(compressed.OPTIONS) | {"sync_bn"}
                                                | names(averaging.OPTIONS)
                                                | set(presets.AVERAGING_CHECK)
-                                               | names(zero_part.OPTIONS))
-    # (worker groups: --group-size, and the fused all-reduce's settings inside a group)
+                                               | names(zero_part.OPTIONS)
+                                               | set(presets.BENCH_TUNING))
+    # (worker groups: --group-size, and the fused all-reduce's settings inside a group;
+    # --deal portions)
     assert presets.PRESETS["ps"][1] == (common | names(pushpull.OPTIONS)
                                         | names(compressed.OPTIONS) | set(presets.PS_TUNING)
-                                        | names(groups.OPTIONS) | names(fused.OPTIONS))
+                                        | names(groups.OPTIONS) | names(fused.OPTIONS)
+                                        | names(dealing_part.OPTIONS)
+                                        | set(presets.BENCH_TUNING))
     # every flag is declared once, by one part
     declared = [o.name for o in cli_options()]
     assert len(declared) == len(set(declared))
