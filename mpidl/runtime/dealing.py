@@ -13,9 +13,13 @@ the dealer has none left; the servers apply the sum of all portions in portion o
   equals its run without one;
 - every sample is used once per epoch, as in sync training;
 - a worker k times slower takes about 1/k as many portions, instead of making every
-  other worker wait for it each step; near the end of a step, an idle worker gets a
-  backup copy of a portion still out, so the last portion held by the straggler does
-  not hold up the step either.
+  other worker wait for it each step; near the end of a step, a worker that asks gets a
+  backup copy of a portion still out that was dealt before its own (so is overdue), so
+  the last portion held by the straggler need not hold up the step either.
+
+Each portion is a full gradient push, so a step moves ``--batch-size / --portion-size``
+times the bytes of synchronous PS into the servers: dealing pays when stragglers cost
+more than that (README, "Stragglers without losing synchrony").
 
 The portion gradients are exact (no compression) and per portion, so gradient
 accumulation, compression, worker groups and other modes than sync are refused, and so
