@@ -83,8 +83,24 @@ def run_ranks(n, args, timeout=120, env=None, module_mpi4py=True, cwd=None):
     return run_command(cmd, timeout=timeout, env=env, cwd=cwd)
 
 
+#: what a launcher says when it failed to start before any rank ran (then the launch
+#: is tried again, at most twice): Open MPI 5's PMIx server now and then, under load
+LAUNCHER_START_FAILURES = ("The PMIx server's listener thread failed to start",)
+
+
 def run_command(cmd, timeout=120, env=None, cwd=None):
     """Run a plain command (e.g. ``mpiexec -n 2 mpidl train ...``) with the same timeout rule."""
+    for _ in range(2):
+        launch = _run_once(cmd, timeout, env, cwd)
+        if launch.returncode == 0 or not any(m in launch.output
+                                             for m in LAUNCHER_START_FAILURES):
+            return launch
+        sys.stderr.write(f"mpirun.py: the launcher failed to start, trying again:\n"
+                         f"{launch.output[-400:]}\n")
+    return _run_once(cmd, timeout, env, cwd)
+
+
+def _run_once(cmd, timeout, env, cwd):
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=mpi_env(env), cwd=cwd,
                             start_new_session=True, text=True)

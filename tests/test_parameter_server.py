@@ -76,7 +76,7 @@ def test_mode_config_checks():
     with pytest.raises(ConfigError, match="--wait applies to --mode backup or softsync"):
         mode_config(3, "sync", wait=2)
     with pytest.raises(ConfigError, match=r"--staleness applies to --mode ssp \(got --mode "
-                       "async\)"):
+                       r"async\)"):
         mode_config(3, "async", staleness=1)
     assert mode_config(3, "ssp", staleness=0).staleness == 0
     assert ModeConfig("async", epoch_quorum=2).check(3).epoch_quorum == 2
