@@ -277,9 +277,7 @@ class DealMode:
                 elif name in self.sums:
                     self.sums[name] += g
                 else:
-                    total = srv.sum_buffer(name, g)
-                    total[...] = g
-                    self.sums[name] = total
+                    self.sums[name] = srv.start_sum(name, g)
             if not rows:  # (row-sparse parts keep their buffers until the update)
                 srv.release(push)
             self.summed += 1

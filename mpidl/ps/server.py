@@ -426,13 +426,9 @@ class ParameterServer:
             self._spare.setdefault((buf.shape, buf.dtype.str), []).append(buf)
         push.buffers = None
 
-    def sum_buffer(self, name, like):
-        """A persistent array shaped like ``like`` for summing gradient ``name``."""
-        keep = self._sums.get(name)
-        if keep is None or type(keep) is not type(like) or keep.shape != like.shape \
-                or keep.dtype != like.dtype:
-            keep = self._sums[name] = like.copy()
-        return keep
+    def start_sum(self, name, g):
+        """A copy of gradient ``g`` to sum into (this server's array for ``name``)."""
+        return start_sum(self._sums, name, g)
 
     def reply(self, worker):
         self.reply_many([worker])
@@ -520,20 +516,23 @@ def _mean(parts, n, sums=None, name=None, weights=None):
     for g in parts:
         g = g.to_dense() if isinstance(g, SparseGrad) else g
         if total is None:
-            keep = sums.get(name) if sums is not None else None
-            if keep is not None and type(keep) is type(g) and keep.shape == g.shape \
-                    and keep.dtype == g.dtype:
-                keep[...] = g
-                total = keep
-            else:
-                total = g.copy()
-                if sums is not None:
-                    sums[name] = total
+            total = g.copy() if sums is None else start_sum(sums, name, g)
         else:
             total += g
     if n > 1:
         total /= total.dtype.type(n)
     return total
+
+
+def start_sum(sums, name, g):
+    """A copy of ``g`` to sum into, in ``sums[name]`` (reused while it fits ``g``)."""
+    keep = sums.get(name)
+    if keep is not None and type(keep) is type(g) and keep.shape == g.shape \
+            and keep.dtype == g.dtype:
+        keep[...] = g
+        return keep
+    keep = sums[name] = g.copy()
+    return keep
 
 
 def _scaled(g, w):

@@ -206,7 +206,8 @@ class PSWorker:
         while pending:
             source = ANY_SOURCE if servers is None else min(pending)
             src = self.poller.wait(source, TAG_REPLY, idle=self._idle,
-                                   what=f"'{kind}' from server ranks {sorted(pending)}",
+                                   what=f"'{' or '.join(kinds)}' from server ranks "
+                                   f"{sorted(pending)}",
                                    peers=sorted(pending))
             header, arrays = receive(self.comm, src, TAG_REPLY, TAG_DOWN,
                                      into=self._into_params)

@@ -26,11 +26,11 @@ accumulation, compression, worker groups and other modes than sync are refused, 
 is Dropout with p > 0 (its masks would depend on who computed what).
 """
 
-import time
+from time import perf_counter
 
 from mpidl.errors import ConfigError
 from mpidl.options import Option
-from mpidl.runtime.schedule import slow_down
+from mpidl.runtime.schedule import MicroBatches, slow_down
 
 DEAL_MODES = ("batches", "portions")
 
@@ -73,7 +73,7 @@ def check_model(model):
                               "computed a portion; use a model without dropout")
 
 
-class DealtPortions:
+class DealtPortions(MicroBatches):
     """The step's schedule: compute the portions the dealer hands this worker.
 
     ``workers``: how many workers share a global batch (the trainer loads ``workers``
@@ -88,26 +88,12 @@ class DealtPortions:
 
     def __init__(self, workers, portion_size=None, straggler=1.0, transient=None, rank=0,
                  pace=None):
-        self.k = int(workers)
-        self.pace = pace
+        super().__init__(workers, straggler, transient, rank, pace)
         self.portion_size = portion_size
-        self.straggler = float(straggler)
-        self.transient = transient
-        self._rng = None
-        if transient is not None:
-            import numpy as np  # noqa: PLC0415
-
-            self._rng = np.random.default_rng([transient.seed, rank])
         self.dealer = None  # (PushPull) set by the runtime
-        self.slowed_steps = 0
-        self.measure_activations = False
-        self.activation_bytes = 0
-        self.forward_s = self.backward_s = self.straggle_s = self.wait_s = 0.0
+        self.wait_s = 0.0
         self.portions_done = 0  # portions this worker computed (all steps)
         self._last_loss = 0.0
-
-    def setup(self, model):
-        model.needs_input_grad = False
 
     def size(self, n):
         return self.portion_size or max(1, n // (4 * self.k))
@@ -119,37 +105,34 @@ class DealtPortions:
         n = len(y)
         size = self.size(n)
         count = -(-n // size)
-        slow = self.straggler
-        if self._rng is not None and self._rng.random() < self.transient.prob:
-            slow = max(slow, self.transient.factor)
-            self.slowed_steps += 1
+        slow = self.step_factor()
         fwd = bwd = straggle = 0.0
         total, samples = 0.0, 0
-        t = _clock()
+        t = perf_counter()
         portion = self.dealer.deal(count)
-        wait = _clock() - t
+        wait = perf_counter() - t
         while portion is not None:
             lo, hi = portion * size, min(n, (portion + 1) * size)
             model.zero_grad()
-            t0 = _clock()
+            t0 = perf_counter()
             out = model(x[lo:hi])
             value = float(loss.forward(out, y[lo:hi]))
             if self.measure_activations:
                 self.activation_bytes = max(self.activation_bytes, model.activation_nbytes())
             dy = loss.backward()
             dy *= (hi - lo) / n  # its share of the global batch's mean
-            t1 = _clock()
+            t1 = perf_counter()
             model.backprop(dy)
-            t2 = _clock()
+            t2 = perf_counter()
             fwd += t1 - t0
             bwd += t2 - t1
             straggle += slow_down(t2 - t0, hi - lo, slow, self.pace)
             total += value * (hi - lo)
             samples += hi - lo
             self.portions_done += 1
-            t = _clock()
+            t = perf_counter()
             portion = self.dealer.push_portion(portion, count)
-            wait += _clock() - t
+            wait += perf_counter() - t
         self.forward_s, self.backward_s, self.straggle_s = fwd, bwd, straggle
         self.wait_s = wait  # asking, pushing, and waiting for the others and the update
         if samples:
@@ -158,13 +141,6 @@ class DealtPortions:
 
     def describe(self):
         size = f"{self.portion_size}-sample" if self.portion_size else "quarter-batch"
-        text = f"{size} portions of the global batch dealt on demand"
-        if self.transient is not None:
-            text += (f"; transient stragglers: {self.transient.factor:g}x slower with "
-                     f"probability {self.transient.prob:g} per step (seed "
-                     f"{self.transient.seed})")
-        return text
+        return f"{size} portions of the global batch dealt on demand" + \
+            self.describe_transient()
 
-
-def _clock():
-    return time.perf_counter()

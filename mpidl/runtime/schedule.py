@@ -144,6 +144,21 @@ class MicroBatches:
         self.activation_bytes = 0
         self.forward_s = self.backward_s = self.straggle_s = 0.0
 
+    def step_factor(self):
+        """How many times slower than its compute this step runs on this rank (the
+        persistent straggler factor, or a transient one drawn for this step)."""
+        slow = self.straggler
+        if self._rng is not None and self._rng.random() < self.transient.prob:
+            slow = max(slow, self.transient.factor)
+            self.slowed_steps += 1
+        return slow
+
+    def describe_transient(self):
+        if self.transient is None:
+            return ""
+        return (f"; transient stragglers: {self.transient.factor:g}x slower with "
+                f"probability {self.transient.prob:g} per step (seed {self.transient.seed})")
+
     def setup(self, model):
         """The schedule decides whether the model's first layer computes the gradient of
         its input: here the input is data, whose gradient nobody uses (a pipeline stage
@@ -182,17 +197,9 @@ class MicroBatches:
             fwd += t1 - t0
             bwd += t2 - t1
         self.forward_s, self.backward_s = fwd, bwd
-        slow = self.straggler
-        if self._rng is not None and self._rng.random() < self.transient.prob:
-            slow = max(slow, self.transient.factor)
-            self.slowed_steps += 1
-        self.straggle_s = slow_down(fwd + bwd, n, slow, self.pace)
+        self.straggle_s = slow_down(fwd + bwd, n, self.step_factor(), self.pace)
         return total / k
 
     def describe(self):
         text = f"{self.k} micro-batch(es) per step" if self.k > 1 else "one pass per step"
-        if self.transient is not None:
-            text += (f"; transient stragglers: {self.transient.factor:g}x slower with "
-                     f"probability {self.transient.prob:g} per step (seed "
-                     f"{self.transient.seed})")
-        return text
+        return text + self.describe_transient()

@@ -162,8 +162,6 @@ class PushPull(GradSync):
     # -- dealt portions (``mpidl.runtime.dealing``): the schedule calls these
     def deal(self, portions):
         """The first portion of this step for this worker (or None: the update is taken)."""
-        if not self._pulled:  # (begin_step pulled already; kept for direct callers)
-            self.begin_step()
         return self.worker.deal(portions)
 
     def push_portion(self, portion, portions):
