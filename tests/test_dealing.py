@@ -7,7 +7,8 @@ asks; the servers sum the portions in portion order. What must hold:
    and a run with the parameters on 2 servers, give bitwise the parameters of the run
    without a straggler (float64 and float32).
 2. The update is still the global batch's mean gradient: float64 parameters within
-   1e-12 of synchronous ``--strategy ps`` (which sums each worker's mean instead).
+   1e-12 of one process at the global batch, and of synchronous ``--strategy ps``
+   (which sums each worker's mean instead).
 3. The straggler takes fewer portions; every pushed portion is applied or dropped (a
    backup copy's loser), and exactly the portions of every step are applied. Row-sparse
    (Embedding) gradients too; a resumed run is bitwise the uninterrupted one.
@@ -91,6 +92,21 @@ def test_resume_of_a_dealt_run_is_bitwise_the_uninterrupted_run(tmp_path):
     assert rec["epoch"] == 2 and same_bits(straight, resumed)
 
 
+def test_dealt_portions_equal_one_process_at_the_global_batch(tmp_path):
+    """3 workers of batch 128, dealt in 32-sample portions, against one process with
+    batch 384 (the same global batches): float64 parameters within 1e-12."""
+    dealt, _ = train(tmp_path, "dealt", "--deal", "portions")
+    cmd = MPIDL + ["train", "--strategy", "local", "--dtype", "float64", "--out-dir",
+                   str(tmp_path / "one"), *FAST, "--batch-size", "384"]
+    run_command([str(c) for c in cmd], timeout=180).check()
+    with np.load(tmp_path / "one" / "model.npz") as f:
+        one = {k: f[k] for k in f.files if not k.startswith("__")}
+    assert sorted(one) == sorted(dealt)
+    rel = max(float(np.max(np.abs(dealt[k] - one[k]))) / float(np.max(np.abs(one[k])))
+              for k in one)
+    assert rel <= 1e-12, rel
+
+
 def test_dealt_portions_equal_synchronous_ps_in_float64(tmp_path):
     dealt, _ = train(tmp_path, "dealt", "--deal", "portions", "--portion-size", "16")
     sync, _ = train(tmp_path, "sync")
@@ -107,6 +123,10 @@ def test_dealt_portions_equal_synchronous_ps_in_float64(tmp_path):
     (["--deal", "portions", "--accumulate", "2"], "drop --accumulate"),
     (["--portion-size", "8"], "--portion-size applies to --deal portions"),
     (["--deal", "portions", "--dropout", "0.5"], "is Dropout with p 0.5"),
+    # (the other new parameter-server mode, softsync, on the same command line)
+    (["--mode", "softsync", "--wait", "5"], "--wait 5: softsync makes each update from c "
+     "gradients of the 2 workers, so 1 <= c <= 2"),
+    (["--mode", "sync", "--wait", "2"], "--wait applies to --mode backup or softsync"),
 ])
 def test_what_dealing_cannot_serve_is_one_line(args, needle):
     cmd = [*mpiexec_cmd(), "-n", "3"] + MPIDL + ["train", "--strategy", "ps", *FAST, *args]
