@@ -110,6 +110,14 @@ OPTIONS = [
            "seconds, naming who has not arrived (default: MPIDL_STALL_TIMEOUT or 0 = never)",
            "parallelism", metavar="S", check=lambda s: None if 0 <= s < float("inf") else
            "must be a number of seconds >= 0 (0: never)"),
+    Option("elastic", bool, False, "survive the death of ranks: the survivors shrink the "
+           "world and go on from the last commit in memory, the epoch's other samples "
+           "dealt over them (needs ULFM: Open MPI 5 started with mpiexec --with-ft ulfm; "
+           "data parallelism)", "parallelism"),
+    Option("elastic_commit_every", int, 1, "--elastic: keep the state of every K-th "
+           "step in memory to go back to (a failure repeats at most K-1 steps; each "
+           "commit copies the model and optimizer state)", "parallelism", metavar="K",
+           check=lambda k: None if k >= 1 else "must be at least 1"),
     Option("out_dir", str, None, "folder for this run's outputs (default "
            "runs/<name or date-time>)", "outputs", metavar="DIR"),
     Option("name", str, None, "run name: outputs go to runs/NAME unless --out-dir is given",
@@ -153,7 +161,8 @@ def register(options):
 
 
 #: parallelism settings that are not the strategy's (the communicator's own)
-NOT_STRATEGY = ("strategy", "stall_warning", "stall_timeout")
+NOT_STRATEGY = ("strategy", "stall_warning", "stall_timeout", "elastic",
+                "elastic_commit_every")
 
 
 def strategy_kwargs(cfg):

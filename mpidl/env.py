@@ -32,6 +32,8 @@ VARIABLES = {
                                  "collectives"),
     "MPIDL_FAIL_AT": (None, "tests: RANK:STEP[,RANK:STEP...] raises on that rank before "
                             "that step"),
+    "MPIDL_KILL_AT": (None, "tests: RANK:STEP[,RANK:STEP...] kills that process (world "
+                            "rank) with SIGKILL at the start of that step (elastic runs)"),
     "MPIDL_CRASH_IN_CHECKPOINT": (None, "tests: N[:BYTES] kills the process while writing "
                                         "the N-th checkpoint"),
     "MPIDL_SLOW": ("0", "tests: 1 runs the slow (full-accuracy) tests too"),

@@ -101,9 +101,11 @@ def run_command(cmd, timeout=120, env=None, cwd=None):
 
 
 def _run_once(cmd, timeout, env, cwd):
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=mpi_env(env), cwd=cwd,
-                            start_new_session=True, text=True)
+    # stdin closed: Open MPI's launcher forwards stdin to rank 0 and, with ULFM on, waits
+    # at the end for an open one that never closes
+    proc = subprocess.Popen([str(c) for c in cmd], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=mpi_env(env), cwd=cwd, start_new_session=True, text=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
         return Launch(proc.returncode, out)

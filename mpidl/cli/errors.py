@@ -40,6 +40,16 @@ class World:
         self.mpi = MPI.COMM_WORLD
         self.rank, self.size = self.mpi.Get_rank(), self.mpi.Get_size()
 
+    @classmethod
+    def over(cls, mpi_comm):
+        """This process's place in ``mpi_comm`` (an elastic run's survivors)."""
+        world = cls.__new__(cls)
+        from mpi4py import MPI  # noqa: PLC0415
+
+        world.MPI, world.mpi = MPI, mpi_comm
+        world.rank, world.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        return world
+
     def abort(self, status):
         """End every rank now (MPI_Abort), or just this process when alone.
 

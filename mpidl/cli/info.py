@@ -8,9 +8,7 @@ Under a launcher every rank reports its host, node-local rank and GPU; rank 0 pr
 predicts each rank will hold (``mpidl.runtime.memory``), before any run.
 """
 
-import ctypes
 import json
-import os
 import platform
 import socket
 import sys
@@ -153,32 +151,10 @@ def mpi_facts(MPI):
     facts["thread_level"] = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                              MPI.THREAD_SERIALIZED: "serialized",
                              MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "?")
-    facts["ulfm_api"], facts["ulfm_enabled"] = ulfm(MPI, facts["mpi_vendor"])
+    from mpidl.comm.ft import ulfm  # noqa: PLC0415
+
+    facts["ulfm_api"], facts["ulfm_enabled"] = ulfm(facts["mpi_vendor"])
     return facts
-
-
-def ulfm(MPI, vendor):
-    """(api, enabled): whether the loaded library exports ULFM's calls (revoke, shrink,
-    agree), and whether this launch runs with fault tolerance on (None: cannot tell).
-
-    The symbols are looked up in the library itself: mpi4py offers ``Comm.Revoke`` and
-    friends whatever the library, with stand-ins where it has none (Open MPI 4.1). And
-    having the calls is not enough: Open MPI 5 recovers only when started with
-    ``mpiexec --with-ft ulfm``, which sets ``OMPI_MCA_mpi_ft_enable`` for the ranks (as
-    ``--mca mpi_ft_enable 1`` does); MPICH's launcher ends the job when a rank dies."""
-    from mpidl.backend import loaded_mpi_library  # noqa: PLC0415
-
-    path = loaded_mpi_library()
-    if path is None:
-        return None, None
-    lib = ctypes.CDLL(path)
-    api = all(hasattr(lib, f"MPIX_Comm_{call}") for call in ("revoke", "shrink", "agree"))
-    if not api:
-        return False, False
-    if vendor == "Open MPI":
-        flag = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower()
-        return True, flag in ("1", "true", "yes", "on", "enabled")
-    return True, None
 
 
 def cuda_aware(MPI, backend):

@@ -205,26 +205,38 @@ def prepare(args, world):
     if dataset.vocab is not None:  # what mpidl sample needs to turn ids into text
         meta["vocab"] = dataset.vocab
 
-    def job():
+    first = {"model": model, "optimizer": optimizer}
+    outputs = {}  # the run's output folder, chosen once (an elastic run keeps it)
+
+    def start(world, state=None):
+        """Build the communicator, runtime and trainer over ``world`` (collective); the
+        model and optimizer of phase 1 the first time, new ones for an elastic run's later
+        generations, which begin from ``state``."""
         from mpidl.cli.errors import Agreement  # noqa: PLC0415
         from mpidl.training.trainer import Trainer  # noqa: PLC0415
 
-        check_ranks_agree(world, cfg, dataset)
-        # The Communicator's constructor is collective, so it is built only now that every
-        # rank got through phase 1; the runtime's and loader's checks agree once more.
-        if world.mpi is not None:
-            from mpidl.comm import stall  # noqa: PLC0415
-
-            stall.configure(cfg.stall_warning, cfg.stall_timeout)
+        if first:
+            model, optimizer = first.pop("model"), first.pop("optimizer")
+        else:
+            model, optimizer = build_model_and_optimizer(
+                cfg, dataset, init, planned_steps(cfg, dataset, world.size))
         with Agreement(world):
             comm = make_comm(world) if world.size > 1 or name != "local" else None
             runtime = runtimes.build(name, comm, strict=False, **options)
             trainer = Trainer(model, optimizer, dataset, runtime=runtime, config=cfg,
                               lr_schedule=lr_schedule, model_meta=meta,
                               preemption=stop_signals)
+            if cfg.elastic:
+                from mpidl.training import elastic  # noqa: PLC0415
+
+                elastic.check(runtime, world.size)
+        trainer.initial_state = state
         strategy = runtime
-        stamp = strategy.bcast(time.strftime("%Y%m%d-%H%M%S") if strategy.is_root else None)
-        out_dir = cfg.out_dir or os.path.join("runs", cfg.name or stamp)
+        if not outputs:
+            stamp = strategy.bcast(time.strftime("%Y%m%d-%H%M%S") if strategy.is_root
+                                   else None)
+            outputs["dir"] = cfg.out_dir or os.path.join("runs", cfg.name or stamp)
+        out_dir = outputs["dir"]
         ckpt_on = bool(cfg.checkpoint_dir or cfg.checkpoint_every or cfg.resume)
         ckpt_dir = cfg.checkpoint_dir or os.path.join(out_dir, "checkpoints")
         trainer.paths = {
@@ -233,6 +245,8 @@ def prepare(args, world):
             "checkpoint_dir": ckpt_dir if ckpt_on else None,
             "stop_checkpoint_dir": ckpt_dir,  # a stop signal checkpoints in any case
         }
+        if state is not None:  # an elastic run's later generation: all was said before
+            return trainer
         # the outputs must be writable before any training time is spent (the root
         # writes them; every rank agrees on the answer)
         with Agreement(world):
@@ -259,6 +273,9 @@ def prepare(args, world):
                 log.info(f"{where}{flags} apply to other layouts and have no effect here"
                          if name != "local" else
                          f"{where}{flags} apply to several ranks and have no effect here")
+            if cfg.elastic and world.size == 1:
+                log.info("one process: --elastic applies to several ranks and has no "
+                         "effect here")
         import socket  # noqa: PLC0415
 
         index, count = strategy.shard()
@@ -266,9 +283,25 @@ def prepare(args, world):
                   f"{backend.device()}{'' if backend.gpu_id() is None else ' ' + str(backend.gpu_id())}"
                   f", {'shard %d of %d' % (index, count) if strategy.trains_on_data else 'server'}"
                   f", strategy {name}")
-        trainer.fit()
+        return trainer
+
+    def job():
+        check_ranks_agree(world, cfg, dataset)
+        # The Communicator's constructor is collective, so it is built only now that every
+        # rank got through phase 1; the runtime's and loader's checks agree once more.
+        if world.mpi is not None:
+            from mpidl.comm import stall  # noqa: PLC0415
+
+            stall.configure(cfg.stall_warning, cfg.stall_timeout)
+        if cfg.elastic and world.size > 1:
+            from mpidl.training.elastic import ElasticRun  # noqa: PLC0415
+
+            trainer = ElasticRun(world, start, cfg.elastic_commit_every).run()
+        else:
+            trainer = start(world)
+            trainer.fit()
         if trainer.stopped:
-            if strategy.is_root:
+            if trainer.is_root:
                 print(f"mpidl: {trainer.stop_message()}", file=sys.stderr, flush=True)
             return STOPPED_STATUS
         return 0

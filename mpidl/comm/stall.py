@@ -41,6 +41,7 @@ import weakref
 from mpi4py import MPI
 
 from .. import env
+from .ft import is_failure
 
 QUERY, REPLY = 1, 2
 MISMATCH_AFTER = 2.0  # seconds in a call before asking whether the peers are in another
@@ -171,12 +172,22 @@ class Inspector:
                 with self.lock:
                     for comm in list(self._comms):
                         if not comm._closed:
-                            self._visit(comm)
-                    self._sends = [r for r in self._sends if not r.Test()]
+                            self._visit_alive(comm)
+                    self._sends = [r for r in self._sends if not _done(r)]
             except Exception as e:  # the inspector must never take the job down itself
                 print(f"mpidl: stall inspector stopped: {type(e).__name__}: {e}",
                       file=sys.stderr, flush=True)
                 return
+
+    def _visit_alive(self, comm):
+        """Visit ``comm``, unless a rank of it died (ULFM reports it): the group is then
+        the elastic run's to mend (``mpidl.comm.ft``), not a stall; it is forgotten."""
+        try:
+            self._visit(comm)
+        except Exception as e:
+            if not is_failure(e):
+                raise
+            self._comms.discard(comm)
 
     def _visit(self, comm):
         self.answer(comm)
@@ -346,6 +357,16 @@ class _Report:
 
 
 INSPECTOR = Inspector()
+
+
+def _done(request):
+    """Whether a reply's send is over (a send to a rank that died is over too)."""
+    try:
+        return request.Test()
+    except MPI.Exception as e:
+        if is_failure(e):
+            return True
+        raise
 
 
 def available():

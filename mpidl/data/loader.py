@@ -8,6 +8,12 @@ an uninterrupted one. Step ``i`` of an epoch takes global batch ``i`` — the po
 So N ranks with batch b see exactly the samples that one rank with batch N*b sees, which
 is what makes data-parallel training equal to large-batch training on one process.
 
+Positions: a step starts at a *position* in the epoch's permutation (the samples the
+epoch has consumed so far), so a run can change its number of ranks mid-epoch (an
+elastic run that lost a rank, a resume on another rank count): the remaining positions
+``[P, n)`` are dealt in global batches of the new size, and every sample is still seen
+once that epoch. With a fixed rank count, step ``i`` starts at position ``i*G``.
+
 Uneven data: every rank runs the same number of steps, always.
 ``drop_last=False`` (default) pads the last global batch by wrapping around to the start
 of the same epoch's permutation (a few samples are seen twice that epoch, every batch is
@@ -79,33 +85,57 @@ class BatchLoader:
             return epoch_permutation(self.num_samples, self.seed, epoch)
         return np.arange(self.num_samples)
 
-    def global_indices(self, epoch, step, order=None):
-        """Sample indices of global batch ``step`` of ``epoch`` (all shards together)."""
-        if not 0 <= step < self.steps_per_epoch:
-            raise IndexError(f"step {step} out of range (epoch has {self.steps_per_epoch})")
+    def steps_from(self, position):
+        """Steps left in an epoch whose first ``position`` samples are consumed."""
+        left, g = self.num_samples - int(position), self.global_batch_size
+        if left <= 0:
+            return 0
+        return left // g if self.drop_last else -(-left // g)
+
+    def global_indices(self, epoch, step, order=None, position=None):
+        """Sample indices of global batch ``step`` of ``epoch`` (all shards together), or
+        of the global batch starting at ``position`` when one is given."""
+        if position is None:
+            if not 0 <= step < self.steps_per_epoch:
+                raise IndexError(f"step {step} out of range (epoch has "
+                                 f"{self.steps_per_epoch})")
+            position = step * self.global_batch_size
+        elif not 0 <= position < self.num_samples or self.steps_from(position) == 0:
+            raise IndexError(f"position {position} starts no global batch of "
+                             f"{self.global_batch_size} in an epoch of {self.num_samples}")
         order = self.order(epoch) if order is None else order
-        start = step * self.global_batch_size
-        positions = np.arange(start, start + self.global_batch_size) % self.num_samples
+        positions = (np.arange(position, position + self.global_batch_size)
+                     % self.num_samples)
         return order[positions]
 
-    def indices(self, epoch, step, order=None):
-        """This shard's sample indices for global batch ``step`` of ``epoch``."""
-        g = self.global_indices(epoch, step, order)
+    def indices(self, epoch, step, order=None, position=None):
+        """This shard's sample indices for global batch ``step`` of ``epoch`` (or the one
+        at ``position``)."""
+        g = self.global_indices(epoch, step, order, position)
         b = self.batch_size
         return g[self.index * b:(self.index + 1) * b]
 
-    def host_batch(self, epoch, step, order=None):
-        idx = self.indices(epoch, step, order)
+    def host_batch(self, epoch, step, order=None, position=None):
+        idx = self.indices(epoch, step, order, position)
         return self.x[idx], self.y[idx]
 
     def epoch(self, epoch, start=0):
         """Yield (step, x, y) for steps ``start`` .. end of ``epoch`` (resume mid-epoch)."""
+        for i, (_, x, y) in enumerate(self.from_position(epoch, start
+                                                         * self.global_batch_size)):
+            yield start + i, x, y
+
+    def from_position(self, epoch, position=0):
+        """Yield (position, x, y) for the global batches of ``epoch`` that start at
+        ``position``, ``position + G``, ... (``position``: samples already consumed)."""
         order = self.order(epoch)
-        for step in range(start, self.steps_per_epoch):
-            x, y = self.host_batch(epoch, step, order)
+        g = self.global_batch_size
+        for i in range(self.steps_from(position)):
+            at = position + i * g
+            x, y = self.host_batch(epoch, None, order, at)
             if self.device:
                 x, y = to_device(x, dtype=input_dtype(x, self.dtype)), to_device(y)
-            yield step, x, y
+            yield at, x, y
 
 
 def shard_range(n, index, count):

@@ -122,6 +122,15 @@ class Runtime:
         return (mine // t) % dp, dp
 
     @property
+    def resizable(self):
+        """Whether a checkpoint of this step can continue on another number of ranks
+        (an elastic run that lost a rank; a resume on more or fewer ranks): plain data
+        parallelism, where every replica holds the whole model and optimizer state and
+        no part keeps state of its own per rank."""
+        return (self.name in ("local", "allreduce") and self.tp is None and self.pp is None
+                and self.averaging is None and self.compressor is None)
+
+    @property
     def pp_degree(self):
         return 1 if self.pp is None else self.pp.degree
 
@@ -711,6 +720,16 @@ class Runtime:
             out["averaging"] = avg.shared_state()
             out["averaging_ranks"] = self.gather(avg.local_state())
         return out if self.is_root else None
+
+    def local_state(self):
+        """What ``state_dict`` saves, from this rank alone, for runtimes whose ranks hold
+        the same state (``resizable``): no communication (an elastic run's commit)."""
+        import copy  # noqa: PLC0415
+
+        out = {"syncs": []}
+        if self.precision is not None:
+            out["precision"] = copy.deepcopy(self.precision.state_dict())
+        return out
 
     def _pipeline_layout(self):
         return [self.pp_degree, 1 if self.tp is None else self.tp.degree, self.size]

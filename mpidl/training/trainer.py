@@ -18,6 +18,8 @@ same step, write a checkpoint of that exact position and leave ``fit`` with
 """
 
 import math
+import os
+import signal
 import time
 import uuid
 from types import SimpleNamespace
@@ -35,6 +37,7 @@ from mpidl.training.progress import Progress
 from mpidl.training.tasks import task_for
 
 FAIL_ENV = "MPIDL_FAIL_AT"
+KILL_ENV = "MPIDL_KILL_AT"
 CRASH_IN_CHECKPOINT_ENV = "MPIDL_CRASH_IN_CHECKPOINT"
 
 
@@ -42,8 +45,9 @@ class InjectedFailure(RuntimeError):
     """Raised by the MPIDL_FAIL_AT test hook."""
 
 
-def parse_fail_at(spec):
-    """``"RANK:STEP[,RANK:STEP...]"`` -> {rank: {steps}} (the MPIDL_FAIL_AT test hook)."""
+def parse_fail_at(spec, variable=FAIL_ENV):
+    """``"RANK:STEP[,RANK:STEP...]"`` -> {rank: {steps}} (the MPIDL_FAIL_AT and
+    MPIDL_KILL_AT test hooks)."""
     out = {}
     if not spec:
         return out
@@ -51,7 +55,7 @@ def parse_fail_at(spec):
         try:
             rank, step = (int(v) for v in part.split(":"))
         except ValueError:
-            raise ConfigError(f"{FAIL_ENV}={spec!r}: expected RANK:STEP[,RANK:STEP...]") from None
+            raise ConfigError(f"{variable}={spec!r}: expected RANK:STEP[,RANK:STEP...]") from None
         out.setdefault(rank, set()).add(step)
     return out
 
@@ -159,13 +163,20 @@ class Trainer:
         factory = lr_schedule or schedule_factory(cfg.schedule)
         self.schedule = factory(self.base_lr, self.total_steps, self.warmup_steps)
         self.fail_at = parse_fail_at(env.get(FAIL_ENV)).get(runtime.rank, set())
+        world_rank = getattr(runtime.comm, "world_rank", 0)
+        self.kill_at = parse_fail_at(env.get(KILL_ENV), KILL_ENV).get(world_rank, set())
+        self.elastic = None  # an elastic run's commits (mpidl.training.elastic)
+        self.initial_state = None  # state to start from (an elastic run's commit)
         crash = env.get(CRASH_IN_CHECKPOINT_ENV)  # "N" or "N:BYTES": test hook
         self.crash_in_checkpoint = tuple(int(v) for v in crash.split(":")) if crash else None
         self.checkpoints_written = 0
-        # where the loop stands: the next step's epoch and batch, steps done so far
+        # where the loop stands: the next step's epoch, the steps done in it and the
+        # samples of its permutation they consumed (its position), steps done so far
         self.step = 0
         self.epoch = 0
         self.batch = 0
+        self.position = 0
+        self._last_sched = None  # the schedule step of the last step taken
         self.stats = EpochStats()
         self.epoch_start = time.perf_counter()  # set again as each epoch starts
         self.seconds_before = 0.0  # time spent in earlier (interrupted) runs
@@ -189,6 +200,17 @@ class Trainer:
 
     def lr_at(self, step):
         return float(self.schedule(step))
+
+    def schedule_step(self):
+        """Where the next step stands in the learning-rate schedule: ``epoch *
+        steps_per_epoch + position / global_batch`` (this rank count's steps). With one
+        rank count all along it is the step count itself (an int); after a change of
+        rank count mid-epoch (an elastic run, a resume on other ranks) it goes on from the
+        samples consumed, so the schedule neither jumps nor replays."""
+        g = self.loader.global_batch_size
+        whole, part = divmod(self.position, g)
+        base = self.epoch * self.steps_per_epoch + whole
+        return base if part == 0 else base + part / g
 
     def stop(self):
         """End training after the current step (a callback calls it on every rank)."""
@@ -223,7 +245,9 @@ class Trainer:
         if self.is_root:
             for line in rt.start_lines(cfg.batch_size):
                 self.log.info(line)
-        if cfg.resume:
+        if self.initial_state is not None:
+            self.load_state(self.initial_state)
+        elif cfg.resume:
             self.restore()
         self.callbacks.on_fit_start(self)
         if not rt.trains_on_data:
@@ -241,20 +265,27 @@ class Trainer:
         try:
             while self.epoch < cfg.epochs and not diverged and not self._stop:
                 epoch = self.epoch
-                if self.batch < self.steps_per_epoch:
-                    self.progress.start_epoch(epoch + 1, cfg.epochs, self.steps_per_epoch,
+                left = self.loader.steps_from(self.position)
+                if left > 0:
+                    self.progress.start_epoch(epoch + 1, cfg.epochs, self.batch + left,
                                               self.batch)
                 t = self.epoch_start = time.perf_counter()
-                for b, x, y in self.loader.epoch(epoch, start=self.batch):
+                for at, x, y in self.loader.from_position(epoch, self.position):
+                    if self.elastic is not None:
+                        self.elastic.before_step(self)
+                    if self.step in self.kill_at:
+                        os.kill(os.getpid(), signal.SIGKILL)
                     if self.step in self.fail_at:
                         raise InjectedFailure(f"{FAIL_ENV}: injected failure on rank "
                                               f"{rt.rank} at step {self.step}")
-                    lr = self.lr_at(self.step)
+                    self._last_sched = self.schedule_step()
+                    lr = self.lr_at(self._last_sched)
                     self.optimizer.lr = lr
                     self.callbacks.on_step_start(self)
                     loss = rt.train_step(x, y)
                     self.step += 1
-                    self.batch = b + 1
+                    self.batch += 1
+                    self.position = at + images_per_step
                     now = time.perf_counter()
                     self.stats.add(loss, images_per_step, now - t)
                     self.progress.update(self.stats.loss_sum / self.stats.steps,
@@ -269,9 +300,10 @@ class Trainer:
                         break
                 if self.stopped is not None:
                     break
-                # a rank that ended its epoch early keeps the schedule in step with the rest
+                # a rank that ended its epoch early counts the steps it skipped, as the
+                # rest do
                 if not self._stop:
-                    self.step = max(self.step, (epoch + 1) * self.steps_per_epoch)
+                    self.step += self.loader.steps_from(self.position)
                 self.progress.close()
                 self.end_epoch()
                 diverged = not math.isfinite(self.last["train_loss"])
@@ -365,7 +397,8 @@ class Trainer:
         record = {
             "epoch": self.epoch + 1,
             "step": self.step,
-            "lr": self.lr_at(max(self.step - 1, 0)),
+            "lr": self.lr_at(max(self.step - 1, 0) if self._last_sched is None
+                             else self._last_sched),
             "train_loss": train["loss_sum"] / max(train["steps"], 1),
             **results,
             "images_per_sec": self.stats.images / seconds if seconds > 0 else 0.0,
@@ -376,11 +409,14 @@ class Trainer:
             "global_batch": self.loader.global_batch_size,
         }
         record.update(self.runtime.metrics() or {})
+        if self.elastic is not None and self.elastic.events:
+            record["elastic_failures"] = list(self.elastic.events)
         self.last = record
         if self.metrics is not None:
             self.metrics.write(record)
         self.epoch += 1
         self.batch = 0
+        self.position = 0
         self.stats = EpochStats()
         self.callbacks.on_epoch_end(self, record)
 
@@ -413,6 +449,7 @@ class Trainer:
 
         out = {k: getattr(self.cfg, k, None) for k in RESUME_KEYS}
         out["ranks"] = self.count
+        out["resizable"] = self.runtime.resizable  # (not compared: see check_compatible)
         return out
 
     def save_checkpoint(self):
@@ -441,7 +478,8 @@ class Trainer:
                 "run": self.run_id,
                 "config": self.resume_config(),
                 "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
-                             "elapsed": self.elapsed(), "last": self.last},
+                             "position": self.position, "elapsed": self.elapsed(),
+                             "last": self.last},
                 "model": parts.model,
                 "optimizer": parts.optimizer,
                 "ranks": per_rank,
@@ -456,6 +494,23 @@ class Trainer:
         self._last_checkpoint = (self.step, path)
         self.callbacks.on_checkpoint(self, path)
         return path
+
+    def local_state(self):
+        """This rank's state at this step, in a checkpoint's layout, without communicating
+        and with copies of every array (an elastic run's commit, ``mpidl.training.elastic``;
+        only for runtimes whose ranks each hold the whole state, ``Runtime.resizable``)."""
+        rt = self.runtime
+        return {
+            "run": self.run_id,
+            "config": self.resume_config(),
+            "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
+                         "position": self.position, "elapsed": self.elapsed(),
+                         "last": dict(self.last)},
+            "model": {k: v.copy() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "ranks": [{"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}],
+            "runtime": rt.local_state(),
+        }
 
     def parameters_finite(self):
         """Whether every parameter is finite (no checkpoint is written of a diverged run)."""
@@ -505,22 +560,44 @@ class Trainer:
         if path is None:
             self.log.info(f"--resume: no checkpoint in {directory}; starting from scratch")
             return False
+        self.load_state(state)
+        if self.is_root:  # the epochs this run replays must not appear twice
+            truncate_metrics(self.paths.get("metrics"), self.epoch)
+        saved, resized = state["config"].get("ranks"), ""
+        if saved is not None and saved != self.count:
+            resized = (f"; written by {saved} rank(s), continued on {self.count}: the "
+                       f"epoch's other samples are dealt in global batches of "
+                       f"{self.loader.global_batch_size}")
+        self.log.info(f"resumed from {path}: step {self.step}, epoch {self.epoch + 1}, "
+                      f"position {self.position}/{self.loader.num_samples}{resized}")
+        return True
+
+    def load_state(self, state):
+        """Take a checkpoint's state (read by ``restore``, or an elastic run's commit):
+        model, optimizer, this rank's RNGs and running sums, the runtime's state, where
+        the loop stands. Collective over the runtime's ranks."""
         self.runtime.load_full_state(self.model, self.optimizer, state["model"],
                                      state["optimizer"])
-        mine = state["ranks"][self.shard_rank_index()]
+        per_rank = state["ranks"]
+        saved_count = state["config"].get("ranks", len(per_rank))
+        index = self.shard_rank_index()
+        if saved_count == self.count:
+            mine = per_rank[index]
+        else:  # resized: rank i takes the RNGs of the i-th saved rank (the first ones
+            #   when there are more now), its running sums only if there was one
+            mine = dict(per_rank[index % len(per_rank)])
+            if index >= len(per_rank):
+                mine["epoch_stats"] = None
         set_rng_states(self.model, mine["rng"])
         self.runtime.load_state_dict(state.get("runtime"))
         self.run_id = state.get("run") or self.run_id
         p = state["progress"]
         self.step, self.epoch, self.batch = int(p["step"]), int(p["epoch"]), int(p["batch"])
+        # (checkpoints before positions were saved: the same rank count, a batch's worth)
+        self.position = int(p.get("position", self.batch * self.loader.global_batch_size))
         self.stats = EpochStats.from_state(mine["epoch_stats"])  # this rank's own sums
         self.seconds_before = float(p["elapsed"])
         self.last = p.get("last") or {}
-        if self.is_root:  # the epochs this run replays must not appear twice
-            truncate_metrics(self.paths.get("metrics"), self.epoch)
-        self.log.info(f"resumed from {path}: step {self.step}, epoch {self.epoch + 1}, "
-                      f"batch {self.batch}/{self.steps_per_epoch}")
-        return True
 
     def shard_rank_index(self):
         """This rank's entry in the checkpoint's per-rank list (the order of ``gather``)."""
@@ -528,6 +605,11 @@ class Trainer:
 
     def check_compatible(self, path, saved):
         now = self.resume_config()
+        ignore = {"resizable"}
+        if self.runtime.resizable and saved.get("resizable"):
+            # data parallelism continues on any number of ranks (one process included)
+            ignore |= {"ranks", "strategy"}
+        now = {k: v for k, v in now.items() if k not in ignore}
         diff = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}"
                 for k in now if saved.get(k) != now[k]]
         if diff:
