@@ -19,6 +19,9 @@ def pytest_configure(config):
                             "parallelism, stalls, signals, finalize) that CI runs again under "
                             "Open MPI 5 beside the mpi_matrix slice: "
                             "pytest -m 'mpi_matrix or mpi_matrix_extra'")
+    config.addinivalue_line("markers", "ulfm: needs an MPI whose survivors go on when a rank "
+                            "dies (Open MPI 5, mpiexec --with-ft ulfm): elastic training; "
+                            "skipped under other MPIs, run by CI in the Open MPI 5 slice")
 
 
 def pytest_collection_modifyitems(config, items):

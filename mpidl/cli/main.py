@@ -82,6 +82,9 @@ def main(argv=None):
     status = handle(world, run)
     sys.stdout.flush()
     sys.stderr.flush()
+    ft = sys.modules.get("mpidl.comm.ft")
+    if ft is not None and ft.survived():  # an elastic run that lost ranks
+        ft.exit_survivor(status)
     sys.exit(status)
 
 

@@ -137,6 +137,29 @@ def abandon_all(timeout=5.0):
             comm._progress.close(timeout)
 
 
+_failures = []  # the world ranks this process has seen die (``shrink``)
+
+
+def survived():
+    """Whether this process went on after a rank died (its communicators were shrunk)."""
+    return bool(_failures)
+
+
+def exit_survivor(status):
+    """End a process that survived a dead rank: Python's exit handlers (mpidl closes its
+    communicators), then exit without ``MPI_Finalize``. Open MPI 5's finalize ends in a
+    fence over every process of the job, which now and then waits forever for the dead
+    one (seen about one run in five here); everything the run had to say is said by
+    then."""
+    import atexit  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def shrink(mpi_comm):
     """The survivors of ``mpi_comm`` (revoked or not) as a new communicator, in their old
     order, and the world ranks of the dead. Collective over the survivors."""
@@ -148,4 +171,6 @@ def shrink(mpi_comm):
     was = MPI.Group.Translate_ranks(before, list(range(mpi_comm.Get_size())), world)
     for g in (world, before, after):
         g.Free()
-    return new, [r for r in was if r not in alive]
+    dead = [r for r in was if r not in alive]
+    _failures.extend(dead)
+    return new, dead

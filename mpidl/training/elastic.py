@@ -90,8 +90,11 @@ class Commits:
 
         newest = self.kept[-1][0] if self.kept else -1
         step = comm.allreduce(newest, op=MPI.MIN)
+        if step < 0:  # a rank died before the first step: start again
+            self.kept = []
+            return step, None
         found = [state for s, state in self.kept if s == step]
-        if step < 0 or not found:
+        if not found:
             raise RuntimeError(f"elastic: no commit of step {step} on this rank (it kept "
                                f"{[s for s, _ in self.kept]}); cannot go on")
         mine = found[0]
@@ -160,11 +163,15 @@ class ElasticRun:
         self.commits.events.append(event)
         self.commits._watch = (event, step)
         if mpi_world.Get_rank() == 0:
-            p = state["progress"]
             what = str(error).split("\n")[0]
+            if state is None:
+                where = "from the start (it died before the first step)"
+            else:
+                p = state["progress"]
+                where = (f"from step {step} (epoch {int(p['epoch']) + 1}, "
+                         f"{int(p['position'])} samples of it done)")
             self.log.warning(
                 f"elastic: rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} "
-                f"died ({what}); {mpi_world.Get_size()} rank(s) go on from step {step} "
-                f"(epoch {int(p['epoch']) + 1}, {int(p['position'])} samples of it done), "
-                f"recovered in {event['recovered_s']:.3f} s")
+                f"died ({what}); {mpi_world.Get_size()} rank(s) go on {where}, recovered in "
+                f"{event['recovered_s']:.3f} s")
         return mpi_world, state

@@ -247,6 +247,8 @@ class Trainer:
                 self.log.info(line)
         if self.initial_state is not None:
             self.load_state(self.initial_state)
+            if self.is_root:  # epochs done after the state was taken are done again
+                truncate_metrics(self.paths.get("metrics"), self.epoch)
         elif cfg.resume:
             self.restore()
         self.callbacks.on_fit_start(self)

