@@ -188,3 +188,26 @@ class LbfgsDealMode(DealMode):
             info = {"done": not self.follower.after_evaluation()}
         srv.apply_gradients(pushes, {})  # counted and released; the version moves on
         srv.reply_many(sorted(srv.active), lbfgs=info)
+
+
+def exchange_size(records, tensors):
+    """(bytes, messages) the coordinator and the shards exchange for a run that ended at
+    its iteration limit, from its iteration records and ``tensors[s]``, the tensors
+    shard ``s`` holds (the README's formula). Per shard but the coordinator's, holding
+    T tensors: the starting point's report (3T values); per iteration with k0 pairs
+    before it, k after, e evaluations, a new pair (u = 1) or not and r failed line
+    searches: DIRECTION (2 k0 + 2 values) and its report (2T), per evaluation TRIAL (2)
+    and its report (T), ACCEPT (3) and its report (T (3 + 2k + u (3k - 2))), per
+    failed search RESTART (1), DIRECTION (2) and its report (2T); then STOP (2). All
+    float64: 8 bytes a value. O(m T) values per iteration, whatever the model's size."""
+    values = messages = 0
+    for t in tensors[1:]:
+        values += 3 * t + 2
+        messages += 2
+        for before, rec in zip(records, records[1:]):
+            k0, k, e, r = before["pairs"], rec["pairs"], rec["evaluations"], rec["restarts"]
+            u = 3 * k - 2 if rec["updated"] else 0
+            values += 2 * k0 + 2 + 2 * t + e * (2 + t) + 3 + t * (3 + 2 * k + u)
+            values += r * (3 + 2 * t)
+            messages += 4 + 2 * e + 3 * r
+    return 8 * values, messages
