@@ -22,6 +22,7 @@ oversubscribe it): they are listed, not compared; nothing here is a speed goal.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -99,6 +100,7 @@ LAYOUTS = [("one process", 1, []), ("1 server + 3 workers", 4, ["--strategy", "p
 
 def train(a, key, n, extra):
     out = os.path.join(a.work, key)
+    shutil.rmtree(out, ignore_errors=True)  # (metrics files are appended to)
     cmd = ([mpiexec(), "-n", str(n)] if n > 1 else []) + [
         sys.executable, "-m", "mpidl.cli.main", "train", "--model", "mlp", "--optimizer",
         "lbfgs", "--limit-train", str(a.samples), "--lbfgs-iterations", str(a.iterations),
