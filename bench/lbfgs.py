@@ -108,7 +108,7 @@ def train(a, key, n, extra):
     t = time.time()
     with open(out + ".log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout,
-                              env=launch_env(ROOT))
+                              check=False, env=launch_env(ROOT))
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed; see {out}.log")
     with open(os.path.join(out, "metrics.jsonl")) as f:

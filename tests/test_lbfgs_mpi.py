@@ -49,24 +49,21 @@ def tensors_per_shard(model, servers):
 
 
 def exchange(records, tensors):
-    """(bytes, messages) on the servers' group, by the README's formula: for each shard
-    but the coordinator's, holding T tensors, the starting point's report (3T values),
-    then per iteration with k0 pairs before it, k after, e evaluations, a new pair or
-    not (u) and r failed line searches: DIRECTION (2 k0 + 2) and its report (2T); per
-    evaluation TRIAL (2) and its report (T); ACCEPT (3) and its report (T (3 + 2k +
-    u (3k - 2))); per failed search RESTART (1), DIRECTION (2) and its report (2T); and
-    STOP (2). Every value a float64."""
-    values = messages = 0
+    """(bytes, messages) on the servers' group: every message the protocol sends between
+    the coordinator and each other shard (holding T tensors), listed from the iteration
+    records, as float64 values; the README's formula sums the same."""
+    sizes = []
     for T in tensors[1:]:
-        values += 3 * T + 2
-        messages += 2
+        sizes.append(3 * T)  # the starting point's report: crc, max |g|, g.g per tensor
         for before, rec in zip(records, records[1:]):
-            k0, k, e, r = before["pairs"], rec["pairs"], rec["evaluations"], rec["restarts"]
-            u = 3 * k - 2 if rec["updated"] else 0
-            values += (2 * k0 + 2 + 2 * T) + e * (2 + T) + 3 + T * (3 + 2 * k + u)
-            values += r * (3 + 2 * T)
-            messages += 4 + 2 * e + 3 * r
-    return 8 * values, messages
+            sizes += [1 + 2 * before["pairs"] + 1, 2 * T]  # DIRECTION; g.d, d.d
+            sizes += [2, T] * rec["evaluations"]  # TRIAL; g_t.d after each evaluation
+            k = rec["pairs"]
+            new_pair = [1] + [3] * (k - 1) if rec["updated"] else []  # y.y; s.y_j, y.s_j, y.y_j
+            sizes += [3, T * (3 + 2 * k + sum(new_pair))]  # ACCEPT; its report
+            sizes += [1, 2, 2 * T] * rec["restarts"]  # RESTART; DIRECTION along -g; answer
+        sizes.append(2)  # STOP
+    return 8 * sum(sizes), len(sizes)
 
 
 ARGS = {"logreg": ["--limit-train", "600", "--lbfgs-iterations", "6"],

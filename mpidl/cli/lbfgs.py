@@ -48,8 +48,8 @@ def prepare(cfg, world, name, model, settings, dataset, stop_signals):
 
     def job():
         from mpidl.cli.errors import Agreement  # noqa: PLC0415
-        from mpidl.cli.train import (check_output_paths, check_ranks_agree,  # noqa: PLC0415
-                                     make_comm)
+        from mpidl.cli.train import check_output_paths  # noqa: PLC0415
+        from mpidl.cli.train import check_ranks_agree, make_comm  # noqa: PLC0415
         from mpidl.training import checkpoint as ckpt  # noqa: PLC0415
         from mpidl.training.lbfgs import LbfgsTrainer  # noqa: PLC0415
         from mpidl.training.log import get_logger  # noqa: PLC0415

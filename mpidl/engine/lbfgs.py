@@ -9,7 +9,7 @@ the memory is dropped), the same rule for skipping a correction pair (``s'y <= e
 |g_i| <= pgtol``, relative decrease ``<= factr eps``). Only the direction is computed
 another way: SciPy uses the compact representation of ``B``; here the two-loop recursion
 runs on the coefficients of ``d`` in the basis ``(s_1..s_k, y_1..y_k, g)`` — vector-free
-L-BFGS (Chen, Wang, Zhou and Zhao, NIPS 2014) — so it needs only the dot products of
+L-BFGS (Chen, Wang and Zhou, NIPS 2014) — so it needs only the dot products of
 those vectors, and the direction is the same up to rounding.
 
 That split is the point: ``Lbfgs`` (the coordinator) holds scalars only — the dot
@@ -70,6 +70,16 @@ def _sqrt(v):
     return math.sqrt(v) if v >= 0 else math.nan
 
 
+def _cubic(u, fu, du, v, fv, dv, clamp=False):
+    """``theta`` and ``|gamma|`` of the cubic through (u, fu, du) and (v, fv, dv), scaled
+    by ``s`` against overflow (Moré and Thuente's formulas); ``clamp``: a negative
+    discriminant counts as 0 (the cubic does not tend to infinity that way)."""
+    theta = 3.0 * (fu - fv) / (v - u) + du + dv
+    s = max(abs(theta), abs(du), abs(dv))
+    disc = (theta / s) ** 2 - (du / s) * (dv / s)
+    return theta, s * _sqrt(max(0.0, disc) if clamp else disc)
+
+
 def _safeguarded_step(stx, fx, dx, sty, fy, dy, stp, fp, dp, bracketed, lo, hi):
     """One interval update of Moré and Thuente (1994), section 4 (dcstep).
 
@@ -81,9 +91,7 @@ def _safeguarded_step(stx, fx, dx, sty, fy, dy, stp, fp, dp, bracketed, lo, hi):
     if fp > fx:
         # 1: a higher value; the minimum is bracketed. The cubic step if it is closer to
         # stx than the quadratic step, else their mean.
-        theta = 3.0 * (fx - fp) / (stp - stx) + dx + dp
-        s = max(abs(theta), abs(dx), abs(dp))
-        gamma = s * _sqrt((theta / s) ** 2 - (dx / s) * (dp / s))
+        theta, gamma = _cubic(stx, fx, dx, stp, fp, dp)
         if stp < stx:
             gamma = -gamma
         p = (gamma - dx) + theta
@@ -95,9 +103,7 @@ def _safeguarded_step(stx, fx, dx, sty, fy, dy, stp, fp, dp, bracketed, lo, hi):
     elif sgnd < 0.0:
         # 2: a lower value, slopes of opposite sign; bracketed. The cubic step if it is
         # farther from stp than the secant step, else the secant step.
-        theta = 3.0 * (fx - fp) / (stp - stx) + dx + dp
-        s = max(abs(theta), abs(dx), abs(dp))
-        gamma = s * _sqrt((theta / s) ** 2 - (dx / s) * (dp / s))
+        theta, gamma = _cubic(stx, fx, dx, stp, fp, dp)
         if stp > stx:
             gamma = -gamma
         p = (gamma - dp) + theta
@@ -110,14 +116,10 @@ def _safeguarded_step(stx, fx, dx, sty, fy, dy, stp, fp, dp, bracketed, lo, hi):
         # 3: a lower value, slopes of the same sign, the slope's magnitude decreases. The
         # cubic step only if the cubic tends to infinity in the step's direction or its
         # minimum lies beyond stp; else the secant step.
-        theta = 3.0 * (fx - fp) / (stp - stx) + dx + dp
-        s = max(abs(theta), abs(dx), abs(dp))
-        gamma = s * _sqrt(max(0.0, (theta / s) ** 2 - (dx / s) * (dp / s)))
+        theta, gamma = _cubic(stx, fx, dx, stp, fp, dp, clamp=True)
         if stp > stx:
             gamma = -gamma
-        p = (gamma - dp) + theta
-        q = (gamma + (dx - dp)) + gamma
-        r = p / q
+        r = ((gamma - dp) + theta) / ((gamma + (dx - dp)) + gamma)
         if r < 0.0 and gamma != 0.0:
             cubic = stp + r * (stx - stp)
         else:
@@ -130,20 +132,15 @@ def _safeguarded_step(stx, fx, dx, sty, fy, dy, stp, fp, dp, bracketed, lo, hi):
         else:
             new = cubic if abs(cubic - stp) > abs(secant - stp) else secant
             new = max(lo, min(hi, new))
-    else:
+    elif bracketed:
         # 4: a lower value, slopes of the same sign, the slope does not decrease: the
         # cubic step through sty when bracketed, else an end of the allowed range.
-        if bracketed:
-            theta = 3.0 * (fp - fy) / (sty - stp) + dy + dp
-            s = max(abs(theta), abs(dy), abs(dp))
-            gamma = s * _sqrt((theta / s) ** 2 - (dy / s) * (dp / s))
-            if stp > sty:
-                gamma = -gamma
-            p = (gamma - dp) + theta
-            q = ((gamma - dp) + gamma) + dy
-            new = stp + (p / q) * (sty - stp)
-        else:
-            new = hi if stp > stx else lo
+        theta, gamma = _cubic(sty, fy, dy, stp, fp, dp)
+        if stp > sty:
+            gamma = -gamma
+        new = stp + (((gamma - dp) + theta) / (((gamma - dp) + gamma) + dy)) * (sty - stp)
+    else:
+        new = hi if stp > stx else lo
     if fp > fx:
         sty, fy, dy = stp, fp, dp
     else:
@@ -336,6 +333,7 @@ class Lbfgs:
         self.records = []
         self.restarts = 0  # failed line searches since the last record
         self.f = self.fold = None
+        self.stp, self.gmax, self.gg, self.crc = 0.0, math.nan, math.nan, None
         self._ls = None
         self._evals_here = self._evals_iteration = 0
 
