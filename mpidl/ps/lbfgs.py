@@ -40,9 +40,7 @@ from mpidl.ps.protocol import PSError
 TAG_OP = 7311
 TAG_REPORT = 7312
 
-TRIAL, ACCEPT, RESTART, DIRECTION, STOP = 1, 2, 3, 4, 5
-OPS = {TRIAL: "trial", ACCEPT: "accept", RESTART: "restart", DIRECTION: "direction",
-       STOP: "stop"}
+TRIAL, ACCEPT, RESTART, DIRECTION, STOP = 1, 2, 3, 4, 5  # the operations' codes
 
 
 def _flat(rows):

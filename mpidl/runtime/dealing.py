@@ -21,6 +21,10 @@ Each portion is a full gradient push, so a step moves ``--batch-size / --portion
 times the bytes of synchronous PS into the servers: dealing pays when stragglers cost
 more than that (README, "Stragglers without losing synchrony").
 
+Full-batch L-BFGS (``--optimizer lbfgs``, ``mpidl.ps.lbfgs``) computes each evaluation
+with this schedule too, the whole training set being the batch; ``sum_of_portions`` is
+the same sum on one process.
+
 The portion gradients are exact (no compression) and per portion, so gradient
 accumulation, compression, worker groups and other modes than sync are refused, and so
 is Dropout with p > 0 (its masks would depend on who computed what).
@@ -101,7 +105,7 @@ def sum_of_portions(model, loss, x, y, size):
     """The mean loss and gradient of the batch ``(x, y)`` on one process, as dealt portions
     of ``size`` samples give them: each portion's terms (``portion_gradient``) summed in
     portion order, the loss from 0.0 and each gradient from a copy of the first portion's,
-    as the servers sum them. Returns ``(loss, {name: gradient})``."""
+    as the servers sum them (dense gradients). Returns ``(loss, {name: gradient})``."""
     n = len(y)
     total, sums = 0.0, {}
     for lo in range(0, n, size):
