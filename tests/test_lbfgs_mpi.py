@@ -8,6 +8,7 @@
    with the straggler, the strongest case; the slow marker adds 1 + 2, and 3 servers
    for logreg's 2 tensors in float32).
 2. Every rank runs the same number of function evaluations (each one counts its own).
+   A line search that fails (RESTART), and the abnormal stop after it, end there too.
 3. What the coordinator exchanges with the shards (the servers' group: its counters)
    is exactly the README's formula, O(m) scalars per tensor and iteration; each
    evaluation's portions are applied exactly once on every server.
@@ -15,11 +16,13 @@
 """
 
 import json
+import os
 
 import numpy as np
 import pytest
 
-from mpirun import assert_one_line_error, fashion_available, mpiexec_cmd, run_command
+from mpirun import (HERE, assert_one_line_error, fashion_available, mpiexec_cmd,
+                    run_command, run_ranks)
 from test_cli_errors import MPIDL
 
 FAST = ["--no-progress", "--limit-test", "200", "--dtype", "float64"]
@@ -130,6 +133,32 @@ def test_more_servers_than_tensors_and_float32(tmp_path):
     assert set(their_final["evaluations_per_rank"].values()) == {final["evaluations"]}
     assert (their_final["coordinator_bytes"], their_final["coordinator_messages"]) == \
         exchange(lines, tensors_per_shard("logreg", 3))
+
+
+@FASHION
+def test_failed_line_searches_on_ranks_end_where_one_process_ends(tmp_path):
+    """A line search that fails with pairs held (RESTART, then -g), then fails again
+    without them (STOP, the shards back on the last accepted point): 2 servers and 3
+    workers, one of them 3x slower, end with the one-process run's iterates, its final
+    parameters and its evaluations on every rank (the Python API: one-evaluation line
+    searches are not a flag)."""
+    from ranks import lbfgs_check
+
+    records, final, params = lbfgs_check.run()
+    assert "abnormal" in final["stop"]
+    out = tmp_path / "ranks"
+    run_ranks(5, [os.path.join(HERE, "ranks", "lbfgs_check.py"), out, 2, "3:3"],
+              timeout=180).check()
+    with open(f"{out}.json") as f:
+        theirs = json.load(f)
+    with np.load(f"{out}.npz") as f:
+        their_params = {k: f[k] for k in f.files}
+    assert theirs["records"] == records
+    assert theirs["final"]["stop"] == final["stop"]
+    assert theirs["final"]["iterations"] == final["iterations"]
+    assert set(theirs["final"]["evaluations_per_rank"].values()) == {final["evaluations"]}
+    assert sorted(their_params) == sorted(params) and all(
+        np.array_equal(their_params[k], params[k]) for k in params)
 
 
 SLOW = pytest.mark.slow
