@@ -75,7 +75,9 @@ OPTIONS = [
            "times the number of training ranks)", metavar="B"),
     Option("eval_batch_size", int, 500, "batch size for evaluating the test set",
            metavar="B"),
-    Option("optimizer", str, "sgd", "sgd, adam or adamw", choices=("sgd", "adam", "adamw")),
+    Option("optimizer", str, "sgd", "sgd, adam or adamw; or lbfgs: full-batch L-BFGS "
+           "(one process, or --strategy ps: Sandblaster, servers holding its vectors)",
+           choices=("sgd", "adam", "adamw", "lbfgs")),
     Option("lr", float, 0.05, "base learning rate (before --scale-lr and the schedule)"),
     Option("momentum", float, 0.9, "SGD momentum (0 turns it off)"),
     Option("nesterov", bool, False, "use Nesterov momentum with SGD"),

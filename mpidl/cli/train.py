@@ -191,6 +191,10 @@ def prepare(args, world):
     lr_schedule = schedule_factory(cfg.schedule)
 
     name = runtimes.canonical(cfg.strategy or default_strategy(world.size))
+    if cfg.optimizer == "lbfgs":  # full-batch iterations: a loop of their own
+        from mpidl.cli import lbfgs  # noqa: PLC0415
+
+        return lbfgs.prepare(cfg, world, name, model, optimizer, dataset, stop_signals)
     runtimes.presets.check_optimizer(name, optimizer)
     if cfg.checkpoint_every and name in runtimes.presets.EPOCH_END_CHECKPOINTS:
         from mpidl.training.trainer import epoch_end_checkpoints_only  # noqa: PLC0415
@@ -511,6 +515,10 @@ def make_optimizer(cfg, model, steps=None):
     auto`` skip the Numba kernels on CPU for a run too short to repay loading them."""
     from mpidl.engine import optim  # noqa: PLC0415
 
+    if cfg.optimizer == "lbfgs":  # its settings; the run is mpidl.cli.lbfgs's
+        from mpidl.engine.lbfgs import LbfgsSettings  # noqa: PLC0415
+
+        return LbfgsSettings(history=cfg.lbfgs_history, iterations=cfg.lbfgs_iterations)
     params = model.named_parameters()
     fused = fused_updates(cfg, sum(p.data.size for _, p in params), steps)
     if cfg.optimizer == "sgd":

@@ -43,6 +43,15 @@ def mlp(input_shape, num_classes, rng, dtype, hidden=(1024, 1024), dropout=0.0):
     return Sequential(*layers)
 
 
+def logreg(input_shape, num_classes, rng, dtype):
+    """Multinomial logistic regression: Flatten, one Linear (with the softmax
+    cross-entropy loss, the convex problem full-batch optimizers such as ``--optimizer
+    lbfgs`` are compared on)."""
+    width = math.prod(input_shape)
+    return Sequential(Flatten(), Linear(width, num_classes, init="glorot_uniform", rng=rng,
+                                        dtype=dtype))
+
+
 def cnn(input_shape, num_classes, rng, dtype, channels=(32, 64), hidden=128, dropout=0.0):
     """Per channel count: conv3x3 (pad 1) + BatchNorm + ReLU + 2x2 max-pool; then
     Flatten, Linear(hidden) + ReLU (+ Dropout when ``dropout`` > 0), Linear classifier.
@@ -149,7 +158,8 @@ def gpt_tiny(input_shape, num_classes, rng, dtype, layers=4, heads=4, width=128,
     return Sequential(*model)
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "resnet-tiny": resnet_tiny, "gpt-tiny": gpt_tiny}
+MODELS = {"mlp": mlp, "cnn": cnn, "resnet-tiny": resnet_tiny, "gpt-tiny": gpt_tiny,
+          "logreg": logreg}
 
 # Recipes tuned single-process on Fashion-MNIST (the loader's per-channel standardized
 # pixels, no augmentation, seed 0). Test accuracy after 10 epochs: mlp 90.2 %, cnn 92.2 %
@@ -164,6 +174,10 @@ MODEL_DEFAULTS = {
     "resnet-tiny": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False,
                     "weight_decay": 5e-4, "batch_size": 128, "epochs": 10,
                     "schedule": "cosine", "warmup_epochs": 0},
+    # the mlp's recipe, not tuned: logreg is here for full-batch --optimizer lbfgs
+    "logreg": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False,
+               "weight_decay": 0.0, "batch_size": 128, "epochs": 10, "schedule": "cosine",
+               "warmup_epochs": 0},
     # character-level text (--dataset text, Debian's fortunes), sized for 2 CPU ranks
     "gpt-tiny": {"dataset": "text", "optimizer": "adamw", "lr": 2e-3, "weight_decay": 0.01,
                  "batch_size": 16, "epochs": 4, "schedule": "cosine", "warmup_epochs": 0.1,

@@ -259,8 +259,13 @@ class DealMode:
             grads = {name: (_mean(g, 1) if isinstance(g, list) else g)
                      for name, g in self.sums.items()}
             self._new_step()
-            srv.apply_gradients(pushes, grads)
-            srv.reply_many(sorted(srv.active))
+            self.complete(srv, pushes, grads)
+
+    def complete(self, srv, pushes, grads):
+        """Every portion is in (``pushes`` in portion order, ``grads`` their sum): apply
+        it and send every worker the update (L-BFGS's mode does otherwise)."""
+        srv.apply_gradients(pushes, grads)
+        srv.reply_many(sorted(srv.active))
 
     def _add_in_order(self, srv):
         """Add every portion whose predecessors are all in, in portion order, while the

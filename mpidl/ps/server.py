@@ -40,6 +40,7 @@ class Push:
     row: list = None  # its row of the server's trace, when it keeps one
     portion: int = None  # --deal portions: which portion of the step's global batch
     portions: int = None  # ... of how many
+    loss: float = None  # --deal portions: its term of the global batch's mean loss
     buffers: list = None  # receive buffers it holds while kept (server.keep)
 
 
@@ -260,7 +261,7 @@ class ParameterServer:
         st.sum_staleness += staleness
         push = Push(w, clock, int(header["version"]), grads, lead, staleness,
                     header.get("lr"), portion=header.get("portion"),
-                    portions=header.get("portions"))
+                    portions=header.get("portions"), loss=header.get("loss"))
         if self.trace:
             push.row = [w, clock, lead, staleness, 1, None]
             st.trace.append(push.row)

@@ -46,6 +46,7 @@ class PSWorker:
         self.server_stats = None
         self.barrier_stats = None
         self.server_states = None
+        self.last_params = {}  # server rank -> the header of its last parameters
         self.stats = {"pushes": 0, "messages": 0, "bytes_sent": 0, "bytes_received": 0,
                       "compute_s": 0.0, "straggle_s": 0.0, "wait_s": 0.0, "pulls": 0}
         self._compute_start = time.perf_counter()
@@ -89,13 +90,15 @@ class PSWorker:
                            {"kind": "deal", "version": self.versions[dealer],
                             "portions": int(portions), "done": done})
 
-    def push_portion(self, portion, portions, lr=None):
+    def push_portion(self, portion, portions, lr=None, loss=None):
         """Push the gradients of ``portion`` (already scaled by its share of the batch) to
         every server and ask the dealer for another: its index, or None (then the update
         has been taken, as ``deal``). The request goes first, so the dealer answers it
-        before it receives the push."""
+        before it receives the push. ``loss``: the portion's term of the batch's mean
+        loss (a float in the header; L-BFGS's coordinator adds them up)."""
         self.ask(portions, done=int(portion))
-        self._send_gradients(lr, portion=int(portion), portions=int(portions))
+        self._send_gradients(lr, portion=int(portion), portions=int(portions),
+                             loss=None if loss is None else float(loss))
         return self._next_portion()
 
     def _next_portion(self):
@@ -175,6 +178,7 @@ class PSWorker:
 
         for server, (header, arrays) in replies.items():
             self.versions[server] = header["version"]
+            self.last_params[server] = header
             for name, a in zip(header["names"], arrays):
                 p = self.params[name]
                 if a is not p.data:  # (received in place otherwise)

@@ -21,6 +21,10 @@ Each portion is a full gradient push, so a step moves ``--batch-size / --portion
 times the bytes of synchronous PS into the servers: dealing pays when stragglers cost
 more than that (README, "Stragglers without losing synchrony").
 
+Full-batch L-BFGS (``--optimizer lbfgs``, ``mpidl.ps.lbfgs``) computes each evaluation
+with this schedule too, the whole training set being the batch; ``sum_of_portions`` is
+the same sum on one process.
+
 The portion gradients are exact (no compression) and per portion, so gradient
 accumulation, compression, worker groups and other modes than sync are refused, and so
 is Dropout with p > 0 (its masks would depend on who computed what).
@@ -40,7 +44,8 @@ OPTIONS = [
            "whichever worker is free: a straggler takes fewer, the update is unchanged)",
            "parallelism", choices=(None,) + DEAL_MODES),
     Option("portion_size", int, None, "--deal portions: samples per portion (default: a "
-           "quarter of --batch-size)", "parallelism", metavar="N",
+           "quarter of --batch-size); --optimizer lbfgs: samples per portion of the "
+           "training set (default: a sixteenth of it)", "parallelism", metavar="N",
            check=lambda v: None if v >= 1 else "must be at least 1"),
 ]
 
@@ -71,6 +76,50 @@ def check_model(model):
             raise ConfigError(f"--deal portions: layer {name or 'model'} is Dropout with p "
                               f"{layer.p:g}, whose masks would depend on which worker "
                               "computed a portion; use a model without dropout")
+
+
+def portion_gradient(model, loss, x, y, lo, hi, measure=None):
+    """Forward and backward of samples ``lo:hi`` of the batch ``(x, y)``, the loss
+    gradient scaled by the portion's share ``(hi - lo) / len(y)`` of the batch: the
+    parameters' ``grad`` is then this portion's term of the batch's mean gradient, and
+    ``value * (hi - lo) / len(y)`` its term of the mean loss. Returns ``(value, forward
+    seconds, backward seconds)``, ``value`` the portion's mean loss. ``measure()``, when
+    given, runs after the forward (the memory ledger reads the activations there).
+
+    Dealt portions and their one-process form (``sum_of_portions``) both run this, so a
+    portion's gradient is the same bits whoever computes it."""
+    model.zero_grad()
+    t0 = perf_counter()
+    out = model(x[lo:hi])
+    value = float(loss.forward(out, y[lo:hi]))
+    if measure is not None:
+        measure()
+    dy = loss.backward()
+    dy *= (hi - lo) / len(y)  # its share of the batch's mean
+    t1 = perf_counter()
+    model.backprop(dy)
+    return value, t1 - t0, perf_counter() - t1
+
+
+def sum_of_portions(model, loss, x, y, size):
+    """The mean loss and gradient of the batch ``(x, y)`` on one process, as dealt portions
+    of ``size`` samples give them: each portion's terms (``portion_gradient``) summed in
+    portion order, the loss from 0.0 and each gradient from a copy of the first portion's,
+    as the servers sum them (dense gradients). Returns ``(loss, {name: gradient})``."""
+    n = len(y)
+    total, sums = 0.0, {}
+    for lo in range(0, n, size):
+        hi = min(n, lo + size)
+        value, _, _ = portion_gradient(model, loss, x, y, lo, hi)
+        total += value * ((hi - lo) / n)
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            if name in sums:
+                sums[name] += p.grad
+            else:
+                sums[name] = p.grad.copy()
+    return total, sums
 
 
 class DealtPortions(MicroBatches):
@@ -113,31 +162,26 @@ class DealtPortions(MicroBatches):
         wait = perf_counter() - t
         while portion is not None:
             lo, hi = portion * size, min(n, (portion + 1) * size)
-            model.zero_grad()
-            t0 = perf_counter()
-            out = model(x[lo:hi])
-            value = float(loss.forward(out, y[lo:hi]))
-            if self.measure_activations:
-                self.activation_bytes = max(self.activation_bytes, model.activation_nbytes())
-            dy = loss.backward()
-            dy *= (hi - lo) / n  # its share of the global batch's mean
-            t1 = perf_counter()
-            model.backprop(dy)
-            t2 = perf_counter()
-            fwd += t1 - t0
-            bwd += t2 - t1
-            straggle += slow_down(t2 - t0, hi - lo, slow, self.pace)
+            measure = (lambda: self._measure(model)) if self.measure_activations else None
+            value, f_s, b_s = portion_gradient(model, loss, x, y, lo, hi, measure)
+            fwd += f_s
+            bwd += b_s
+            straggle += slow_down(f_s + b_s, hi - lo, slow, self.pace)
             total += value * (hi - lo)
             samples += hi - lo
             self.portions_done += 1
             t = perf_counter()
-            portion = self.dealer.push_portion(portion, count)
+            portion = self.dealer.push_portion(portion, count,
+                                               loss=value * ((hi - lo) / n))
             wait += perf_counter() - t
         self.forward_s, self.backward_s, self.straggle_s = fwd, bwd, straggle
         self.wait_s = wait  # asking, pushing, and waiting for the others and the update
         if samples:
             self._last_loss = total / samples
         return self._last_loss
+
+    def _measure(self, model):
+        self.activation_bytes = max(self.activation_bytes, model.activation_nbytes())
 
     def describe(self):
         size = f"{self.portion_size}-sample" if self.portion_size else "quarter-batch"

@@ -39,6 +39,7 @@ from mpidl.runtime import averaging as averaging_part
 from mpidl.runtime import hogwild as hogwild_part
 from mpidl.runtime import dealing as dealing_part
 from mpidl.runtime import hybrid as hybrid_part
+from mpidl.runtime import lbfgs as lbfgs_part
 from mpidl.runtime import pipeline as pipeline_part
 from mpidl.runtime import precision as precision_part
 from mpidl.runtime import schedule as schedule_part
@@ -78,7 +79,7 @@ def cli_options():
             + compressed.OPTIONS + pushpull.OPTIONS + groups.OPTIONS + averaging_part.OPTIONS
             + zero_part.OPTIONS + hogwild_part.OPTIONS + precision_part.OPTIONS
             + tp_part.OPTIONS + hybrid_part.OPTIONS + pipeline_part.OPTIONS
-            + dealing_part.OPTIONS)
+            + dealing_part.OPTIONS + lbfgs_part.OPTIONS)
 
 
 def names():

@@ -164,11 +164,17 @@ class PushPull(GradSync):
         """The first portion of this step for this worker (or None: the update is taken)."""
         return self.worker.deal(portions)
 
-    def push_portion(self, portion, portions):
-        """Push a computed portion; the next one (or None: the update is taken)."""
+    def push_portion(self, portion, portions, loss=None):
+        """Push a computed portion (``loss``: its term of the batch's mean loss, which
+        travels with it); the next one (or None: the update is taken)."""
         self._pushes_since_barrier += 1
         return self.worker.push_portion(portion, portions,
-                                        lr=getattr(self.optimizer, "lr", None))
+                                        lr=getattr(self.optimizer, "lr", None), loss=loss)
+
+    def dealer_reply(self):
+        """The header of the first server's last answer with parameters (what a server
+        policy such as L-BFGS's says beside them)."""
+        return self.worker.last_params.get(self.server_ranks[0], {})
 
     def wait_seconds(self):
         """Seconds this step's ``finish`` waited (dealt portions: their waits happen inside
