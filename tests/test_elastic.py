@@ -126,6 +126,51 @@ def test_commits_every_k_steps_go_back_to_the_last_one(tmp_path, ulfm):
                          resumed_after_kills(tmp_path, 3, [(2, 4)], "--epochs", "1"))
 
 
+def without_rank(checkpoints, k, out):
+    """The newest checkpoint in ``checkpoints``, written to ``out`` without rank ``k``'s
+    own state (its RNGs, running sums and, with local SGD, its parameters and inner
+    optimizer): the state of the ranks left when rank ``k`` dies."""
+    from mpidl.training import checkpoint as ckpt  # noqa: PLC0415
+
+    path = sorted(checkpoints.glob("ckpt-*.npz"))[-1]
+    state = ckpt.load(path)
+
+    def drop(rows):
+        return [row for i, row in enumerate(rows) if i != k]
+
+    state["ranks"] = drop(state["ranks"])
+    runtime = state["runtime"]
+    runtime["syncs"] = drop(runtime["syncs"])
+    runtime["averaging_ranks"] = drop(runtime["averaging_ranks"])
+    ckpt.save(str(out), state["progress"]["step"], state)
+
+
+@pytest.mark.ulfm
+@pytest.mark.parametrize("sync,dead,step,back_to", [
+    ("local-sgd", 1, 10, 8),  # the period of steps 8-11; goes back to its start
+    ("diloco", 0, 13, 12),    # the root, in the first step of epoch 2
+])
+def test_local_sgd_goes_on_averaging_over_the_survivors(tmp_path, ulfm, sync, dead, step,
+                                                        back_to):
+    """Local SGD and DiLoCo commit at the start of each period (the replicas agree
+    there); a death goes back to it and the survivors' next averaging is over them:
+    bitwise the run checkpointed there and resumed without the dead rank's own state."""
+    args = ("--epochs", "2", "--sync", sync, "--period", "4")
+    out = tmp_path / "elastic"
+    run_command(elastic_cmd(ulfm, 3, out, *DATA, *args), timeout=300,
+                env={"MPIDL_KILL_AT": f"{dead}:{step}"}).check()
+    event, = metrics(out)[-1]["elastic_failures"]
+    assert event["step"] == back_to and event["failed_ranks"] == [dead]
+    ref = tmp_path / "resumed"
+    stop = run_command(train_cmd(3, ref, *DATA, *args, "--checkpoint-every", str(back_to)),
+                       timeout=300, env={"MPIDL_FAIL_AT": f"0:{back_to}"})
+    assert stop.returncode != 0 and "injected failure" in stop.output, stop.output
+    without_rank(ref / "checkpoints", dead, tmp_path / "survivors")
+    run_command(train_cmd(2, ref, *DATA, *args, "--checkpoint-dir", tmp_path / "survivors",
+                          "--resume"), timeout=300).check()
+    assert_bitwise_equal(model_arrays(out / "model.npz"), model_arrays(ref / "model.npz"))
+
+
 def kill_a_random_rank(launcher, n, out, seed, args, timeout=300):
     """Start an elastic run, SIGKILL a random rank at a random moment of its training
     (after its first line); returns (launch output, exit status, kill time, killed

@@ -65,6 +65,9 @@ _WHY = {
     "checkpoint_every": "its runs keep no checkpoints yet: drop --checkpoint-every",
     "resume": "its runs keep no checkpoints yet: drop --resume",
     "cuda_graph": "its steps are not graph-captured: drop --cuda-graph",
+    "elastic": "its shards and coordinator hold state no other rank has, so a dead rank "
+               "cannot be replaced from memory: drop --elastic",
+    "elastic_commit_every": "it is not elastic: drop --elastic-commit-every",
 }
 
 

@@ -127,8 +127,20 @@ class Runtime:
         (an elastic run that lost a rank; a resume on more or fewer ranks): plain data
         parallelism, where every replica holds the whole model and optimizer state and
         no part keeps state of its own per rank."""
-        return (self.name in ("local", "allreduce") and self.tp is None and self.pp is None
-                and self.averaging is None and self.compressor is None)
+        return (self.name in ("local", "allreduce", "allreduce+local-sgd",
+                              "allreduce+diloco")
+                and self.tp is None and self.pp is None and self.compressor is None)
+
+    def commit_point(self, step, every):
+        """Whether an elastic run keeps the state at the start of ``step`` (it keeps
+        every ``every``-th). With model averaging, after its warm-up: at the start of
+        every period, the one moment the replicas agree (a rank that got the averaging's
+        result before a death may be a period ahead of the others; they all still hold
+        that period's start)."""
+        avg = self.averaging
+        if avg is not None and avg.local_phase:
+            return avg.since_average() == 0
+        return step % every == 0
 
     @property
     def pp_degree(self):
@@ -729,6 +741,10 @@ class Runtime:
         out = {"syncs": []}
         if self.precision is not None:
             out["precision"] = copy.deepcopy(self.precision.state_dict())
+        avg = self.averaging
+        if avg is not None:
+            out["averaging"] = copy.deepcopy(avg.shared_state())
+            out["averaging_ranks"] = [copy.deepcopy(avg.local_state())]
         return out
 
     def _pipeline_layout(self):
@@ -789,7 +805,9 @@ class Runtime:
         avg = self.averaging
         if avg is not None and (state or {}).get("averaging") is not None:
             ranks = state.get("averaging_ranks") or []
-            avg.load_state(state["averaging"], ranks[index] if len(ranks) == count else None)
+            # on another number of ranks, rank i goes on with the i-th saved rank's own
+            # parameters and inner optimizer (the first ones again when there are more)
+            avg.load_state(state["averaging"], ranks[index % len(ranks)] if ranks else None)
         elif avg is not None and state is not None:
             from mpidl.errors import ConfigError  # noqa: PLC0415
 

@@ -26,9 +26,11 @@ checkpoint of step s on the remaining ranks would (the test compares the two bit
 The commit costs a copy of the model and optimizer state every K steps; a failure
 repeats at most K - 1 steps.
 
-What it covers: data parallelism (``Runtime.resizable``: every replica holds the whole
-state). Layouts whose ranks hold different pieces (ZeRO, tensor and pipeline
-parallelism, the parameter server, local SGD) are refused with one line.
+What it covers (``Runtime.resizable``): data parallelism, where every replica holds the
+whole state; and local SGD / DiLoCo, whose commits are the starts of periods (the one
+moment the replicas agree; each rank's inner optimizer state is its own), so the next
+averaging is over the survivors. Layouts whose ranks hold different pieces (ZeRO, tensor
+and pipeline parallelism, the parameter server) are refused with one line.
 """
 
 import time
@@ -54,9 +56,9 @@ def check(runtime, size):
     if not runtime.resizable:
         raise ConfigError(
             f"--elastic goes on without the dead rank's state, so it needs ranks that each "
-            f"hold the whole model (plain data parallelism); --strategy {runtime.name} "
-            "spreads state over the ranks (also refused: --zero, --tensor-parallel, "
-            "--pipeline-stages, --hybrid, --compression, --sync local-sgd|diloco): drop "
+            f"hold the whole model (data parallelism, local SGD, DiLoCo); --strategy "
+            f"{runtime.name} spreads state over the ranks (also refused: --zero, "
+            "--tensor-parallel, --pipeline-stages, --hybrid, --compression): drop "
             "--elastic, or those")
 
 
@@ -79,7 +81,8 @@ class Commits:
                 get_logger().info(
                     f"elastic: step {watch[1] + 1} done on {trainer.count} rank(s), "
                     f"{watch[0]['went_on_s']:.3f} s after the failure was seen")
-        if trainer.step % self.every or (self.kept and self.kept[-1][0] == trainer.step):
+        if (not trainer.runtime.commit_point(trainer.step, self.every)
+                or (self.kept and self.kept[-1][0] == trainer.step)):
             return
         self.kept = self.kept[-1:] + [(trainer.step, trainer.local_state())]
 
