@@ -116,9 +116,10 @@ OPTIONS = [
            "world and go on from the last commit in memory, the epoch's other samples "
            "dealt over them (needs ULFM: Open MPI 5 started with mpiexec --with-ft ulfm; "
            "data parallelism)", "parallelism"),
-    Option("elastic_commit_every", int, 1, "--elastic: keep the state of every K-th "
-           "step in memory to go back to (a failure repeats at most K-1 steps; each "
-           "commit copies the model and optimizer state)", "parallelism", metavar="K",
+    Option("elastic_commit_every", int, 10, "--elastic: keep the state of every K-th "
+           "step in memory to go back to (a death repeats at most K-1 steps; each commit "
+           "copies the model and optimizer state, about a tenth of a step's time for the "
+           "mlp)", "parallelism", metavar="K",
            check=lambda k: None if k >= 1 else "must be at least 1"),
     Option("out_dir", str, None, "folder for this run's outputs (default "
            "runs/<name or date-time>)", "outputs", metavar="DIR"),

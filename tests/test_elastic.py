@@ -14,16 +14,14 @@ against a fresh run on those ranks from the same state.
 import json
 import os
 import random
-import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
+from mpidl.benchmarks.chaos import kill_during
 from mpirun import (HERE, assert_bitwise_equal, assert_one_line_error, mpi_env,
-                    mpiexec_cmd, model_arrays, needs_fashion, rank_pids, run_command,
-                    run_ranks, train_cmd)
+                    mpiexec_cmd, model_arrays, needs_fashion, run_command, run_ranks,
+                    train_cmd)
 
 #: small, float64, ring all-reduce (the same reduction order whatever the MPI)
 DATA = ("--limit-train", "1200", "--limit-test", "1000", "--batch-size", "32",
@@ -51,9 +49,12 @@ def ulfm():
     return launcher
 
 
-def elastic_cmd(launcher, n, out, *args, dtype="float64"):
+def elastic_cmd(launcher, n, out, *args, dtype="float64", commit_every=1):
+    """``mpiexec --with-ft ulfm -n n mpidl train --elastic``, a commit at every step
+    unless ``commit_every`` says otherwise (so a death at step s goes back to s)."""
     return [*launcher, "-n", str(n), sys.executable, "-m", "mpidl.cli.main", "train",
-            "--no-progress", "--dtype", dtype, "--out-dir", str(out), "--elastic", *args]
+            "--no-progress", "--dtype", dtype, "--out-dir", str(out), "--elastic",
+            "--elastic-commit-every", str(commit_every), *args]
 
 
 def metrics(out):
@@ -117,8 +118,7 @@ def test_commits_every_k_steps_go_back_to_the_last_one(tmp_path, ulfm):
     """With --elastic-commit-every 4 a death at step 7 goes back to step 4: the run
     equals the one resumed on the survivors from step 4's checkpoint."""
     out = tmp_path / "elastic"
-    run_command(elastic_cmd(ulfm, 3, out, *DATA, "--epochs", "1",
-                            "--elastic-commit-every", "4"),
+    run_command(elastic_cmd(ulfm, 3, out, *DATA, "--epochs", "1", commit_every=4),
                 timeout=300, env={"MPIDL_KILL_AT": "2:7"}).check()
     event, = metrics(out)[-1]["elastic_failures"]
     assert event["step"] == 4
@@ -171,64 +171,31 @@ def test_local_sgd_goes_on_averaging_over_the_survivors(tmp_path, ulfm, sync, de
     assert_bitwise_equal(model_arrays(out / "model.npz"), model_arrays(ref / "model.npz"))
 
 
-def kill_a_random_rank(launcher, n, out, seed, args, timeout=300):
-    """Start an elastic run, SIGKILL a random rank at a random moment of its training
-    (after its first line); returns (launch output, exit status, kill time, killed
-    world rank)."""
-    rng = random.Random(f"kill {seed}")
-    victim = rng.randrange(n)
-    proc = subprocess.Popen([str(c) for c in elastic_cmd(launcher, n, out, *args,
-                                                         dtype="float32")],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=mpi_env(), text=True,
-                            start_new_session=True)
-    lines, started = [], threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if "] training " in line:
-                started.set()
-        started.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    started.wait(timeout)
-    time.sleep(rng.uniform(0.3, 3.0))
-    killed_at = time.time()
-    pid = rank_pids(proc.pid).get(victim)
-    if pid is not None:
-        os.kill(pid, 9)
-    try:
-        status = proc.wait(timeout)
-    except subprocess.TimeoutExpired:  # the watchdog: a hang is a failure, never a stall
-        os.killpg(proc.pid, 9)
-        status = None
-    reader.join(10)
-    return "".join(lines), status, killed_at, victim if pid is not None else None
-
-
 @pytest.mark.ulfm
 @pytest.mark.parametrize("seed", [1] + [pytest.param(s, marks=pytest.mark.slow)
                                         for s in range(2, 9)])
 def test_a_random_rank_killed_at_a_random_moment(tmp_path, ulfm, seed):
+    """SIGKILL from outside, at any moment of training (a step, its all-reduce, an
+    evaluation, a checkpoint...): the run ends, once, with every epoch reported."""
+    rng = random.Random(f"kill {seed}")
+    victim, delay = rng.randrange(3), rng.uniform(0.3, 3.0)
     out = tmp_path / "elastic"
-    output, status, killed_at, victim = kill_a_random_rank(
-        ulfm, 3, out, seed, ("--limit-train", "6000", "--epochs", "2"))
-    assert status == 0, output
-    assert victim is not None, "the run ended before the kill"
+    run = kill_during(elastic_cmd(ulfm, 3, out, "--limit-train", "6000", "--epochs", "2",
+                                  dtype="float32", commit_every=10), victim, delay,
+                      env=mpi_env(), timeout=300)
+    assert run["status"] == 0, run["output"]
+    assert run["killed"], "the run ended before the kill"
     records = metrics(out)
+    assert [r["epoch"] for r in records] == [1, 2], run["output"]
     events = records[-1].get("elastic_failures") or []
     if not events:  # killed after the last step: nothing left to recover
-        assert records[-1]["epoch"] == 2, output
         return
     event, = events
-    assert event["failed_ranks"] == [victim], output
-    went_on = event["detected_at"] + event["went_on_s"] - killed_at
+    assert event["failed_ranks"] == [victim], run["output"]
+    went_on = event["detected_at"] + event["went_on_s"] - run["killed_at"]
     print(f"seed {seed}: rank {victim} killed; the next step was done {went_on:.3f} s "
           f"later ({event['recovered_s']:.3f} s to recover)")
     assert 0 < went_on < 30, event
-    assert [r["epoch"] for r in records] == [1, 2]
     assert records[-1]["test_acc"] > 0.7, records[-1]
 
 

@@ -154,6 +154,10 @@ def mpi_facts(MPI):
     from mpidl.comm.ft import ulfm  # noqa: PLC0415
 
     facts["ulfm_api"], facts["ulfm_enabled"] = ulfm(facts["mpi_vendor"])
+    from mpidl.comm.ft import why_not_elastic  # noqa: PLC0415
+
+    why = why_not_elastic()  # mpidl train --elastic: what this launch can do
+    facts["elastic"] = "yes" if why is None else f"no: {why}"
     return facts
 
 

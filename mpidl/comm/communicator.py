@@ -68,7 +68,7 @@ from .. import env
 from . import algorithms, auto, counters, stall
 from .consistency import DESC_BYTES, compare_windows, describe, digest, encode, raise_mismatch
 from .consistency import check as _consistency_check
-from .ft import FAILURE_CLASSES, RankFailure
+from .ft import RankFailure, reports_failure
 from .layout import displacements, even_split
 from .ops import check_op, mpi_datatype, own_reduction, reduction
 from .p2p import PointToPoint
@@ -1007,7 +1007,7 @@ def _mpi_error(comm, key, error):
     # MPI's error string is a stack of lines; the last one says what happened.
     lines = [ln.split(":", 1)[-1].strip() for ln in error.Get_error_string().splitlines()]
     detail = next((ln for ln in reversed(lines) if ln), "")
-    if error.Get_error_class() in FAILURE_CLASSES:
+    if reports_failure(error):
         return RankFailure(f"rank {comm.world_rank}: {what} on group {comm.group_text} "
                            f"failed: a rank of the group died (MPI: {detail})")
     if error.Get_error_class() == MPI.ERR_TRUNCATE:

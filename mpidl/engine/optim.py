@@ -165,13 +165,15 @@ class Optimizer:
         return buf[:like.size].reshape(like.shape)
 
     # -- state
-    def state_dict(self):
+    def state_dict(self, copy=True):
         """``{"type", "step", <hyper-parameters>..., "state": {param name: {"step": int,
-        slot: array}}}``; arrays are copies on the parameters' device."""
+        slot: array}}}``; arrays are copies on the parameters' device (``copy=False``:
+        the optimizer's own arrays, for a caller that copies them itself)."""
         out = {"type": type(self).__name__, "step": self.step_count, "lr": self.lr}
         for h in self.hyper:
             out[h] = getattr(self, h)
-        out["state"] = {name: {k: (v if isinstance(v, int) else v.copy()) for k, v in st.items()}
+        out["state"] = {name: {k: (v if isinstance(v, int) or not copy else v.copy())
+                               for k, v in st.items()}
                         for name, st in self.state.items()}
         return out
 

@@ -66,7 +66,7 @@ class Commits:
     """This rank's last two commits: ``(step, state)``, the state at a step's start in
     the layout of a checkpoint (with this rank's own entry under ``"ranks"``)."""
 
-    def __init__(self, every=1):
+    def __init__(self, every=10):
         self.every = int(every)
         self.kept = []
         self.events = []  # one record per failure survived (for the metrics)
@@ -84,7 +84,10 @@ class Commits:
         if (not trainer.runtime.commit_point(trainer.step, self.every)
                 or (self.kept and self.kept[-1][0] == trainer.step)):
             return
-        self.kept = self.kept[-1:] + [(trainer.step, trainer.local_state())]
+        # the older commit's arrays are reused (allocating them anew each time cost as
+        # much as the copy)
+        reuse = self.kept[0][1] if len(self.kept) == 2 else None
+        self.kept = self.kept[-1:] + [(trainer.step, _copy(trainer.local_state(), reuse))]
 
     def agree(self, comm):
         """Collective over the survivors' ``comm`` (mpi4py): the commit every survivor
@@ -109,6 +112,26 @@ class Commits:
         return step, dict(mine, ranks=comm.allgather(mine["ranks"][0]))
 
 
+def _copy(obj, reuse=None):
+    """A deep copy of ``obj`` (dicts, lists, arrays, plain values), writing each array
+    into the matching one of ``reuse`` (an earlier copy of the same layout) when its
+    shape and dtype fit."""
+    if isinstance(obj, dict):
+        reuse = reuse if isinstance(reuse, dict) else {}
+        return {k: _copy(v, reuse.get(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        reuse = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) \
+            else [None] * len(obj)
+        return type(obj)(_copy(v, r) for v, r in zip(obj, reuse))
+    if hasattr(obj, "shape") and hasattr(obj, "dtype") and getattr(obj, "ndim", 0):
+        if (type(reuse) is type(obj) and reuse.shape == obj.shape
+                and reuse.dtype == obj.dtype):
+            reuse[...] = obj
+            return reuse
+        return obj.copy()
+    return obj
+
+
 def _digest(model_state):
     crc = 0
     for name in sorted(model_state):
@@ -122,7 +145,7 @@ class ElasticRun:
     trainer over a ``World`` (the model and optimizer anew for every generation but the
     first) and makes it begin from ``state`` (None: from scratch, or ``--resume``)."""
 
-    def __init__(self, world, start, every=1):
+    def __init__(self, world, start, every=10):
         self.world = world
         self.start = start
         self.commits = Commits(every)

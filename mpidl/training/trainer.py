@@ -499,8 +499,9 @@ class Trainer:
 
     def local_state(self):
         """This rank's state at this step, in a checkpoint's layout, without communicating
-        and with copies of every array (an elastic run's commit, ``mpidl.training.elastic``;
-        only for runtimes whose ranks each hold the whole state, ``Runtime.resizable``)."""
+        (an elastic run's commit, ``mpidl.training.elastic``, which copies it; only for
+        runtimes whose ranks each hold the whole state, ``Runtime.resizable``). The model's
+        and optimizer's arrays are the live ones, not copies."""
         rt = self.runtime
         return {
             "run": self.run_id,
@@ -508,8 +509,8 @@ class Trainer:
             "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
                          "position": self.position, "elapsed": self.elapsed(),
                          "last": dict(self.last)},
-            "model": {k: v.copy() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "model": dict(self.model.state_dict()),
+            "optimizer": self.optimizer.state_dict(copy=False),
             "ranks": [{"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}],
             "runtime": rt.local_state(),
         }
