@@ -33,7 +33,8 @@ VARIABLES = {
     "MPIDL_FAIL_AT": (None, "tests: RANK:STEP[,RANK:STEP...] raises on that rank before "
                             "that step"),
     "MPIDL_KILL_AT": (None, "tests: RANK:STEP[,RANK:STEP...] kills that process (world "
-                            "rank) with SIGKILL at the start of that step (elastic runs)"),
+                            "rank) with SIGKILL at the start of that step, a parameter "
+                            "server once it applied that many updates (elastic runs)"),
     "MPIDL_CRASH_IN_CHECKPOINT": (None, "tests: N[:BYTES] kills the process while writing "
                                         "the N-th checkpoint"),
     "MPIDL_SLOW": ("0", "tests: 1 runs the slow (full-accuracy) tests too"),
@@ -63,6 +64,30 @@ def number(name, cast=float):
         return cast(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a {cast.__name__}") from None
+
+
+def rank_steps(name):
+    """``RANK:STEP[,RANK:STEP...]`` -> {rank: {steps}} (the test hooks MPIDL_FAIL_AT and
+    MPIDL_KILL_AT); a malformed value is an error naming the variable."""
+    from mpidl.errors import ConfigError  # noqa: PLC0415
+
+    spec, out = get(name), {}
+    for part in (spec or "").split(","):
+        if not part:
+            continue
+        try:
+            rank, step = (int(v) for v in part.split(":"))
+        except ValueError:
+            raise ConfigError(f"{name}={spec!r}: expected RANK:STEP[,RANK:STEP...]") from None
+        out.setdefault(rank, set()).add(step)
+    return out
+
+
+def kill_now():
+    """SIGKILL this process (the MPIDL_KILL_AT test hook: a rank that dies)."""
+    import signal  # noqa: PLC0415
+
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def flag(name):

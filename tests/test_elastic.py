@@ -199,6 +199,38 @@ def test_a_random_rank_killed_at_a_random_moment(tmp_path, ulfm, seed):
     assert records[-1]["test_acc"] > 0.7, records[-1]
 
 
+@pytest.mark.ulfm
+@pytest.mark.parametrize("dead,mode", [
+    (2, "sync"),   # a worker
+    (0, "sync"),   # the server (it dies once it applied 20 updates)
+    pytest.param(3, "async", marks=pytest.mark.slow),
+])
+def test_parameter_server_goes_back_to_the_last_epoch(tmp_path, ulfm, dead, mode):
+    """The parameter server's ranks each hold a piece (the servers their shards, the
+    workers nothing else), so its commits are its checkpoints' state at each epoch's end,
+    held by every worker: a death goes back there and the survivors (the first of them
+    serving) redo the epoch. Under sync it is bitwise the run resumed from that epoch's
+    checkpoint on the survivors."""
+    args = ("--strategy", "ps", "--mode", mode, "--epochs", "3")
+    out = tmp_path / "elastic"
+    run = run_command(elastic_cmd(ulfm, 4, out, *DATA, *args), timeout=300,
+                      env={"MPIDL_KILL_AT": f"{dead}:20"})
+    run.check()
+    event, = metrics(out)[-1]["elastic_failures"]
+    assert event["failed_ranks"] == [dead] and event["step"] == 13, event  # epoch 1's end
+    assert event["steps_repeated"] > 0, event
+    assert [m["epoch"] for m in metrics(out)] == [1, 2, 3]
+    if mode != "sync":  # asynchronous updates: no bits to compare
+        return
+    ref = tmp_path / "resumed"
+    stop = run_command(train_cmd(4, ref, *DATA, *args, "--checkpoint-dir", ref / "c"),
+                       timeout=300, env={"MPIDL_FAIL_AT": "1:20"})
+    assert stop.returncode != 0 and "injected failure" in stop.output, stop.output
+    run_command(train_cmd(3, ref, *DATA, *args, "--checkpoint-dir", ref / "c", "--resume"),
+                timeout=300).check()
+    assert_bitwise_equal(model_arrays(out / "model.npz"), model_arrays(ref / "model.npz"))
+
+
 def test_elastic_needs_an_mpi_that_survives_a_death(tmp_path):
     """Started without ULFM (MPICH, or Open MPI without --with-ft ulfm): one line."""
     needs_fashion()

@@ -59,9 +59,9 @@ def write_npz(cfg, name, **arrays):
 
 
 def fail_steps(rank):
-    from mpidl.training.trainer import FAIL_ENV, parse_fail_at  # noqa: PLC0415
+    from mpidl import env  # noqa: PLC0415
 
-    return parse_fail_at(os.environ.get(FAIL_ENV, "")).get(rank, set())
+    return env.rank_steps("MPIDL_FAIL_AT").get(rank, set())
 
 
 def check_fail(rank, steps, j):

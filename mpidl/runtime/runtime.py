@@ -127,6 +127,12 @@ class Runtime:
         (an elastic run that lost a rank; a resume on more or fewer ranks): plain data
         parallelism, where every replica holds the whole model and optimizer state and
         no part keeps state of its own per rank."""
+        if self.name == "ps":  # the servers' state is merged by name in checkpoints
+            mode = getattr(self, "mode_cfg", None)
+            return (self.compressor is None and not self.whole_batches
+                    and getattr(self.server, "group_size", 1) == 1
+                    and all(getattr(s, "group_size", 1) == 1 for _, s in self.syncs)
+                    and (mode is None or not getattr(mode, "deal", None)))
         return (self.name in ("local", "allreduce", "allreduce+local-sgd",
                               "allreduce+diloco")
                 and self.tp is None and self.pp is None and self.compressor is None)
@@ -137,6 +143,8 @@ class Runtime:
         every period, the one moment the replicas agree (a rank that got the averaging's
         result before a death may be a period ahead of the others; they all still hold
         that period's start)."""
+        if self.checkpoint_at_epoch_end:  # the parameter server: at epoch ends only
+            return False
         avg = self.averaging
         if avg is not None and avg.local_phase:
             return avg.since_average() == 0
@@ -680,6 +688,15 @@ class Runtime:
             return [obj]
         with self._waiting("gather to the root"):
             return comm.gather(obj, root=0)
+
+    def share(self, obj):
+        """The root's ``obj`` on every training rank (collective over them only)."""
+        self._before_collective()
+        comm = self._trainers()
+        if comm is None:
+            return obj
+        with self._waiting("broadcast to the training ranks"):
+            return comm.bcast(obj, root=0)
 
     def bcast(self, obj):
         """The root's ``obj`` on every rank (servers included)."""

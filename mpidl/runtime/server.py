@@ -43,6 +43,11 @@ class ServerRole:
         self.server = ParameterServer(
             ctx.ps_comm, self.index, shard, ctx.optimizer, self.mode_cfg, self.worker_ranks,
             self.server_ranks, compressor=self.compressor, trace=self.trace, poller=poller)
+        from mpidl import env  # noqa: PLC0415
+
+        kill_at = env.rank_steps("MPIDL_KILL_AT").get(ctx.ps_comm.world_rank)
+        if kill_at:  # the test hook: this server dies once it applied that many updates
+            self.server.on_update = lambda s: env.kill_now() if s.version in kill_at else None
 
     def serve(self):
         """Serve until every worker is done, then report the counts (server 0 logs)."""

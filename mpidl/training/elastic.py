@@ -27,10 +27,15 @@ The commit costs a copy of the model and optimizer state every K steps; a failur
 repeats at most K - 1 steps.
 
 What it covers (``Runtime.resizable``): data parallelism, where every replica holds the
-whole state; and local SGD / DiLoCo, whose commits are the starts of periods (the one
-moment the replicas agree; each rank's inner optimizer state is its own), so the next
-averaging is over the survivors. Layouts whose ranks hold different pieces (ZeRO, tensor
-and pipeline parallelism, the parameter server) are refused with one line.
+whole state; local SGD / DiLoCo, whose commits are the starts of periods (the one moment
+the replicas agree; each rank's inner optimizer state is its own), so the next averaging
+is over the survivors; and the parameter server, whose ranks each hold a piece: its
+commits are its checkpoints' state at the end of every epoch (the one moment servers and
+workers agree), built on the root worker and handed to every worker, so that any death,
+a server's included, goes back to the last epoch's end and the survivors (the first of
+them serving) redo the epoch. Layouts whose ranks hold pieces no other rank has a copy of
+(ZeRO, tensor and pipeline parallelism, compression with error feedback, worker groups,
+dealt portions) are refused with one line.
 """
 
 import time
@@ -55,20 +60,25 @@ def check(runtime, size):
         raise ConfigError(f"--elastic: {why}")
     if not runtime.resizable:
         raise ConfigError(
-            f"--elastic goes on without the dead rank's state, so it needs ranks that each "
-            f"hold the whole model (data parallelism, local SGD, DiLoCo); --strategy "
-            f"{runtime.name} spreads state over the ranks (also refused: --zero, "
-            "--tensor-parallel, --pipeline-stages, --hybrid, --compression): drop "
-            "--elastic, or those")
+            f"--elastic goes on without the dead rank's state, so it needs ranks whose "
+            f"state another rank holds too (data parallelism, local SGD, DiLoCo, the "
+            f"parameter server); --strategy {runtime.name} with these settings keeps "
+            "state on one rank only (refused: --zero, --tensor-parallel, --pipeline-stages, "
+            "--hybrid, --compression, --group-size, --deal, hogwild): drop --elastic, or "
+            "those")
 
 
 class Commits:
-    """This rank's last two commits: ``(step, state)``, the state at a step's start in
-    the layout of a checkpoint (with this rank's own entry under ``"ranks"``)."""
+    """This rank's last commits: ``(step, state)``, the state at a step's start in the
+    layout of a checkpoint. A *local* commit (data parallelism, local SGD: taken by every
+    rank alone, the last two kept) holds this rank's own entry under ``"ranks"``; an
+    *epoch* commit (the parameter server, whose ranks each hold a piece: taken at the end
+    of every epoch like its checkpoints, on the root, and handed to every worker; the
+    last one kept) is the whole checkpoint state."""
 
     def __init__(self, every=10):
         self.every = int(every)
-        self.kept = []
+        self.kept = []  # [(step, state, whole)]
         self.events = []  # one record per failure survived (for the metrics)
         self._watch = None  # (event, step gone back to): report its first step done
 
@@ -87,28 +97,47 @@ class Commits:
         # the older commit's arrays are reused (allocating them anew each time cost as
         # much as the copy)
         reuse = self.kept[0][1] if len(self.kept) == 2 else None
-        self.kept = self.kept[-1:] + [(trainer.step, _copy(trainer.local_state(), reuse))]
+        state = _copy(trainer.local_state(), reuse)
+        self.kept = self.kept[-1:] + [(trainer.step, state, False)]
+
+    def commit_epoch(self, trainer):
+        """Collective over the training ranks, at the end of an epoch of a runtime that
+        checkpoints only there: the checkpoint's state, built on the root, to every
+        worker (the servers learn it back when a rank dies)."""
+        state, _ = trainer.checkpoint_state()
+        state = trainer.runtime.share(state)
+        self.kept = [(trainer.step, state, True)]
 
     def agree(self, comm):
-        """Collective over the survivors' ``comm`` (mpi4py): the commit every survivor
-        has, with every survivor's own entry gathered under ``"ranks"`` (in rank order)."""
-        from mpi4py import MPI  # noqa: PLC0415
-
-        newest = self.kept[-1][0] if self.kept else -1
-        step = comm.allreduce(newest, op=MPI.MIN)
-        if step < 0:  # a rank died before the first step: start again
+        """Collective over the survivors' ``comm`` (mpi4py): (step, the state to go on
+        from). The newest commit every survivor that keeps commits has; a local commit
+        with every survivor's own entry gathered under ``"ranks"`` (in rank order) after
+        checking the replicas agree, an epoch commit sent from the first survivor that
+        holds it to those that do not (servers). (-1, None) when nobody holds one."""
+        kept = comm.allgather([s for s, _, _ in self.kept])
+        offers = [steps[-1] for steps in kept if steps]
+        if not offers:  # a rank died before the first commit: start again
             self.kept = []
-            return step, None
-        found = [state for s, state in self.kept if s == step]
-        if not found:
-            raise RuntimeError(f"elastic: no commit of step {step} on this rank (it kept "
-                               f"{[s for s, _ in self.kept]}); cannot go on")
-        mine = found[0]
+            return -1, None
+        step = min(offers)
+        holders = [r for r, steps in enumerate(kept) if step in steps]
+        found = [(state, whole) for s, state, whole in self.kept if s == step]
+        whole = comm.bcast(found[0][1] if comm.Get_rank() == holders[0] else None,
+                           root=holders[0])
+        if whole:
+            state = comm.bcast(found[0][0] if comm.Get_rank() == holders[0] else None,
+                               root=holders[0])
+            self.kept = [(step, state, True)]
+            return step, state
+        if len(holders) != comm.Get_size():
+            raise RuntimeError(f"elastic: ranks {sorted(set(range(comm.Get_size())) - set(holders))} "
+                               f"hold no commit of step {step} (they kept {kept}); cannot go on")
+        mine = found[0][0]
         digests = comm.allgather(_digest(mine["model"]))
         if len(set(digests)) != 1:
             raise RuntimeError(f"elastic: the survivors' copies of step {step}'s model differ "
                                f"(digests {digests}); replicas were not in step")
-        self.kept = [(step, mine)]  # (with this rank's own entry, for a later failure)
+        self.kept = [(step, mine, False)]  # (with this rank's own entry, for a later death)
         return step, dict(mine, ranks=comm.allgather(mine["ranks"][0]))
 
 
@@ -155,6 +184,7 @@ class ElasticRun:
         world, state = self.world, None
         mpi_world = world.mpi
         for generation in range(MAX_GENERATIONS):
+            trainer = None
             try:
                 trainer = self.start(world, state)
                 trainer.elastic = self.commits
@@ -163,13 +193,16 @@ class ElasticRun:
             except Exception as e:
                 if not ft.is_failure(e):
                     raise
-                mpi_world, state = self.recover(mpi_world, e)
+                at = (trainer.step if trainer is not None and trainer.runtime.trains_on_data
+                      else -1)
+                mpi_world, state = self.recover(mpi_world, e, at)
                 world = type(world).over(mpi_world)
         raise RuntimeError(f"elastic: {MAX_GENERATIONS} failures; giving up")
 
-    def recover(self, mpi_world, error):
+    def recover(self, mpi_world, error, at=-1):
         """Revoke, shrink, agree on the commit; again if a rank dies meanwhile.
-        Returns (the survivors' communicator, the state to go on from)."""
+        ``at``: the step this rank was in (-1: none, a server). Returns (the survivors'
+        communicator, the state to go on from)."""
         detected = time.time()
         dead = []
         while True:
@@ -179,11 +212,13 @@ class ElasticRun:
             dead += lost
             try:
                 step, state = self.commits.agree(mpi_world)
+                furthest = max(mpi_world.allgather(at))
                 break
             except Exception as e:
                 if not ft.is_failure(e):
                     raise
         event = {"failed_ranks": sorted(dead), "step": step, "ranks": mpi_world.Get_size(),
+                 "steps_repeated": max(furthest - max(step, 0), 0),
                  "detected_at": round(detected, 4),
                  "recovered_s": round(time.time() - detected, 4)}
         self.commits.events.append(event)
@@ -195,7 +230,8 @@ class ElasticRun:
             else:
                 p = state["progress"]
                 where = (f"from step {step} (epoch {int(p['epoch']) + 1}, "
-                         f"{int(p['position'])} samples of it done)")
+                         f"{int(p['position'])} samples of it done; "
+                         f"{event['steps_repeated']} step(s) to do again)")
             self.log.warning(
                 f"elastic: rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} "
                 f"died ({what}); {mpi_world.Get_size()} rank(s) go on {where}, recovered in "

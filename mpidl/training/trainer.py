@@ -18,8 +18,6 @@ same step, write a checkpoint of that exact position and leave ``fit`` with
 """
 
 import math
-import os
-import signal
 import time
 import uuid
 from types import SimpleNamespace
@@ -43,21 +41,6 @@ CRASH_IN_CHECKPOINT_ENV = "MPIDL_CRASH_IN_CHECKPOINT"
 
 class InjectedFailure(RuntimeError):
     """Raised by the MPIDL_FAIL_AT test hook."""
-
-
-def parse_fail_at(spec, variable=FAIL_ENV):
-    """``"RANK:STEP[,RANK:STEP...]"`` -> {rank: {steps}} (the MPIDL_FAIL_AT and
-    MPIDL_KILL_AT test hooks)."""
-    out = {}
-    if not spec:
-        return out
-    for part in spec.split(","):
-        try:
-            rank, step = (int(v) for v in part.split(":"))
-        except ValueError:
-            raise ConfigError(f"{variable}={spec!r}: expected RANK:STEP[,RANK:STEP...]") from None
-        out.setdefault(rank, set()).add(step)
-    return out
 
 
 # -- RNG states outside the model's buffers (layers holding Generators, NumPy's global one)
@@ -162,9 +145,9 @@ class Trainer:
         self.warmup_steps = int(round(warmup_epochs * self.steps_per_epoch))
         factory = lr_schedule or schedule_factory(cfg.schedule)
         self.schedule = factory(self.base_lr, self.total_steps, self.warmup_steps)
-        self.fail_at = parse_fail_at(env.get(FAIL_ENV)).get(runtime.rank, set())
+        self.fail_at = env.rank_steps(FAIL_ENV).get(runtime.rank, set())
         world_rank = getattr(runtime.comm, "world_rank", 0)
-        self.kill_at = parse_fail_at(env.get(KILL_ENV), KILL_ENV).get(world_rank, set())
+        self.kill_at = env.rank_steps(KILL_ENV).get(world_rank, set())
         self.elastic = None  # an elastic run's commits (mpidl.training.elastic)
         self.initial_state = None  # state to start from (an elastic run's commit)
         crash = env.get(CRASH_IN_CHECKPOINT_ENV)  # "N" or "N:BYTES": test hook
@@ -234,7 +217,7 @@ class Trainer:
     def _fit(self):
         cfg, rt = self.cfg, self.runtime
         # a parameter server's checkpoint needs the servers' state from each epoch barrier
-        rt.checkpoints = self.checkpointing or (
+        rt.checkpoints = self.checkpointing or self.elastic is not None or (
             self.preemption is not None and self.paths.get("stop_checkpoint_dir") is not None)
         if getattr(rt, "pp", None) is not None and rt.trains_on_data:
             # the pipeline times each layer on one micro-batch to balance its stages
@@ -276,7 +259,7 @@ class Trainer:
                     if self.elastic is not None:
                         self.elastic.before_step(self)
                     if self.step in self.kill_at:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        env.kill_now()
                     if self.step in self.fail_at:
                         raise InjectedFailure(f"{FAIL_ENV}: injected failure on rank "
                                               f"{rt.rank} at step {self.step}")
@@ -312,6 +295,9 @@ class Trainer:
                 if (self.checkpointing and rt.checkpoint_at_epoch_end
                         and self.epoch < cfg.epochs and not diverged):
                     self.save_checkpoint()  # (the last one is written below)
+                if (self.elastic is not None and rt.checkpoint_at_epoch_end
+                        and self.epoch < cfg.epochs and not diverged):
+                    self.elastic.commit_epoch(self)
                 if (rt.checkpoint_at_epoch_end and self.epoch < cfg.epochs and not diverged
                         and self.stop_signalled(mid_epoch=False)):
                     break  # a parameter server: between epochs only
@@ -454,12 +440,34 @@ class Trainer:
         out["resizable"] = self.runtime.resizable  # (not compared: see check_compatible)
         return out
 
-    def save_checkpoint(self):
-        """Collective: gather every rank's RNG state, then the root writes atomically."""
+    def checkpoint_state(self):
+        """Collective: (the state a checkpoint of this step holds, on the root, None
+        elsewhere; this rank's ``Runtime.checkpoint_parts``)."""
         mine = {"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}
         per_rank = self.runtime.gather(mine)
         runtime_state = self.runtime.state_dict()
         parts = self.runtime.checkpoint_parts(self.model, self.optimizer)
+        if not self.is_root:
+            return None, parts
+        state = {
+            "run": self.run_id,
+            "config": self.resume_config(),
+            "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
+                         "position": self.position, "elapsed": self.elapsed(),
+                         "last": self.last},
+            "model": parts.model,
+            "optimizer": parts.optimizer,
+            "ranks": per_rank,
+            "runtime": runtime_state,
+        }
+        if parts.shards is not None:
+            state["shards"] = dict(parts.shards, files=[
+                ckpt.shard_name(self.step, i, parts.count) for i in range(parts.count)])
+        return state, parts
+
+    def save_checkpoint(self):
+        """Collective: gather every rank's RNG state, then the root writes atomically."""
+        state, parts = self.checkpoint_state()
         self.checkpoints_written += 1
         crash = None
         if self.crash_in_checkpoint and self.crash_in_checkpoint[0] == self.checkpoints_written:
@@ -476,20 +484,6 @@ class Trainer:
                              "are not finite (training diverged); the last finite "
                              f"checkpoint stays the newest in {directory}")
         elif self.is_root:
-            state = {
-                "run": self.run_id,
-                "config": self.resume_config(),
-                "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
-                             "position": self.position, "elapsed": self.elapsed(),
-                             "last": self.last},
-                "model": parts.model,
-                "optimizer": parts.optimizer,
-                "ranks": per_rank,
-                "runtime": runtime_state,
-            }
-            if parts.shards is not None:
-                state["shards"] = dict(parts.shards, files=[
-                    ckpt.shard_name(self.step, i, parts.count) for i in range(parts.count)])
             path = ckpt.save(self.paths["checkpoint_dir"], self.step, state,
                              keep=self.cfg.keep_checkpoints, crash_after_bytes=crash)
             self.log.debug(f"checkpoint {path}")
