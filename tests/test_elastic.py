@@ -81,7 +81,8 @@ def resumed_after_kills(tmp_path, ranks, kills, *args):
 @pytest.mark.ulfm
 @pytest.mark.parametrize("ranks,dead,step", [
     (3, 1, 5),    # a rank in the middle, epoch 1
-    (3, 0, 20),   # the root (it writes the metrics and the model), epoch 2
+    # the root (it writes the metrics and the model), epoch 2 (CI: the DiLoCo test's root)
+    pytest.param(3, 0, 20, marks=pytest.mark.slow),
     pytest.param(4, 3, 2, marks=pytest.mark.slow),
     pytest.param(4, 2, 25, marks=pytest.mark.slow),  # the last step of the run
 ])
@@ -114,6 +115,7 @@ def test_two_failures_equal_two_resumes(tmp_path, ulfm):
 
 
 @pytest.mark.ulfm
+@pytest.mark.slow
 def test_commits_every_k_steps_go_back_to_the_last_one(tmp_path, ulfm):
     """With --elastic-commit-every 4 a death at step 7 goes back to step 4: the run
     equals the one resumed on the survivors from step 4's checkpoint."""
@@ -147,7 +149,8 @@ def without_rank(checkpoints, k, out):
 
 @pytest.mark.ulfm
 @pytest.mark.parametrize("sync,dead,step,back_to", [
-    ("local-sgd", 1, 10, 8),  # the period of steps 8-11; goes back to its start
+    # the period of steps 8-11; goes back to its start
+    pytest.param("local-sgd", 1, 10, 8, marks=pytest.mark.slow),
     ("diloco", 0, 13, 12),    # the root, in the first step of epoch 2
 ])
 def test_local_sgd_goes_on_averaging_over_the_survivors(tmp_path, ulfm, sync, dead, step,
@@ -201,7 +204,7 @@ def test_a_random_rank_killed_at_a_random_moment(tmp_path, ulfm, seed):
 
 @pytest.mark.ulfm
 @pytest.mark.parametrize("dead,mode", [
-    (2, "sync"),   # a worker
+    pytest.param(2, "sync", marks=pytest.mark.slow),  # a worker
     (0, "sync"),   # the server (it dies once it applied 20 updates)
     pytest.param(3, "async", marks=pytest.mark.slow),
 ])

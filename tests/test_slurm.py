@@ -196,6 +196,22 @@ def test_wrong_mpi_plugin_is_caught_open_mpi(cluster, tmp_path, name):
     assert "mpidl train" not in job.output.split("world-size check failed")[-1]
 
 
+def test_train_sbatch_grows_a_run_by_resubmission(cluster, tmp_path):
+    """Growing a job: the same train.sbatch command resubmitted with more tasks and
+    --resume auto continues the 2-task run's checkpoint on 3 ranks (bitwise a fresh 3-rank
+    run from that state: tests/test_elastic.py), the rest of the run on 3 ranks."""
+    args = [*SMALL_TRAIN[:SMALL_TRAIN.index("--epochs")], "--limit-train", "2000",
+            "--limit-test", "2000", "--seed", "1", "--no-progress", "--out-dir", "grow",
+            "--resume", "auto"]
+    first = run_job(TRAIN, [*args, "--epochs", "1"], ntasks=2, timeout=150, cwd=tmp_path)
+    assert first.state == "COMPLETED" and first.returncode == 0, first.describe()
+    grown = run_job(TRAIN, [*args, "--epochs", "2"], ntasks=3, timeout=150, cwd=tmp_path)
+    assert grown.state == "COMPLETED" and grown.returncode == 0, grown.describe()
+    assert "MPI world size 3 == SLURM_NTASKS" in grown.output, grown.describe()
+    assert "written by 2 rank(s), continued on 3" in grown.output, grown.describe()
+    assert [m["epoch"] for m in epoch_metrics(grown.output)] == [2], grown.describe()
+
+
 def test_train_sbatch_rank_failure_ends_job(cluster, tmp_path):
     """Rank 1 raises at step 3 (MPIDL_FAIL_AT test hook): the whole job ends FAILED, fast,
     with rank 1's traceback in its output."""
