@@ -41,10 +41,12 @@ from mpidl.ps.modes import MODES, ModeConfig
 from mpidl.runtime.sync.base import GradSync
 
 OPTIONS = [
-    Option("servers", int, None, "--strategy ps or hogwild: number of server ranks (ranks "
-           "0..S-1; parameters sharded over them); default 1", "parallelism", metavar="S",
+    Option("servers", int, None, "--strategy ps or hogwild, or --sparse-sync ps: number of "
+           "server ranks (ranks 0..S-1; parameters sharded over them); default 1",
+           "parallelism", metavar="S",
            check=lambda v: None if v >= 1 else "must be at least 1"),
-    Option("mode", str, None, "--strategy ps: sync, async (Downpour), ssp (bounded "
+    Option("mode", str, None, "--strategy ps (or the servers' part of --sparse-sync ps): "
+           "sync, async (Downpour), ssp (bounded "
            "staleness), backup (first k of n gradients) or softsync (each c gradients make "
            "an update, each weighted by 1/staleness); default sync", "parallelism",
            choices=(None,) + MODES),
@@ -153,11 +155,23 @@ class PushPull(GradSync):
     def finish(self):
         if self.dealing:  # the schedule pushed each portion and took the update
             return iter(())
-        t = time.perf_counter()
-        self.worker.push(lr=getattr(self.optimizer, "lr", None))
-        self._wait = time.perf_counter() - t
-        self._pushes_since_barrier += 1
+        self.start()
+        self.complete()
         return iter(())  # the servers applied the update; nothing to step here
+
+    def start(self):
+        """Start sending this step's gradients (``finish`` is ``start`` then ``complete``;
+        Parallax does its all-reduce in between)."""
+        t = time.perf_counter()
+        self.worker.send_push(lr=getattr(self.optimizer, "lr", None))
+        self._wait = time.perf_counter() - t
+
+    def complete(self):
+        """Wait for the servers' answer and take the parameters."""
+        t = time.perf_counter()
+        self.worker.take_answer()
+        self._wait += time.perf_counter() - t
+        self._pushes_since_barrier += 1
 
     # -- dealt portions (``mpidl.runtime.dealing``): the schedule calls these
     def deal(self, portions):
