@@ -50,6 +50,7 @@ def _split(rows):
     return [r for r in rows if r["server"]], [r for r in rows if not r["server"]]
 
 
+@pytest.mark.mpi_matrix_extra
 @pytest.mark.parametrize("case, servers, trainers", [("sync_s2", 2, 3), ("sync_tied", 1, 2)])
 def test_sync_is_allreduce_bitwise(ranks, case, servers, trainers):
     srv, tr = _split(ranks[case])

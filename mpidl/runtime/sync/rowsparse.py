@@ -108,8 +108,11 @@ class RowSparseAllgather(GradSync):
         return self._gathered * (p - 1) / p / max(self._steps, 1)
 
     def metrics(self):
+        """``allgather_bytes_per_step``: ``bytes_per_step`` (the rows' share of the epoch
+        line's ``bytes_sent_per_step``)."""
+        out = {"allgather_bytes_per_step": self.bytes_per_step()} if self.names else {}
         self._gathered = self._steps = 0
-        return {}
+        return out
 
     def describe(self):
         return [f"{len(self.names)} row-sparse tensor(s) by allgatherv"] if self.names else []
