@@ -13,8 +13,9 @@ asserts:
   (8 bytes of index + the row), and the epoch line's bytes are the buckets' all-reduce
   plus those pushes;
 * ``sync_tied`` (1 server + 2 trainers, ``--tie-weights``, SGD with momentum and weight
-  decay: the lazy row update): bitwise all-reduce on 2 ranks (the tied table's dense
-  gradient travels as every row, as the all-gather sends it);
+  decay): bitwise all-reduce on 2 ranks (the tied table's dense gradient travels as every
+  row, as the all-gather sends it); ``sync_lazy`` (1 server + 1 trainer, untied, the same
+  SGD: only the rows a batch touched move, their momentum too) bitwise one process;
 * ``pattern`` (1 server + 4 trainers, ``--ps-params '1.weight,3.body.1.*'``: the dense
   position table and the qkv projection on the server, the token embedding kept on the
   trainers, all-gathered): within 1e-12 of all-reduce, not bitwise (the server divides
@@ -135,15 +136,13 @@ def compare(comm, servers, options, opt_kind="adamw", tie=False, traffic=False):
     """Parallax with ``servers`` on ``comm`` against all-reduce on the trainer ranks
     (those of the same shard index) and one process."""
     out = {"rank": comm.rank}
-    pushes = []
+    distinct = []  # the ids each step's batch touched: the rows it pushes
 
-    def count(rt, m, xb):  # what this step should have pushed: its distinct ids as rows
-        row = m.layers[0].weight.data.shape[1] * 8 + 8
-        pushes.append(len(np.unique(np.asarray(xb))) * row)
+    def count(rt, m, xb):
+        distinct.append(len(np.unique(np.asarray(xb))))
 
     rt, m, opt, steps = run(build("allreduce", Communicator(comm), servers=servers,
-                                  **options), opt_kind, tie,
-                            on_step=count if traffic else None)
+                                  **options), opt_kind, tie, on_step=count)
     if steps is None:  # a server
         out.update(server=True, holds=list(rt.server.server.names),
                    opt_state=sorted(opt.state))
@@ -152,12 +151,14 @@ def compare(comm, servers, options, opt_kind="adamw", tie=False, traffic=False):
     sync = rt.syncs[0][1]
     n = comm.size - servers
     out.update(server=False, steps=len(steps), opt_state=sorted(opt.state),
+               fewest_rows=min(distinct), vocab=VOCAB,
                remote=sorted(sync.split.remote), gathered=list(sync.rows.names),
                bucketed=sorted(sync.dense.names))
     if traffic:
         worker = sync.push.worker
         out["pushed"] = worker.stats["bytes_sent"]
-        out["expected_pushed"] = sum(pushes)
+        row = m.layers[0].weight.data.shape[1] * 8 + 8  # an int64 index and the row
+        out["expected_pushed"] = sum(n * row for n in distinct)
         out["rows_names"] = list(sync.rows_names)
         dense = sync.dense.bytes_per_step()
         metrics = rt.metrics()
@@ -211,12 +212,14 @@ def main():
     results = {}
     results["sync_s2"] = WORLD.gather(compare(WORLD, 2, {"sparse_sync": "ps"},
                                               traffic=True))
-    first3 = WORLD.Split(0 if WORLD.rank < 3 else MPI.UNDEFINED, WORLD.rank)
-    if first3 != MPI.COMM_NULL:
-        rows = first3.gather(compare(first3, 1, {"sparse_sync": "ps"}, "sgd", tie=True))
-        first3.Free()
-        if WORLD.rank == 0:
-            results["sync_tied"] = rows
+    # at the same time: ranks 0-2 with tied weights, ranks 3-4 (1 server + 1 trainer)
+    # with SGD's lazy rows (a batch leaves some of the 13 rows untouched)
+    part = WORLD.Split(0 if WORLD.rank < 3 else 1, WORLD.rank)
+    rows = part.gather(compare(part, 1, {"sparse_sync": "ps"}, "sgd", tie=WORLD.rank < 3))
+    part.Free()
+    lazy = WORLD.gather(rows if WORLD.rank == 3 else None)
+    if WORLD.rank == 0:
+        results["sync_tied"], results["sync_lazy"] = rows, lazy[3]
     results["pattern"] = WORLD.gather(compare(
         WORLD, 1, {"sparse_sync": "ps", "ps_params": "1.weight,3.body.1.*"}))
     results["async"] = WORLD.gather(asynchronous(WORLD))
