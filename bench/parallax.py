@@ -64,7 +64,8 @@ def train(a, name, ranks, extra):
     if proc.returncode != 0:
         raise SystemExit(f"bench/parallax.py: {' '.join(cmd)} failed:\n{proc.stdout[-4000:]}")
     i = cmd.index("train")
-    shown = shlex.join(["mpiexec", "-n", str(ranks), "mpidl"] + cmd[i:])
+    typed = [os.path.relpath(c, ROOT) if c == out_dir else c for c in cmd[i:]]
+    shown = shlex.join(["mpiexec", "-n", str(ranks), "mpidl"] + typed)
     print(f"{name}: {seconds:.0f} s", flush=True)
     return shown, records(os.path.join(out_dir, "metrics.jsonl")), seconds, \
         os.path.join(out_dir, "model.npz")
@@ -216,10 +217,13 @@ def plot(result, path):
     right.bar([x + w / 2 for x in xs], pulled, w, bottom=pushed,
               label="Parallax: table pulled (received)")
     right.set_xticks(list(xs))
-    right.set_xticklabels([f"{r['trainers']} trainers" for r in table])
-    right.set_ylabel("kB per trainer and step (embedding only)")
-    right.set_title(f"beside {dense[0]:.0f} kB of dense all-reduce" if dense else "")
-    right.legend(fontsize=8)
+    right.set_xticklabels([f"{r['trainers']} trainers\n(dense all-reduce: {d:.0f} kB)"
+                           for r, d in zip(table, dense)])
+    right.set_ylabel("kB per trainer and step")
+    right.set_title("the embedding's traffic")
+    top = max([g for g in gather] + [a + b for a, b in zip(pushed, pulled)] + [1e-9])
+    right.set_ylim(0, 1.45 * top)
+    right.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

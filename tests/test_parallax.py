@@ -5,8 +5,8 @@ On real ranks (``ranks/parallax_check.py``, 5 ranks, float64, gpt-tiny):
 
 1. ``--mode sync`` is bitwise ``--strategy allreduce`` on as many ranks as there are
    trainers, after every step (AdamW with 2 servers, one of them holding nothing; SGD
-   with momentum and weight decay, tied weights, and untied: the lazy row update), and
-   within 1e-12 of one process at the global batch. The reduction order is the same: each trainer pushes its rows coalesced
+   with momentum and weight decay, tied weights, and untied: the lazy row update, with
+   ``--accumulate 2``), and within 1e-12 of one process at the global batch. The reduction order is the same: each trainer pushes its rows coalesced
    (the arrays the all-gather sends), the server concatenates them in trainer order and
    multiplies by 1/n, and the same optimizer code steps the table (Adam densifies, SGD
    updates the touched rows), on the server instead of on every trainer;
@@ -19,7 +19,8 @@ On real ranks (``ranks/parallax_check.py``, 5 ranks, float64, gpt-tiny):
 4. ``--mode async``: every push applied, one update per trainer and step, dense
    parameters the same on every trainer after every step, everything after a barrier.
 
-Through the command line: a run equals all-reduce bitwise (model and validation loss), a
+Through the command line: a run (its dense buckets' all-reduce overlapped with backward)
+equals all-reduce bitwise (model and validation loss), a
 trainer killed in epoch 3 and ``--resume`` end bitwise equal to the uninterrupted run
 (epoch-end checkpoints, the servers' AdamW state included), and the refusals are one
 line each (exit 2).
@@ -131,25 +132,30 @@ def _metrics(out):
 
 
 def test_cli_equals_allreduce_and_resumes_bitwise(tmp_path):
-    """1 server + 2 trainers against all-reduce on 2 ranks (AdamW, 3 epochs); then the
-    same run with a trainer killed in epoch 3 and resumed from the epoch-2 checkpoint."""
+    """1 server + 2 trainers (overlapped ring all-reduce of small buckets) against
+    all-reduce on 2 ranks without overlap, AdamW, 3 epochs; then the same
+    run with a trainer killed in epoch 3 and resumed from the epoch-2 checkpoint."""
     args = gpt_args(tmp_path, "--epochs", "3")
+    parallax = ["--sparse-sync", "ps", "--overlap", "on", "--algorithm", "ring",
+                "--bucket-mb", "0.01"]
     px, ar, run = tmp_path / "parallax", tmp_path / "allreduce", tmp_path / "run"
-    run_command(train_cmd(3, px, "--sparse-sync", "ps", *args), timeout=180).check()
-    run_command(train_cmd(2, ar, *args), timeout=180).check()
+    launch = run_command(train_cmd(3, px, *parallax, *args), timeout=180).check()
+    assert "1 server(s), 2 workers" in launch.output, launch.output
+    run_command(train_cmd(2, ar, "--overlap", "off", *args), timeout=180).check()
     assert_bitwise_equal(model_arrays(px / "model.npz"), model_arrays(ar / "model.npz"))
     mp, ma = _metrics(px), _metrics(ar)
     steps = 48 // 8
     assert [m["test_loss"] for m in mp] == [m["test_loss"] for m in ma]
+    assert all(m["overlap"] == 1 for m in mp) and all(m["overlap"] == 0 for m in ma)
     assert mp[-1]["ps_pushed"] == mp[-1]["ps_applied"] == 2 * 3 * steps
     assert mp[-1]["ps_updates"] == 3 * steps
     ckpt = ["--checkpoint-dir", str(run / "ckpt")]
-    failed = run_command(train_cmd(3, run, "--sparse-sync", "ps", *args, *ckpt), timeout=180,
+    failed = run_command(train_cmd(3, run, *parallax, *args, *ckpt), timeout=180,
                          env={"MPIDL_FAIL_AT": f"2:{2 * steps + 2}"})
     assert failed.returncode != 0 and not failed.timed_out, failed.output
     assert sorted(os.listdir(run / "ckpt")) == [f"ckpt-{steps:09d}.npz",
                                                 f"ckpt-{2 * steps:09d}.npz"]
-    resumed = run_command(train_cmd(3, run, "--sparse-sync", "ps", *args, *ckpt, "--resume"),
+    resumed = run_command(train_cmd(3, run, *parallax, *args, *ckpt, "--resume"),
                           timeout=180).check()
     assert f"step {2 * steps}, epoch 3" in resumed.output, resumed.output
     assert_bitwise_equal(model_arrays(run / "model.npz"), model_arrays(px / "model.npz"))

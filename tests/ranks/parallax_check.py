@@ -15,7 +15,8 @@ asserts:
 * ``sync_tied`` (1 server + 2 trainers, ``--tie-weights``, SGD with momentum and weight
   decay): bitwise all-reduce on 2 ranks (the tied table's dense gradient travels as every
   row, as the all-gather sends it); ``sync_lazy`` (1 server + 1 trainer, untied, the same
-  SGD: only the rows a batch touched move, their momentum too) bitwise one process;
+  SGD: only the rows a batch touched move, their momentum too; ``--accumulate 2``)
+  bitwise all-reduce on 1 rank with the same accumulation;
 * ``pattern`` (1 server + 4 trainers, ``--ps-params '1.weight,3.body.1.*'``: the dense
   position table and the qkv projection on the server, the token embedding kept on the
   trainers, all-gathered): within 1e-12 of all-reduce, not bitwise (the server divides
@@ -119,14 +120,14 @@ def max_rel(a, b):
                for k in a)
 
 
-def allreduce_steps(comm, trainers, opt_kind, tie):
+def allreduce_steps(comm, trainers, opt_kind, tie, **options):
     """``--strategy allreduce`` on the ranks ``trainers`` of ``comm`` (a sub-group of
     the same size as Parallax's trainers, so the same shards): per-step snapshots."""
     sub = comm.Split(0 if comm.rank in trainers else MPI.UNDEFINED, comm.rank)
     if sub == MPI.COMM_NULL:
         return None
     try:
-        _, _, _, steps = run(build("allreduce", Communicator(sub)), opt_kind, tie)
+        _, _, _, steps = run(build("allreduce", Communicator(sub), **options), opt_kind, tie)
     finally:
         sub.Free()
     return steps
@@ -168,7 +169,8 @@ def compare(comm, servers, options, opt_kind="adamw", tie=False, traffic=False):
         out["table_bytes"] = int(m.layers[0].weight.data.nbytes)
         out["ps_pushed"] = metrics.get("ps_pushed")
     rt.finish()
-    ar = allreduce_steps(comm, list(range(servers, comm.size)), opt_kind, tie)
+    both = {k: v for k, v in options.items() if k == "accumulate"}  # (the schedule's)
+    ar = allreduce_steps(comm, list(range(servers, comm.size)), opt_kind, tie, **both)
     out["bitwise_steps"] = [digest(a.values()) == digest(b.values())
                             for a, b in zip(steps, ar)]
     out["vs_allreduce"] = max_rel(steps[-1], ar[-1])
@@ -215,7 +217,9 @@ def main():
     # at the same time: ranks 0-2 with tied weights, ranks 3-4 (1 server + 1 trainer)
     # with SGD's lazy rows (a batch leaves some of the 13 rows untouched)
     part = WORLD.Split(0 if WORLD.rank < 3 else 1, WORLD.rank)
-    rows = part.gather(compare(part, 1, {"sparse_sync": "ps"}, "sgd", tie=WORLD.rank < 3))
+    tied = WORLD.rank < 3
+    rows = part.gather(compare(part, 1, {"sparse_sync": "ps"} if tied else
+                               {"sparse_sync": "ps", "accumulate": 2}, "sgd", tie=tied))
     part.Free()
     lazy = WORLD.gather(rows if WORLD.rank == 3 else None)
     if WORLD.rank == 0:
