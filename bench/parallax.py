@@ -36,6 +36,8 @@ sys.path.insert(0, ROOT)
 
 from mpidl.benchmarks.machine import describe as describe_machine  # noqa: E402
 from mpidl.benchmarks.machine import launch_env, mpiexec  # noqa: E402
+from mpidl.benchmarks.plotting import pyplot  # noqa: E402
+from mpidl.benchmarks.scaling import write_json  # noqa: E402
 
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
 QUICK_MODEL = ["--layers", "1", "--heads", "2", "--width", "16", "--context", "32"]
@@ -171,10 +173,7 @@ def main():
         "runs": runs, "traffic": table, "seconds": round(time.perf_counter() - t0, 1),
         "machine": describe_machine(),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    write_json(a.out, result)
     plot(result, a.plot or os.path.splitext(a.out)[0] + ".png")
     for name, r in runs.items():
         print(f"{name:16s} {r['valid_nats_per_char']:.4f} nats/char "
@@ -188,12 +187,8 @@ def main():
 
 
 def plot(result, path):
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for (name, r), style in zip(result["runs"].items(), ("o-", "x--", "s:")):

@@ -14,8 +14,8 @@ suits it:
   row-sparse gradients (Embedding weights), or the names matching ``--ps-params
   PATTERNS`` (comma-separated ``fnmatch`` patterns on ``model.named_parameters()``'s names,
   e.g. ``'0.weight,*.bias'``);
-* a trainer's step: backward; its remote gradients leave first, as coalesced rows (the
-  arrays the all-gather would send; a dense gradient travels dense); then the dense
+* a trainer's step: backward; its remote gradients leave first, row-sparse ones as
+  coalesced rows (the arrays the all-gather would send), dense ones dense; then the dense
   gradients are all-reduced in the fused buckets among the trainers only (``--algorithm``,
   ``--bucket-mb``, ``--overlap``) and stepped by the replicated optimizer; row-sparse
   parameters a pattern left on the trainers go through the all-gather
@@ -31,9 +31,10 @@ run is bitwise ``--strategy allreduce`` on as many ranks as there are trainers. 
 ``async`` each trainer's rows are an update of their own, applied on arrival (so n
 updates per step, each from one trainer's batch, not their mean: about n times the
 step size of sync on those parameters, as in Downpour), and a trainer goes on with the
-remote parameters as they were when its push was applied, at most n - 1 of the step's
-updates behind; ``ssp``, ``backup``, ``softsync`` likewise act on the remote
-parameters' pushes. ``--epoch-quorum`` is refused: a trainer cannot leave an epoch
+remote parameters as they were when its push was applied (so its next gradient is
+stale by the other trainers' pushes applied since, typically those of that step and the
+one before); ``ssp``, ``backup``, ``softsync`` likewise act on the remote parameters'
+pushes. ``--epoch-quorum`` is refused: a trainer cannot leave an epoch
 early while the others wait for it in the all-reduce.
 
 Checkpoints are written at epoch ends only, as with ``--strategy ps``: the barrier
@@ -119,8 +120,7 @@ def check_composes(tensor_parallel=1, pipeline_stages=1, zero=0, compression=Non
         ((tensor_parallel or 1) > 1, f"--tensor-parallel {tensor_parallel}", "the servers "
          "hold whole tensors, tensor parallelism slices them over trainers (not built)"),
         ((pipeline_stages or 1) > 1, f"--pipeline-stages {pipeline_stages}", "a pipeline "
-         "splits the model over trainers whose servers' parameters live on one stage only "
-         "(not built)"),
+         "splits the model over the trainers (not built)"),
         (bool(zero), f"--zero {zero}", "ZeRO shards the trainers' optimizer; the servers "
          "already hold the sparse parameters' (not built)"),
         (compression not in (None, "none"), f"--compression {compression}", "compressed "
