@@ -155,13 +155,15 @@ class PushPull(GradSync):
     def finish(self):
         if self.dealing:  # the schedule pushed each portion and took the update
             return iter(())
-        self.start()
-        self.complete()
+        t = time.perf_counter()
+        self.worker.push(lr=getattr(self.optimizer, "lr", None))
+        self._wait = time.perf_counter() - t
+        self._pushes_since_barrier += 1
         return iter(())  # the servers applied the update; nothing to step here
 
     def start(self):
-        """Start sending this step's gradients (``finish`` is ``start`` then ``complete``;
-        Parallax does its all-reduce in between)."""
+        """``finish`` in two halves: start sending this step's gradients (Parallax does
+        its all-reduce before ``complete``)."""
         t = time.perf_counter()
         self.worker.send_push(lr=getattr(self.optimizer, "lr", None))
         self._wait = time.perf_counter() - t
