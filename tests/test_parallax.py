@@ -222,8 +222,12 @@ def test_patterns_need_parallax_and_settings_without_it_do_nothing():
         build("allreduce", _comm(0, 4), ps_params="0.weight")
     with pytest.raises(ConfigError, match="must name at least one parameter pattern"):
         build("allreduce", _comm(0, 4), sparse_sync="ps", ps_params=" , ")
-    # the servers' settings serve --sparse-sync ps only: without it, said to do nothing
-    rt = build("allreduce", _comm(0, 4), servers=2, mode="async")
+    # the servers' settings serve --sparse-sync ps only: without it, refused from Python
+    # and said to do nothing from the command line (strict=False)
+    with pytest.raises(ConfigError, match="strategy 'allreduce' does not take option"
+                       "\\(s\\) mode, servers"):
+        build("allreduce", _comm(0, 4), servers=2, mode="async")
+    rt = build("allreduce", _comm(0, 4), strict=False, servers=2, mode="async")
     assert rt.unused_options == ("mode", "servers") and rt.role == "trainer"
     # with it: ranks 0..S-1 serve the others
     rt = build("allreduce", _comm(1, 4), sparse_sync="ps", servers=2)

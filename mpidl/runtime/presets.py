@@ -121,6 +121,8 @@ def build(name, comm=None, strict=True, **options):
                           f"parameter server, not of --strategy {name}: add --strategy ps "
                           "(with --servers S), or drop --group-size")
     preset, takes = PRESETS[name]
+    if name == "allreduce" and not parallax.wanted(given.get("sparse_sync")):
+        takes = takes - _PS_SERVERS  # (the servers' settings serve --sparse-sync ps only)
     unused = sorted(k for k in given if k not in takes)
     if unused and strict:
         raise ConfigError(f"strategy {name!r} does not take option(s) {', '.join(unused)}; "
@@ -223,8 +225,6 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
         return _parallax(comm, unused, accumulate, straggler, compute_pace, micro_batches,
                          algorithm, bucket_mb, overlap, sparse_grads, sync_bn, ps_params,
                          pipeline, **ps_settings)
-    # (the parameter server's settings serve --sparse-sync ps only)
-    unused = sorted(set(unused) | {k for k, v in ps_settings.items() if v not in (None, False)})
     tp = tp_part.check_degree(tensor_parallel, _size(comm))
     if tp > 1:
         _check_tensor_parallel(tp, zero=zero, compression=compression, sync=sync,
