@@ -173,11 +173,12 @@ def strategy_kwargs(cfg):
     return {o.name: getattr(cfg, o.name) for o in OPTIONS
             if o.group in ("parallelism", "precision") and o.name not in NOT_STRATEGY
             and getattr(cfg, o.name, o.default) != o.default}
-#: settings that change which samples a step sees: a checkpoint only resumes if they match
+#: settings that change which samples a step sees, or where the state of a run lives: a
+#: checkpoint only resumes if they match
 RESUME_KEYS = ("model", "dataset", "limit_train", "drop_last", "batch_size", "accumulate",
                "seed", "dtype", "optimizer", "dropout", "strategy", "sync", "period",
                "warmup_steps", "precision", "layers", "heads", "width", "context",
-               "tie_weights")
+               "tie_weights", "sparse_sync", "ps_params")
 #: settings that are options of the model builders (passed to the builder when set)
 MODEL_OPTIONS = ("dropout", "layers", "heads", "width", "context", "tie_weights")
 

@@ -310,3 +310,26 @@ def test_gpt_bench_quick_writes_losses_baseline_and_sample(tmp_path):
         1 - r["valid_nats_per_char"] / r["bigram_nats_per_char"])
     assert r["sample"].startswith("the ") and len(r["sample"].rstrip("\n")) == 24
     assert r["command"].startswith("mpidl train --model gpt-tiny --dataset text")
+
+
+@pytest.mark.slow  # (tests/test_parallax.py covers Parallax itself in CI)
+def test_parallax_bench_quick_writes_losses_and_traffic(tmp_path):
+    """bench/parallax.py --quick: all-reduce and Parallax (sync, async) at equal samples,
+    then the bytes per trainer and step at 2 trainers, the JSON."""
+    text = tmp_path / "t.txt"
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "ran", "far"]
+    rng = np.random.default_rng(0)
+    text.write_text(" ".join(words[i] for i in rng.integers(0, 9, 1500)) + "\n")
+    out = tmp_path / "parallax.json"
+    bench("parallax.py", "--quick", "--data-dir", text, "--epochs", "2", "--limit-train", "32",
+          "--traffic-trainers", "2", "--traffic-steps", "2", "--work", tmp_path / "work",
+          "--out", out)
+    r = json.loads(out.read_text())
+    runs = r["runs"]
+    assert sorted(runs) == ["allreduce", "parallax-async", "parallax-sync"]
+    assert runs["parallax-sync"]["same_bits_as_allreduce"]  # sync is all-reduce, bitwise
+    assert runs["parallax-sync"]["gap_to_allreduce_percent"] == 0.0
+    assert runs["parallax-sync"]["steps"] == runs["allreduce"]["steps"] > 0
+    (row,) = r["traffic"]
+    assert row["trainers"] == 2 and row["pushed_rows"] > 0 and row["allgather_rows"] > 0
+    assert row["pulled_table"] > 0 and row["dense_allreduce"] > 0

@@ -22,8 +22,8 @@ from mpidl.runtime import pipeline as pipeline_part
 from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.sync import (FusedAllreduce, GradSync, PerTensorCompressed, PushPull,
-                                RowSparseAllgather, compressed, fused, groups, pushpull,
-                                rowsparse)
+                                RowSparseAllgather, compressed, fused, groups, parallax,
+                                pushpull, rowsparse)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,7 +70,10 @@ def test_each_preset_takes_exactly_its_parts_options():
                                                | names(averaging.OPTIONS)
                                                | set(presets.AVERAGING_CHECK)
                                                | names(zero_part.OPTIONS)
-                                               | set(presets.BENCH_TUNING))
+                                               | set(presets.BENCH_TUNING)
+                                               # --sparse-sync ps: Parallax's servers
+                                               | names(parallax.OPTIONS)
+                                               | names(pushpull.OPTIONS))
     # (worker groups: --group-size, and the fused all-reduce's settings inside a group;
     # --deal portions)
     assert presets.PRESETS["ps"][1] == (common | names(pushpull.OPTIONS)

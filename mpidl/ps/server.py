@@ -498,7 +498,8 @@ class ParameterServer:
 
 
 def _mean(parts, n, sums=None, name=None, weights=None):
-    """Sum ``parts`` in order and divide by ``n`` (dense, or row-sparse when all are);
+    """Sum ``parts`` in order and divide by ``n`` (dense; row-sparse parts, when all are,
+    are concatenated in order and multiplied by 1/n);
     ``weights``: one factor per part (a part of weight 1 is used as it is).
 
     ``sums[name]``, when given, is reused as the dense result's storage."""
@@ -512,7 +513,9 @@ def _mean(parts, n, sums=None, name=None, weights=None):
         xp = array_module(parts[0].values)
         idx = xp.concatenate([g.indices for g in parts])
         vals = xp.concatenate([g.values for g in parts])
-        return SparseGrad(idx, vals / vals.dtype.type(n) if n > 1 else vals, parts[0].shape)
+        if n > 1:  # times 1/n, as the all-gather of data parallelism scales the same rows
+            vals *= vals.dtype.type(1.0 / n)
+        return SparseGrad(idx, vals, parts[0].shape)
     total = None
     for g in parts:
         g = g.to_dense() if isinstance(g, SparseGrad) else g

@@ -61,6 +61,12 @@ class PSWorker:
 
         ``lr``: this step's learning rate (the trainer's schedule); the server uses it.
         """
+        self.send_push(lr)
+        self.take_answer()
+
+    def send_push(self, lr=None):
+        """The first half of ``push``: start sending the gradients (non-blocking), so the
+        caller can do other work (Parallax: the dense all-reduce) before ``take_answer``."""
         compute = time.perf_counter() - self._compute_start
         self.stats["compute_s"] += compute
         if self.straggler > 1.0:
@@ -68,6 +74,10 @@ class PSWorker:
             time.sleep((self.straggler - 1.0) * compute)
             self.stats["straggle_s"] += time.perf_counter() - t
         self._send_gradients(lr)
+
+    def take_answer(self):
+        """The second half of ``push``: wait for every server's answer, take the
+        parameters."""
         replies = self._await("params")
         # --epoch-quorum: enough workers finished the epoch; this one skips the rest
         self.epoch_over = any(h.get("epoch_over") for h, _ in replies.values())

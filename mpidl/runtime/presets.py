@@ -21,6 +21,11 @@ dense fused buckets (2-byte buckets); it refuses what cannot serve it: the param
 server, compressed exchange (its payloads are their own formats) and model averaging
 (which averages the working copies, not the float32 masters).
 
+``--sparse-sync ps`` (``parallax``) makes ``allreduce`` Parallax: ranks 0..S-1 serve the
+parameters with row-sparse gradients (or those ``--ps-params`` names) and run their
+optimizer, the other ranks all-reduce the rest among themselves and push those
+gradients to the servers (``--servers``, ``--mode`` apply to that part).
+
 ``--sync local-sgd|diloco --period H`` composes with ``allreduce`` (``averaging``): the
 gradient syncs above run during ``--warmup-steps`` only, then every rank steps alone and
 the parameters are averaged every H steps (``--sync allreduce``, the default, is the
@@ -47,7 +52,7 @@ from mpidl.runtime import tensor_parallel as tp_part
 from mpidl.runtime import zero as zero_part
 from mpidl.runtime.placement import OnServers, Replicated
 from mpidl.runtime.runtime import Runtime
-from mpidl.runtime.sync import compressed, fused, groups, pushpull, rowsparse
+from mpidl.runtime.sync import compressed, fused, groups, parallax, pushpull, rowsparse
 from mpidl.runtime.sync.base import GradSync
 
 ALIASES = {"dp": "allreduce", "data_parallel": "allreduce", "parameter_server": "ps"}
@@ -79,7 +84,7 @@ def cli_options():
             + compressed.OPTIONS + pushpull.OPTIONS + groups.OPTIONS + averaging_part.OPTIONS
             + zero_part.OPTIONS + hogwild_part.OPTIONS + precision_part.OPTIONS
             + tp_part.OPTIONS + hybrid_part.OPTIONS + pipeline_part.OPTIONS
-            + dealing_part.OPTIONS + lbfgs_part.OPTIONS)
+            + dealing_part.OPTIONS + lbfgs_part.OPTIONS + parallax.OPTIONS)
 
 
 def names():
@@ -111,11 +116,14 @@ def build(name, comm=None, strict=True, **options):
         raise ConfigError(f"--pipeline-stages {given['pipeline_stages']} cannot be used with "
                           f"--strategy {name}: a pipeline's stages train together "
                           "(--strategy allreduce)")
+    parallax.check_preset(name, given)
     if (given.get("group_size") or 1) != 1 and name != "ps":
         raise ConfigError(f"--group-size {given['group_size']} makes worker groups of a "
                           f"parameter server, not of --strategy {name}: add --strategy ps "
                           "(with --servers S), or drop --group-size")
     preset, takes = PRESETS[name]
+    if name == "allreduce" and not parallax.wanted(given.get("sparse_sync")):
+        takes = takes - _PS_SERVERS  # (the servers' settings serve --sparse-sync ps only)
     unused = sorted(k for k in given if k not in takes)
     if unused and strict:
         raise ConfigError(f"strategy {name!r} does not take option(s) {', '.join(unused)}; "
@@ -207,7 +215,17 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
               sync=None, period=None, warmup_steps=None, outer_lr=None, outer_momentum=None,
               verify_averaging=False, zero=0, precision=None, loss_scale=None,
               loss_scale_window=None, tensor_parallel=1, hybrid=None, micro_batches=None,
-              compute_pace=None, **pipeline):
+              compute_pace=None, sparse_sync=None, ps_params=None, servers=None, mode=None,
+              staleness=None, wait=None, staleness_aware_lr=None, epoch_quorum=None,
+              **pipeline):
+    ps_settings = dict(servers=servers, mode=mode, staleness=staleness, wait=wait,
+                       staleness_aware_lr=staleness_aware_lr, epoch_quorum=epoch_quorum)
+    if parallax.wanted(sparse_sync):
+        parallax.check_composes(tensor_parallel, pipeline.get("pipeline_stages"), zero,
+                                compression, sync, precision, hybrid, epoch_quorum)
+        return _parallax(comm, unused, accumulate, straggler, compute_pace, micro_batches,
+                         algorithm, bucket_mb, overlap, sparse_grads, sync_bn, ps_params,
+                         pipeline, **ps_settings)
     tp = tp_part.check_degree(tensor_parallel, _size(comm))
     if tp > 1:
         _check_tensor_parallel(tp, zero=zero, compression=compression, sync=sync,
@@ -267,6 +285,45 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
                  precision=prec, tensor_parallel=part, pipeline=pp)
     rt.compressor = compressor
     _add_checks(rt, part, pp)
+    return rt
+
+
+def _parallax(comm, unused, accumulate, straggler, compute_pace, micro_batches, algorithm,
+              bucket_mb, overlap, sparse_grads, sync_bn, ps_params, pipeline, servers=None,
+              mode=None, staleness=None, wait=None, staleness_aware_lr=None,
+              epoch_quorum=None):
+    """The allreduce preset with ``--sparse-sync ps`` (``sync/parallax.py``): ranks
+    0..S-1 serve the remote parameters, the others train and all-reduce the rest."""
+    from mpidl.runtime.server import ServerRole  # noqa: PLC0415
+
+    split = parallax.Split(parallax.parse_patterns(ps_params))
+    accumulate = _micro_batches(accumulate, micro_batches)
+    _pipeline(comm, pipeline, accumulate, 1)  # (one stage: its flags' checks)
+    size = _size(comm)
+    num = pushpull.check_servers(servers, size, "allreduce --sparse-sync ps")
+    server_ranks, trainer_ranks = list(range(num)), list(range(num, size))
+    cfg = pushpull.mode_config(len(trainer_ranks), mode, staleness, wait, staleness_aware_lr,
+                               epoch_quorum)
+    algorithm = fused.check_algorithm(algorithm)
+    sparse_mode = rowsparse.check_sparse_mode(sparse_grads)
+    rank = comm.rank
+    sched = _schedule(accumulate, straggler, rank, trainer_ranks, "trainer", compute_pace)
+    roles = {"server": server_ranks, "trainer": trainer_ranks}
+    name = "allreduce --sparse-sync ps"
+    if rank in server_ranks:
+        server = ServerRole(cfg, server_ranks, trainer_ranks, select=split)
+        rt = Runtime(comm, name, sched, [], OnServers, role="server", server=server,
+                     roles=roles, unused=unused)
+    else:
+        sync = parallax.Parallax(
+            split, fused.FusedAllreduce(algorithm, bucket_mb, overlap),
+            rowsparse.RowSparseAllgather() if sparse_mode == "allgather" else None,
+            pushpull.PushPull(cfg, server_ranks, trainer_ranks))
+        rt = Runtime(comm, name, sched, [(_everything, sync)], Replicated, sync_bn=sync_bn,
+                     roles=roles, unused=unused)
+    rt.mode_cfg = cfg
+    rt.checks.append(split.check)
+    rt.checkpoint_at_epoch_end = True
     return rt
 
 
@@ -461,13 +518,15 @@ class _NotSparse(_Sparse):
 
 
 _COMMON = _names(schedule_part.OPTIONS) | _names(precision_part.OPTIONS)
+_PS_SERVERS = _names(pushpull.OPTIONS)  # (allreduce: the servers of --sparse-sync ps)
 _PIPELINE = _names(pipeline_part.OPTIONS)
 PRESETS = {
     "local": (local, _COMMON | {"cuda_graph"} | _names(tp_part.OPTIONS) | _PIPELINE),
     "allreduce": (allreduce, _COMMON | _PIPELINE | _names(tp_part.OPTIONS) | _names(fused.OPTIONS) | _names(rowsparse.OPTIONS)
                   | _names(compressed.OPTIONS) | {"sync_bn"} | _names(averaging_part.OPTIONS)
                   | set(AVERAGING_CHECK) | _names(zero_part.OPTIONS)
-                  | _names(hybrid_part.OPTIONS) | set(BENCH_TUNING)),
+                  | _names(hybrid_part.OPTIONS) | set(BENCH_TUNING)
+                  | _names(parallax.OPTIONS) | _PS_SERVERS),
     "ps": (ps, _COMMON | _names(pushpull.OPTIONS) | _names(compressed.OPTIONS)
            | _names(groups.OPTIONS) | _names(fused.OPTIONS) | set(PS_TUNING)
            | _names(dealing_part.OPTIONS) | set(BENCH_TUNING)),

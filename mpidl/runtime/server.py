@@ -12,8 +12,11 @@ class ServerRole:
     """Serve one shard (``index`` among the servers) until every worker is done."""
 
     def __init__(self, mode_cfg, server_ranks, worker_ranks, compressor=None, trace=False,
-                 poll_max_s=1e-3, group_size=1):
+                 poll_max_s=1e-3, group_size=1, select=None):
         self.mode_cfg = mode_cfg
+        # ``select``: which parameters the servers hold (Parallax: a selector with
+        # ``bind(model)``, as the trainers' syncs have); None: every parameter
+        self.select = select
         # ``worker_ranks``: the ranks that push, the leaders of groups of ``group_size``
         self.group_size = int(group_size)
         self.server_ranks, self.worker_ranks = list(server_ranks), list(worker_ranks)
@@ -34,6 +37,9 @@ class ServerRole:
         self.index = self.server_ranks.index(rank)
         self.servers_group = ctx.role_group
         named = ctx.named_params
+        if self.select is not None:
+            self.select.bind(ctx.model)
+            named = [(n, p) for n, p in named if self.select(n)]
         layout = shard_parameters(named, len(self.server_ranks))
         mine = set(layout.names[self.index])
         shard = [(n, p) for n, p in named if n in mine]

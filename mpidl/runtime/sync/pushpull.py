@@ -41,10 +41,12 @@ from mpidl.ps.modes import MODES, ModeConfig
 from mpidl.runtime.sync.base import GradSync
 
 OPTIONS = [
-    Option("servers", int, None, "--strategy ps or hogwild: number of server ranks (ranks "
-           "0..S-1; parameters sharded over them); default 1", "parallelism", metavar="S",
+    Option("servers", int, None, "--strategy ps or hogwild, or --sparse-sync ps: number of "
+           "server ranks (ranks 0..S-1; parameters sharded over them); default 1",
+           "parallelism", metavar="S",
            check=lambda v: None if v >= 1 else "must be at least 1"),
-    Option("mode", str, None, "--strategy ps: sync, async (Downpour), ssp (bounded "
+    Option("mode", str, None, "--strategy ps (or the servers' part of --sparse-sync ps): "
+           "sync, async (Downpour), ssp (bounded "
            "staleness), backup (first k of n gradients) or softsync (each c gradients make "
            "an update, each weighted by 1/staleness); default sync", "parallelism",
            choices=(None,) + MODES),
@@ -158,6 +160,20 @@ class PushPull(GradSync):
         self._wait = time.perf_counter() - t
         self._pushes_since_barrier += 1
         return iter(())  # the servers applied the update; nothing to step here
+
+    def start(self):
+        """``finish`` in two halves: start sending this step's gradients (Parallax does
+        its all-reduce before ``complete``)."""
+        t = time.perf_counter()
+        self.worker.send_push(lr=getattr(self.optimizer, "lr", None))
+        self._wait = time.perf_counter() - t
+
+    def complete(self):
+        """Wait for the servers' answer and take the parameters."""
+        t = time.perf_counter()
+        self.worker.take_answer()
+        self._wait += time.perf_counter() - t
+        self._pushes_since_barrier += 1
 
     # -- dealt portions (``mpidl.runtime.dealing``): the schedule calls these
     def deal(self, portions):
