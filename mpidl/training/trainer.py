@@ -604,8 +604,12 @@ class Trainer:
         now = self.resume_config()
         ignore = {"resizable"}
         if self.runtime.resizable and saved.get("resizable"):
-            # data parallelism continues on any number of ranks (one process included)
-            ignore |= {"ranks", "strategy"}
+            # continues on any number of ranks; data parallelism on one process too
+            ignore.add("ranks")
+            one = {"local": "allreduce"}
+            if one.get(saved.get("strategy"), saved.get("strategy")) == \
+                    one.get(now["strategy"], now["strategy"]):
+                ignore.add("strategy")
         now = {k: v for k, v in now.items() if k not in ignore}
         diff = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}"
                 for k in now if saved.get(k) != now[k]]
