@@ -43,6 +43,7 @@ sys.path.insert(0, ROOT)
 from mpidl.benchmarks.chaos import kill_during  # noqa: E402
 from mpidl.benchmarks.machine import describe as describe_machine  # noqa: E402
 from mpidl.benchmarks.machine import launch_env, mpiexec  # noqa: E402
+from mpidl.benchmarks.plotting import pyplot  # noqa: E402
 
 
 def command(args, ranks, out):
@@ -210,12 +211,8 @@ def summarize(result):
 
 
 def plot(result, path):
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     runs = [r for r in result["runs"] if "kill_to_next_step_s" in r]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
