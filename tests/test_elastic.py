@@ -84,7 +84,7 @@ def resumed_after_kills(tmp_path, ranks, kills, *args):
     # the root (it writes the metrics and the model), epoch 2 (CI: the DiLoCo test's root)
     pytest.param(3, 0, 20, marks=pytest.mark.slow),
     pytest.param(4, 3, 2, marks=pytest.mark.slow),
-    pytest.param(4, 2, 25, marks=pytest.mark.slow),  # the last step of the run
+    pytest.param(4, 2, 19, marks=pytest.mark.slow),  # the last step of the run
 ])
 def test_losing_a_rank_equals_resuming_on_the_others(tmp_path, ulfm, ranks, dead, step):
     out = tmp_path / "elastic"
@@ -215,6 +215,8 @@ def test_parameter_server_goes_back_to_the_last_epoch(tmp_path, ulfm, dead, mode
     serving) redo the epoch. Under sync it is bitwise the run resumed from that epoch's
     checkpoint on the survivors."""
     args = ("--strategy", "ps", "--mode", mode, "--epochs", "3")
+    if mode == "async":  # the README's recipe: stale gradients act as extra momentum
+        args += ("--momentum", "0", "--lr", "0.1")
     out = tmp_path / "elastic"
     run = run_command(elastic_cmd(ulfm, 4, out, *DATA, *args), timeout=300,
                       env={"MPIDL_KILL_AT": f"{dead}:20"})
