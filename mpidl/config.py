@@ -112,6 +112,13 @@ OPTIONS = [
            "seconds, naming who has not arrived (default: MPIDL_STALL_TIMEOUT or 0 = never)",
            "parallelism", metavar="S", check=lambda s: None if 0 <= s < float("inf") else
            "must be a number of seconds >= 0 (0: never)"),
+    Option("keep_batch", str, None, "what a run keeps when its number of ranks changes "
+           "(an --elastic run that lost a rank, a --resume on more or fewer ranks): global, "
+           "the global batch (each rank takes a larger or smaller piece: the same steps and "
+           "results as without the change, up to rounding; the default for data "
+           "parallelism), or rank, the per-rank batch (the global batch and --scale-lr "
+           "follow the ranks; what local SGD and the parameter server always do)",
+           "parallelism", choices=(None, "global", "rank")),
     Option("elastic", bool, False, "survive the death of ranks: the survivors shrink the "
            "world and go on from the last commit in memory, the epoch's other samples "
            "dealt over them (needs ULFM: Open MPI 5 started with mpiexec --with-ft ulfm; "
@@ -165,7 +172,7 @@ def register(options):
 
 #: parallelism settings that are not the strategy's (the communicator's own)
 NOT_STRATEGY = ("strategy", "stall_warning", "stall_timeout", "elastic",
-                "elastic_commit_every")
+                "elastic_commit_every", "keep_batch")
 
 
 def strategy_kwargs(cfg):

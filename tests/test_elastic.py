@@ -96,8 +96,23 @@ def test_losing_a_rank_equals_resuming_on_the_others(tmp_path, ulfm, ranks, dead
     event, = last["elastic_failures"]
     assert event["failed_ranks"] == [dead] and event["step"] == step
     assert last["ranks"] == ranks - 1 and [m["epoch"] for m in metrics(out)] == [1, 2]
+    assert last["global_batch"] == 32 * ranks  # kept: the survivors take larger pieces
     assert_bitwise_equal(model_arrays(out / "model.npz"),
                          resumed_after_kills(tmp_path, ranks, [(dead, step)], "--epochs", "2"))
+    # ... and so the same training as the run without a failure, up to rounding
+    whole = tmp_path / "whole"
+    run_command(train_cmd(ranks, whole, *DATA, "--epochs", "2"), timeout=300).check()
+    assert_close(model_arrays(out / "model.npz"), model_arrays(whole / "model.npz"), 1e-12)
+
+
+def assert_close(a, b, rtol):
+    """Every tensor of ``a`` within ``rtol`` of ``b``'s largest value."""
+    import numpy as np  # noqa: PLC0415
+
+    assert sorted(a) == sorted(b)
+    for k in b:
+        worst = float(np.abs(a[k] - b[k]).max() / max(np.abs(b[k]).max(), 1e-300))
+        assert worst <= rtol, f"{k}: {worst:.3g} > {rtol}"
 
 
 @pytest.mark.ulfm
@@ -252,9 +267,9 @@ def test_elastic_refuses_a_layout_whose_ranks_hold_pieces(tmp_path, ulfm):
     assert_one_line_error(launch, "--elastic", "--zero")
 
 
-def test_growing_continues_as_a_fresh_run_on_more_ranks(tmp_path):
-    """A checkpoint written by 2 ranks at an epoch's end, resumed on 3, ends bitwise
-    equal to a fresh 3-rank run started from that state (``tests/ranks/
+def test_growing_with_the_per_rank_batch_is_a_fresh_run_on_more_ranks(tmp_path):
+    """``--keep-batch rank``: a checkpoint written by 2 ranks at an epoch's end, resumed
+    on 3, ends bitwise equal to a fresh 3-rank run started from that state (``tests/ranks/
     fresh_from_state.py``, which never runs the resume code)."""
     needs_fashion()
     flags = [*DATA, "--dtype", "float64", "--momentum", "0.9"]
@@ -263,7 +278,8 @@ def test_growing_continues_as_a_fresh_run_on_more_ranks(tmp_path):
                           "--checkpoint-dir", ckpts), timeout=300).check()
     first, = sorted(ckpts.iterdir())
     grown = run_command(train_cmd(3, tmp_path / "three", *DATA, "--momentum", "0.9",
-                                  "--epochs", "2", "--checkpoint-dir", ckpts, "--resume"),
+                                  "--epochs", "2", "--checkpoint-dir", ckpts, "--resume",
+                                  "--keep-batch", "rank"),
                         timeout=300)
     grown.check()
     assert "written by 2 rank(s), continued on 3" in grown.output, grown.output
@@ -271,3 +287,26 @@ def test_growing_continues_as_a_fresh_run_on_more_ranks(tmp_path):
     run_ranks(3, [os.path.join(HERE, "ranks", "fresh_from_state.py"), first, ref, *flags,
                   "--epochs", "2"], timeout=300).check()
     assert_bitwise_equal(model_arrays(tmp_path / "three" / "model.npz"), model_arrays(ref))
+
+
+@pytest.mark.parametrize("ranks", [3, pytest.param(4, marks=pytest.mark.slow)])
+def test_growing_with_the_global_batch_is_the_run_that_did_not_grow(tmp_path, ranks):
+    """By default a data-parallel run keeps its global batch: stopped mid-epoch on 2 ranks
+    and resumed on 3 (pieces of 22, 21, 21 of 64, each weighed by its share) or 4, it ends
+    within 1e-12 of the run that stayed on 2 ranks (float64: only the all-reduce's order of
+    additions differs)."""
+    needs_fashion()
+    args = (*DATA, "--momentum", "0.9", "--epochs", "2")
+    ckpts = tmp_path / "ckpt"
+    stop = run_command(train_cmd(2, tmp_path / "two", *args, "--checkpoint-every", "25",
+                                 "--checkpoint-dir", ckpts), timeout=300,
+                       env={"MPIDL_FAIL_AT": "0:25"})
+    assert stop.returncode != 0 and "injected failure" in stop.output, stop.output
+    run_command(train_cmd(ranks, tmp_path / "grown", *args, "--checkpoint-dir", ckpts,
+                          "--resume"), timeout=300).check()
+    run_command(train_cmd(2, tmp_path / "stayed", *args), timeout=300).check()
+    grown, stayed = metrics(tmp_path / "grown"), metrics(tmp_path / "stayed")
+    assert grown[-1]["global_batch"] == stayed[-1]["global_batch"] == 64
+    assert grown[-1]["step"] == stayed[-1]["step"]  # the same steps
+    assert_close(model_arrays(tmp_path / "grown" / "model.npz"),
+                 model_arrays(tmp_path / "stayed" / "model.npz"), 1e-12)

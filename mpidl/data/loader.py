@@ -39,10 +39,14 @@ class BatchLoader:
 
     ``shard=(index, count)``: this loader's piece of every global batch (see the module
     docstring). ``shuffle=False`` keeps the data's order (evaluation, tests).
+    ``global_batch``: a global batch of that many samples instead of ``batch_size x
+    count``, cut into ``count`` pieces as evenly as possible (``shard_range``; a run that
+    keeps its global batch on another number of ranks); ``batch_size`` is then this
+    shard's piece.
     """
 
     def __init__(self, x, y, batch_size, shard=(0, 1), shuffle=True, seed=0,
-                 drop_last=False, dtype=None, device=True):
+                 drop_last=False, dtype=None, device=True, global_batch=None):
         index, count = shard
         if batch_size < 1:
             raise ConfigError(f"batch size must be at least 1, got {batch_size}")
@@ -51,8 +55,18 @@ class BatchLoader:
         if len(x) != len(y):
             raise ValueError(f"{len(x)} inputs but {len(y)} labels")
         self.x, self.y = x, y
-        self.batch_size = int(batch_size)
         self.index, self.count = int(index), int(count)
+        self.global_batch = None if global_batch is None else int(global_batch)
+        if self.global_batch is not None:
+            if self.global_batch < count:
+                raise ConfigError(f"a global batch of {global_batch} cannot be shared by "
+                                  f"{count} ranks: give every rank at least one sample")
+            lo, hi = shard_range(self.global_batch, self.index, self.count)
+            self.piece = (lo, hi)
+            batch_size = hi - lo
+        else:
+            self.piece = (self.index * int(batch_size), (self.index + 1) * int(batch_size))
+        self.batch_size = int(batch_size)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.dtype, self.device = dtype, device
         if len(y) == 0:
@@ -69,7 +83,8 @@ class BatchLoader:
 
     @property
     def global_batch_size(self):
-        return self.batch_size * self.count
+        return self.global_batch if self.global_batch is not None else \
+            self.batch_size * self.count
 
     @property
     def steps_per_epoch(self):
@@ -112,8 +127,8 @@ class BatchLoader:
         """This shard's sample indices for global batch ``step`` of ``epoch`` (or the one
         at ``position``)."""
         g = self.global_indices(epoch, step, order, position)
-        b = self.batch_size
-        return g[self.index * b:(self.index + 1) * b]
+        lo, hi = self.piece
+        return g[lo:hi]
 
     def host_batch(self, epoch, step, order=None, position=None):
         idx = self.indices(epoch, step, order, position)

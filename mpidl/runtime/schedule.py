@@ -143,6 +143,9 @@ class MicroBatches:
         self.measure_activations = False
         self.activation_bytes = 0
         self.forward_s = self.backward_s = self.straggle_s = 0.0
+        # this rank's share of the global batch over the mean share (set by the trainer
+        # when a run keeps its global batch on a number of ranks that does not divide it)
+        self.grad_weight = 1.0
 
     def step_factor(self):
         """How many times slower than its compute this step runs on this rank (the
@@ -185,6 +188,8 @@ class MicroBatches:
             dy = loss.backward()
             if k > 1:
                 dy *= 1.0 / k
+            if self.grad_weight != 1.0:
+                dy *= self.grad_weight
             t1 = _clock()
             if arm is not None and i == k - 1:
                 arm(True)

@@ -130,21 +130,15 @@ class Trainer:
         if runtime.checkpoint_at_epoch_end and cfg.checkpoint_every:
             raise ConfigError(epoch_end_checkpoints_only(runtime.name))
         self.index, self.count = runtime.shard()
-        micro = getattr(runtime.schedule, "k", 1)
-        # --deal portions: every worker loads the whole global batch (micro = workers)
-        self.loader = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size * micro,
-                                  shard=(0, 1) if runtime.whole_batches
-                                  else (self.index, self.count), seed=cfg.seed,
-                                  drop_last=cfg.drop_last, dtype=cfg.dtype)
-        self.steps_per_epoch = len(self.loader)
-        self.total_steps = cfg.epochs * self.steps_per_epoch
-        self.base_lr = cfg.lr * (self.count if cfg.scale_lr else 1)
-        warmup_epochs = cfg.warmup_epochs
-        if cfg.scale_lr and self.count > 1 and "warmup_epochs" not in getattr(cfg, "given", ()):
-            warmup_epochs = 1.0  # a scaled lr needs a warm-up (Goyal et al. 2017)
-        self.warmup_steps = int(round(warmup_epochs * self.steps_per_epoch))
-        factory = lr_schedule or schedule_factory(cfg.schedule)
-        self.schedule = factory(self.base_lr, self.total_steps, self.warmup_steps)
+        # a run that changes its number of ranks keeps its global batch (resize.py)
+        self.keeps_global_batch = keeps_global_batch(runtime, getattr(cfg, "keep_batch", None))
+        if getattr(cfg, "keep_batch", None) == "global" and not self.keeps_global_batch:
+            raise ConfigError(f"--keep-batch global keeps a data-parallel run's global batch; "
+                              f"--strategy {runtime.name} (or --accumulate) keeps the "
+                              "per-rank batch when the ranks change: drop --keep-batch, or "
+                              "use --keep-batch rank")
+        self._lr_schedule = lr_schedule
+        self.use_global_batch(None)
         self.fail_at = env.rank_steps(FAIL_ENV).get(runtime.rank, set())
         world_rank = getattr(runtime.comm, "world_rank", 0)
         self.kill_at = env.rank_steps(KILL_ENV).get(world_rank, set())
@@ -166,6 +160,37 @@ class Trainer:
         self.last = {}
         # this run's identity, in every checkpoint it writes (a resume keeps the old one)
         self.run_id = uuid.uuid4().hex
+
+    def use_global_batch(self, global_batch):
+        """The loader, the steps and the learning-rate schedule for a global batch of
+        ``global_batch`` samples cut over this run's ranks (None: the batch size times the
+        ranks, the usual). A run that keeps its global batch on another number of ranks
+        gets the same steps and schedule as on its first; a rank whose piece is not the
+        mean piece weighs its gradient by its share, so the all-reduce's mean is still
+        the mean over the global batch."""
+        cfg, runtime = self.cfg, self.runtime
+        micro = getattr(runtime.schedule, "k", 1)
+        per_rank = cfg.batch_size * micro
+        # --deal portions: every worker loads the whole global batch (micro = workers)
+        self.loader = BatchLoader(self.dataset.train_x, self.dataset.train_y, per_rank,
+                                  shard=(0, 1) if runtime.whole_batches
+                                  else (self.index, self.count), seed=cfg.seed,
+                                  drop_last=cfg.drop_last, dtype=cfg.dtype,
+                                  global_batch=global_batch)
+        G = self.loader.global_batch_size
+        weight = self.loader.batch_size * self.count / G if global_batch else 1.0
+        if hasattr(runtime.schedule, "grad_weight"):
+            runtime.schedule.grad_weight = 1.0 if weight == 1.0 else weight
+        ranks = G // per_rank if global_batch else self.count  # what --scale-lr scales by
+        self.steps_per_epoch = len(self.loader)
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.base_lr = cfg.lr * (ranks if cfg.scale_lr else 1)
+        warmup_epochs = cfg.warmup_epochs
+        if cfg.scale_lr and ranks > 1 and "warmup_epochs" not in getattr(cfg, "given", ()):
+            warmup_epochs = 1.0  # a scaled lr needs a warm-up (Goyal et al. 2017)
+        self.warmup_steps = int(round(warmup_epochs * self.steps_per_epoch))
+        factory = self._lr_schedule or schedule_factory(cfg.schedule)
+        self.schedule = factory(self.base_lr, self.total_steps, self.warmup_steps)
 
     # -- helpers
     @property
@@ -453,7 +478,9 @@ class Trainer:
             "run": self.run_id,
             "config": self.resume_config(),
             "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
-                         "position": self.position, "elapsed": self.elapsed(),
+                         "position": self.position,
+                         "global_batch": self.loader.global_batch_size,
+                         "elapsed": self.elapsed(),
                          "last": self.last},
             "model": parts.model,
             "optimizer": parts.optimizer,
@@ -501,7 +528,9 @@ class Trainer:
             "run": self.run_id,
             "config": self.resume_config(),
             "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
-                         "position": self.position, "elapsed": self.elapsed(),
+                         "position": self.position,
+                         "global_batch": self.loader.global_batch_size,
+                         "elapsed": self.elapsed(),
                          "last": dict(self.last)},
             "model": dict(self.model.state_dict()),
             "optimizer": self.optimizer.state_dict(copy=False),
@@ -590,6 +619,10 @@ class Trainer:
         self.run_id = state.get("run") or self.run_id
         p = state["progress"]
         self.step, self.epoch, self.batch = int(p["step"]), int(p["epoch"]), int(p["batch"])
+        saved_global = p.get("global_batch")
+        if (self.keeps_global_batch and saved_global
+                and saved_global != self.loader.global_batch_size):
+            self.use_global_batch(saved_global)
         # (checkpoints before positions were saved: the same rank count, a batch's worth)
         self.position = int(p.get("position", self.batch * self.loader.global_batch_size))
         self.stats = EpochStats.from_state(mine["epoch_stats"])  # this rank's own sums
@@ -638,6 +671,18 @@ class Trainer:
                                             f"({e.strerror or e}){kept}") from None
         self.log.info(f"saved the model to {path}")
         return path
+
+
+def keeps_global_batch(runtime, keep_batch):
+    """Whether ``runtime``'s run keeps its global batch when its number of ranks changes
+    (``--keep-batch global``, the default for data parallelism: the steps, schedule and
+    results of the run without the change, up to rounding), rather than its per-rank
+    batch (``--keep-batch rank``; local SGD and the parameter server always do that:
+    their ranks step alone or push alone)."""
+    if keep_batch == "rank":
+        return False
+    return (runtime.name in ("local", "allreduce") and runtime.resizable
+            and getattr(runtime.schedule, "k", 1) == 1)
 
 
 def epoch_end_checkpoints_only(strategy):
