@@ -17,12 +17,15 @@ a rank dies. On a failure every survivor
    bitwise the same;
 4. starts the next generation from that commit, through the same code that resumes a
    checkpoint on another number of ranks (``Trainer.load_state``): the samples of the
-   epoch not yet consumed are dealt in global batches of the new size, so every sample
-   is still seen once that epoch, and what depends on the number of ranks (the global
-   batch, ``--scale-lr``) follows it.
+   epoch not yet consumed are dealt over the survivors, so every sample is still seen
+   once that epoch. Data parallelism keeps its global batch (``--keep-batch global``, the
+   survivors take larger pieces), so it goes on with the updates of the run without the
+   failure; with ``--keep-batch rank`` the global batch and ``--scale-lr`` follow the
+   ranks.
 
 So a run that loses rank k at step s continues exactly as a fresh run resumed from a
-checkpoint of step s on the remaining ranks would (the test compares the two bitwise).
+checkpoint of step s on the remaining ranks would (the test compares the two bitwise),
+and with the global batch kept, within 1e-12 of the run that lost nobody.
 The commit costs a copy of the model and optimizer state every K steps; a failure
 repeats at most K - 1 steps.
 
