@@ -128,6 +128,11 @@ OPTIONS = [
            "copies the model and optimizer state, about a tenth of a step's time for the "
            "mlp)", "parallelism", metavar="K",
            check=lambda k: None if k >= 1 else "must be at least 1"),
+    Option("server_replicas", int, 1, "--elastic with --strategy ps: how many workers "
+           "keep the servers' state of the last epoch's end in memory, so that a server's "
+           "death loses only the epoch in progress (0: none kept; a death then goes back "
+           "to the last checkpoint on disk, --checkpoint-dir)", "parallelism",
+           metavar="R", check=lambda r: None if r >= 0 else "must be at least 0"),
     Option("out_dir", str, None, "folder for this run's outputs (default "
            "runs/<name or date-time>)", "outputs", metavar="DIR"),
     Option("name", str, None, "run name: outputs go to runs/NAME unless --out-dir is given",
@@ -172,7 +177,7 @@ def register(options):
 
 #: parallelism settings that are not the strategy's (the communicator's own)
 NOT_STRATEGY = ("strategy", "stall_warning", "stall_timeout", "elastic",
-                "elastic_commit_every", "keep_batch")
+                "elastic_commit_every", "keep_batch", "server_replicas")
 
 
 def strategy_kwargs(cfg):

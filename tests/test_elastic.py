@@ -251,6 +251,27 @@ def test_parameter_server_goes_back_to_the_last_epoch(tmp_path, ulfm, dead, mode
     assert_bitwise_equal(model_arrays(out / "model.npz"), model_arrays(ref / "model.npz"))
 
 
+@pytest.mark.ulfm
+def test_parameter_server_without_replicas_goes_back_to_the_checkpoint(tmp_path, ulfm):
+    """``--server-replicas 0``: no worker keeps the servers' state in memory, so a
+    server's death goes back to the last checkpoint on disk (epoch 1's end) and says how
+    many steps that repeats: the same bits as with the replica kept in memory."""
+    args = ("--strategy", "ps", "--epochs", "3")
+    out = tmp_path / "elastic"
+    run = run_command(elastic_cmd(ulfm, 4, out, *DATA, *args, "--server-replicas", "0",
+                                  "--checkpoint-dir", tmp_path / "c"), timeout=300,
+                      env={"MPIDL_KILL_AT": "0:20"})
+    run.check()
+    assert "from the last checkpoint on disk" in run.output, run.output
+    event, = metrics(out)[-1]["elastic_failures"]
+    assert event["failed_ranks"] == [0] and event["step"] == 13, event  # epoch 1's end
+    assert event["steps_repeated"] > 0, event
+    kept = tmp_path / "kept"
+    run_command(elastic_cmd(ulfm, 4, kept, *DATA, *args), timeout=300,
+                env={"MPIDL_KILL_AT": "0:20"}).check()
+    assert_bitwise_equal(model_arrays(out / "model.npz"), model_arrays(kept / "model.npz"))
+
+
 def test_elastic_needs_an_mpi_that_survives_a_death(tmp_path):
     """Started without ULFM (MPICH, or Open MPI without --with-ft ulfm): one line."""
     needs_fashion()

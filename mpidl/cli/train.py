@@ -212,10 +212,11 @@ def prepare(args, world):
     first = {"model": model, "optimizer": optimizer}
     outputs = {}  # the run's output folder, chosen once (an elastic run keeps it)
 
-    def start(world, state=None):
+    def start(world, state=None, later=False):
         """Build the communicator, runtime and trainer over ``world`` (collective); the
-        model and optimizer of phase 1 the first time, new ones for an elastic run's later
-        generations, which begin from ``state``."""
+        model and optimizer of phase 1 the first time, new ones for an elastic run's
+        ``later`` generations, which begin from ``state`` (or from the last checkpoint on
+        disk, or from scratch, when no commit survived)."""
         from mpidl.cli.errors import Agreement  # noqa: PLC0415
         from mpidl.training.trainer import Trainer  # noqa: PLC0415
 
@@ -249,7 +250,7 @@ def prepare(args, world):
             "checkpoint_dir": ckpt_dir if ckpt_on else None,
             "stop_checkpoint_dir": ckpt_dir,  # a stop signal checkpoints in any case
         }
-        if state is not None:  # an elastic run's later generation: all was said before
+        if later:  # an elastic run's later generation: all was checked and said before
             return trainer
         # the outputs must be writable before any training time is spent (the root
         # writes them; every rank agrees on the answer)
@@ -280,6 +281,9 @@ def prepare(args, world):
             if cfg.elastic and world.size == 1:
                 log.info("one process: --elastic applies to several ranks and has no "
                          "effect here")
+            if "server_replicas" in cfg.given and not (cfg.elastic and name == "ps"):
+                log.info("--server-replicas applies to --elastic --strategy ps and has no "
+                         "effect here")
         import socket  # noqa: PLC0415
 
         index, count = strategy.shard()
@@ -300,7 +304,8 @@ def prepare(args, world):
         if cfg.elastic and world.size > 1:
             from mpidl.training.elastic import ElasticRun  # noqa: PLC0415
 
-            trainer = ElasticRun(world, start, cfg.elastic_commit_every).run()
+            trainer = ElasticRun(world, start, cfg.elastic_commit_every,
+                                 cfg.server_replicas).run()
         else:
             trainer = start(world)
             trainer.fit()

@@ -689,14 +689,23 @@ class Runtime:
         with self._waiting("gather to the root"):
             return comm.gather(obj, root=0)
 
-    def share(self, obj):
-        """The root's ``obj`` on every training rank (collective over them only)."""
+    def share(self, obj, copies=None):
+        """The root's ``obj`` on every training rank (collective over them only), or with
+        ``copies`` on the first ``copies`` of them only (None elsewhere)."""
         self._before_collective()
         comm = self._trainers()
         if comm is None:
             return obj
-        with self._waiting("broadcast to the training ranks"):
-            return comm.bcast(obj, root=0)
+        if copies is None:
+            with self._waiting("broadcast to the training ranks"):
+                return comm.bcast(obj, root=0)
+        me = comm.Get_rank()
+        with self._waiting(f"hand-over to the first {copies} training rank(s)"):
+            if me == 0:
+                for r in range(1, min(copies, comm.Get_size())):
+                    comm.send(obj, dest=r, tag=0)
+                return obj if copies > 0 else None
+            return comm.recv(source=0, tag=0) if me < copies else None
 
     def bcast(self, obj):
         """The root's ``obj`` on every rank (servers included)."""

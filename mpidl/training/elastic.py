@@ -47,7 +47,7 @@ import zlib
 import numpy as np
 
 from mpidl.comm import ft
-from mpidl.errors import ConfigError
+from mpidl.errors import AgreedUserError, ConfigError
 from mpidl.training.log import get_logger
 
 #: generations after which the run gives up (every one of them lost a rank)
@@ -79,14 +79,20 @@ class Commits:
     of every epoch like its checkpoints, on the root, and handed to every worker; the
     last one kept) is the whole checkpoint state."""
 
-    def __init__(self, every=10):
+    def __init__(self, every=10, replicas=1):
         self.every = int(every)
+        self.replicas = int(replicas)  # workers keeping an epoch commit (--server-replicas)
         self.kept = []  # [(step, state, whole)]
         self.events = []  # one record per failure survived (for the metrics)
         self._watch = None  # (event, step gone back to): report its first step done
 
     def before_step(self, trainer):
         watch = self._watch
+        if watch is not None and watch[1] < 0:  # back to disk or the start: now we know
+            event = watch[0]
+            event["step"] = trainer.step
+            event["steps_repeated"] = max(event["steps_repeated"] - trainer.step, 0)
+            watch = self._watch = (event, trainer.step)
         if watch is not None and trainer.step > watch[1]:
             watch[0]["went_on_s"] = round(time.time() - watch[0]["detected_at"], 4)
             self._watch = None
@@ -105,11 +111,17 @@ class Commits:
 
     def commit_epoch(self, trainer):
         """Collective over the training ranks, at the end of an epoch of a runtime that
-        checkpoints only there: the checkpoint's state, built on the root, to every
-        worker (the servers learn it back when a rank dies)."""
+        checkpoints only there: the checkpoint's state, built on the root, kept by the
+        first ``replicas`` workers (the root first; the servers learn it back when a rank
+        dies). With no replica nothing is kept: a death goes back to the last checkpoint
+        on disk."""
+        if self.replicas < 1:
+            return
         state, _ = trainer.checkpoint_state()
-        state = trainer.runtime.share(state)
-        self.kept = [(trainer.step, state, True)]
+        if state is not None:  # the root's holds live arrays (a checkpoint writes at once)
+            state = _copy(state)
+        state = trainer.runtime.share(state, copies=self.replicas)
+        self.kept = [] if state is None else [(trainer.step, state, True)]
 
     def agree(self, comm):
         """Collective over the survivors' ``comm`` (mpi4py): (step, the state to go on
@@ -172,15 +184,16 @@ def _digest(model_state):
 
 
 class ElasticRun:
-    """Runs ``start(world, state) -> Trainer`` generation after generation (see the
+    """Runs ``start(world, state, later) -> Trainer`` generation after generation (see the
     module doc). ``world``: the command line's ``World``; ``start`` builds a generation's
-    trainer over a ``World`` (the model and optimizer anew for every generation but the
-    first) and makes it begin from ``state`` (None: from scratch, or ``--resume``)."""
+    trainer over a ``World`` (the model and optimizer anew for every ``later``
+    generation) and makes it begin from ``state`` (None: from scratch, or from disk)."""
 
-    def __init__(self, world, start, every=10):
+    def __init__(self, world, start, every=10, replicas=1):
         self.world = world
         self.start = start
-        self.commits = Commits(every)
+        self.commits = Commits(every, replicas)
+        self.from_disk = False  # no commit survived: the next generation resumes from disk
         self.log = get_logger()
 
     def run(self):
@@ -189,10 +202,16 @@ class ElasticRun:
         for generation in range(MAX_GENERATIONS):
             trainer = None
             try:
-                trainer = self.start(world, state)
+                trainer = self.start(world, state, later=generation > 0)
                 trainer.elastic = self.commits
+                if self.from_disk and trainer.paths.get("checkpoint_dir"):
+                    trainer.cfg.resume = True
                 trainer.fit()
                 return trainer
+            except AgreedUserError as e:  # said once, by the survivors' first rank
+                if e.report is None:
+                    e.report = world.rank == 0
+                raise
             except Exception as e:
                 if not ft.is_failure(e):
                     raise
@@ -220,7 +239,9 @@ class ElasticRun:
             except Exception as e:
                 if not ft.is_failure(e):
                     raise
+        self.from_disk = state is None
         event = {"failed_ranks": sorted(dead), "step": step, "ranks": mpi_world.Get_size(),
+                 # (when no commit survived: the steps done; the first step says from where)
                  "steps_repeated": max(furthest - max(step, 0), 0),
                  "detected_at": round(detected, 4),
                  "recovered_s": round(time.time() - detected, 4)}
@@ -229,7 +250,9 @@ class ElasticRun:
         if mpi_world.Get_rank() == 0:
             what = str(error).split("\n")[0]
             if state is None:
-                where = "from the start (it died before the first step)"
+                where = ("from the last checkpoint on disk, if any, else from the start (no "
+                         "commit in memory: it died before the first one, or the parameter "
+                         "server keeps none, --server-replicas 0)")
             else:
                 p = state["progress"]
                 where = (f"from step {step} (epoch {int(p['epoch']) + 1}, "
