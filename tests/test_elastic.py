@@ -272,6 +272,28 @@ def test_parameter_server_without_replicas_goes_back_to_the_checkpoint(tmp_path,
     assert_bitwise_equal(model_arrays(out / "model.npz"), model_arrays(kept / "model.npz"))
 
 
+@pytest.mark.ulfm
+def test_a_loop_of_ones_own_goes_back_to_its_last_commit(tmp_path, ulfm):
+    """``mpidl.training.elastic.run`` and ``State`` (Horovod's elastic state for a loop of
+    one's own, ``tests/ranks/elastic_loop.py``): rank 1 of 3 dies at step 12, the others
+    go back to the commit of that step and finish on 2 ranks; the weights equal one
+    process's that took the same steps, within rounding."""
+    import numpy as np  # noqa: PLC0415
+
+    script = os.path.join(HERE, "ranks", "elastic_loop.py")
+    one, three = tmp_path / "one.npz", tmp_path / "three.npz"
+    run_command([sys.executable, script, "30", "-1", "-1", one], timeout=120).check()
+    run_command([*ulfm, "-n", "3", sys.executable, script, "30", "1", "12", three],
+                timeout=120).check()
+    a, b = np.load(one), np.load(three)
+    meta = json.loads(str(b["meta"]))
+    assert meta["steps"] == 30 and meta["size"] == 2, meta
+    failure, = meta["failures"]
+    assert failure["failed_ranks"] == [1] and failure["commit"] == 14, failure  # 1 + 13
+    for k in ("weight", "bias"):
+        assert np.abs(a[k] - b[k]).max() <= 1e-12 * np.abs(a[k]).max(), k
+
+
 def test_elastic_needs_an_mpi_that_survives_a_death(tmp_path):
     """Started without ULFM (MPICH, or Open MPI without --with-ft ulfm): one line."""
     needs_fashion()

@@ -181,6 +181,15 @@ def exit_survivor(status):
     os._exit(status)
 
 
+def survivors(mpi_comm):
+    """After a failure: revoke everything (so nobody stays blocked), let go of mpidl's
+    communicators, shrink ``mpi_comm``. Returns (the survivors' communicator, the world
+    ranks of the dead). Collective over the survivors."""
+    revoke_all(mpi_comm)
+    abandon_all()
+    return shrink(mpi_comm)
+
+
 def shrink(mpi_comm):
     """The survivors of ``mpi_comm`` (revoked or not) as a new communicator, in their old
     order, and the world ranks of the dead. Collective over the survivors."""

@@ -228,9 +228,7 @@ class ElasticRun:
         detected = time.time()
         dead = []
         while True:
-            ft.revoke_all(mpi_world)
-            ft.abandon_all()
-            mpi_world, lost = ft.shrink(mpi_world)
+            mpi_world, lost = ft.survivors(mpi_world)
             dead += lost
             try:
                 step, state = self.commits.agree(mpi_world)
@@ -263,3 +261,121 @@ class ElasticRun:
                 f"died ({what}); {mpi_world.Get_size()} rank(s) go on {where}, recovered in "
                 f"{event['recovered_s']:.3f} s")
         return mpi_world, state
+
+
+# -- a loop of your own (Horovod's elastic state, for mpidl's Communicator)
+
+class State:
+    """What a training loop of your own goes back to when a rank dies (``run``): an
+    mpidl ``model`` and ``optimizer`` (either may be None) and any values given as
+    keywords (``epoch=0, batch=0``, arrays...), read and set as attributes
+    (``state.epoch += 1``).
+
+    ``commit()`` keeps a copy of all of it in this rank's memory (the last two commits;
+    it costs a copy of the model and optimizer state). After a death every survivor goes
+    back to the newest commit all of them hold (they may be one commit apart), checks
+    that their models agree, and ``fn(state)`` is called again. ``state.comm`` is the
+    mpidl Communicator of the ranks alive (a new one after each death);
+    ``state.failures`` lists what was survived (dead world ranks, the commit gone back to).
+    """
+
+    def __init__(self, model=None, optimizer=None, **values):
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "comm", None)
+        object.__setattr__(self, "commits", 0)
+        object.__setattr__(self, "failures", [])
+        object.__setattr__(self, "_kept", [])
+
+    def __getattr__(self, name):
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"State has no value {name!r}: give it as a keyword "
+                                 f"(State(model, optimizer, {name}=...))") from None
+
+    def __setattr__(self, name, value):
+        if name in ("model", "optimizer", "comm", "commits", "failures"):
+            object.__setattr__(self, name, value)
+        else:
+            self._values[name] = value
+
+    def commit(self):
+        """Keep the state of this moment to go back to (local, no communication)."""
+        self.commits += 1
+        snap = {"model": dict(self.model.state_dict()) if self.model is not None else {},
+                "optimizer": (self.optimizer.state_dict(copy=False)
+                              if self.optimizer is not None else None),
+                "values": self._values}
+        reuse = self._kept[0][1] if len(self._kept) == 2 else None
+        self._kept[:] = self._kept[-1:] + [(self.commits, _copy(snap, reuse))]
+
+    def _go_back(self, comm):
+        """Collective over the survivors (mpi4py ``comm``): restore the newest commit
+        every one of them holds; returns its number (0: none, the initial state kept)."""
+        kept = comm.allgather([n for n, _ in self._kept])
+        newest = min((numbers[-1] if numbers else 0) for numbers in kept)
+        if newest == 0:
+            raise RuntimeError("elastic: a rank died before the first State.commit(); "
+                               "commit once before the loop starts")
+        snap = next((s for n, s in self._kept if n == newest), None)
+        if snap is None or not all(newest in numbers for numbers in kept):
+            raise RuntimeError(f"elastic: the survivors hold commits {kept}; no commit all "
+                               "of them hold (commit at the same points on every rank)")
+        digests = comm.allgather(_digest(snap["model"]))
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"elastic: the survivors' models of commit {newest} differ "
+                               f"(digests {digests}); commit where the replicas agree")
+        if self.model is not None:
+            self.model.load_state_dict(snap["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(snap["optimizer"])
+        object.__setattr__(self, "_values", _copy(snap["values"]))
+        self._kept[:] = [(newest, snap)]
+        self.commits = newest
+        return newest
+
+
+def run(fn, state, comm=None):
+    """Call ``fn(state)`` until it returns, and return what it returns; when a rank
+    dies, the survivors revoke and shrink their communicators, go back to the newest
+    commit of ``state`` they all hold, and call ``fn(state)`` again with ``state.comm``
+    over them. ``comm``: the mpi4py communicator to start from (default
+    ``MPI.COMM_WORLD``); it needs an MPI whose survivors go on (Open MPI 5 with
+    ``mpiexec --with-ft ulfm``: ``ConfigError`` otherwise). ``fn`` must reach its commits
+    in the same order on every rank and take its data's share from ``state.comm`` (rank,
+    size), which changes after a death."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from mpidl.comm import Communicator  # noqa: PLC0415
+
+    mpi = MPI.COMM_WORLD if comm is None else comm
+    if mpi.Get_size() > 1:
+        why = ft.why_not_elastic()
+        if why is not None:
+            raise ConfigError(f"mpidl.training.elastic.run: {why}")
+    mpi.Set_errhandler(MPI.ERRORS_RETURN)
+    if not state.commits:
+        state.commit()  # the state at the start: something to go back to
+    for _ in range(MAX_GENERATIONS):
+        state.comm = Communicator(mpi, label="world")
+        try:
+            return fn(state)
+        except Exception as e:
+            if not ft.is_failure(e):
+                raise
+            detected, dead = time.time(), []
+            while True:
+                mpi, lost = ft.survivors(mpi)
+                dead += lost
+                try:
+                    back_to = state._go_back(mpi)
+                    break
+                except Exception as again:
+                    if not ft.is_failure(again):
+                        raise
+            state.failures.append({"failed_ranks": sorted(dead), "commit": back_to,
+                                   "ranks": mpi.Get_size(),
+                                   "recovered_s": round(time.time() - detected, 4)})
+    raise RuntimeError(f"elastic: {MAX_GENERATIONS} failures; giving up")
