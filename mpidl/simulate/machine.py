@@ -8,6 +8,13 @@ writes one measured on the machine it runs on. Keys (seconds, bytes):
   nodes (default: the intra-node values, i.e. one big node);
 - ``gamma``: seconds per byte of a local reduction (``a + b`` into a buffer);
 - ``ranks_per_node``: how many consecutive ranks share a node (block placement);
+- ``cores_per_node`` (optional): CPU cores of a node. When a node has no spare core
+  per rank (``cores_per_node < 2 x ranks_per_node``), the progress thread of an
+  overlapped step runs on a core that computes: communication then takes time from
+  backward instead of hiding under it (``mpidl.runtime.sync.fused.overlap_pays``);
+- ``compute_cv``: the step-to-step spread of a rank's compute (standard deviation over
+  mean). A synchronous step waits for the slowest of p ranks, ``compute_cv`` x compute x
+  the expected largest of p standard normal draws longer than the mean;
 - ``compute`` (optional): per model, what one sample costs in forward and backward,
   layer by layer (``{"mlp": {"batch_size": 64, "dtype": "float32", "layers": {"1":
   [forward_s, backward_s], ...}, "update_s": seconds per optimizer step}}``; layer keys
@@ -40,12 +47,19 @@ class Machine:
     beta_inter: float = DEFAULTS["beta_inter"]
     gamma: float = DEFAULTS["gamma"]
     ranks_per_node: int = 1
+    cores_per_node: int = 0  # 0: not known (a spare core per rank assumed)
+    compute_cv: float = 0.0
     name: str = "default"
     compute: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
 
     def to_dict(self):
         return asdict(self)
+
+    def spare_core(self, ranks_on_node):
+        """Whether each rank of a node of ``ranks_on_node`` has a core for its progress
+        thread (True when the cores are not known)."""
+        return not self.cores_per_node or self.cores_per_node >= 2 * ranks_on_node
 
     def model_compute(self, model):
         """The measured compute of ``model`` (see the module doc), or None."""
@@ -66,7 +80,8 @@ def from_dict(data, where):
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object of machine settings "
                           f"({', '.join(LINK_KEYS)}, ranks_per_node, compute)")
-    known = set(LINK_KEYS) | {"ranks_per_node", "name", "compute", "info"}
+    known = set(LINK_KEYS) | {"ranks_per_node", "cores_per_node", "compute_cv", "name",
+                              "compute", "info"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}; a machine file has "
@@ -82,6 +97,12 @@ def from_dict(data, where):
     if isinstance(per, bool) or not isinstance(per, int) or per < 1:
         raise ConfigError(f"{where}: ranks_per_node must be an integer >= 1, got {per!r}")
     m.ranks_per_node = per
+    cores = data.get("cores_per_node", 0)
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+        raise ConfigError(f"{where}: cores_per_node must be an integer >= 0 (0: not known), "
+                          f"got {cores!r}")
+    m.cores_per_node = cores
+    m.compute_cv = _number(data.get("compute_cv", 0.0), "compute_cv", where)
     compute = data.get("compute", {})
     if not isinstance(compute, dict):
         raise ConfigError(f"{where}: compute must be an object {{model: measurements}}")

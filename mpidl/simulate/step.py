@@ -154,11 +154,16 @@ def call_time(c, links, seg_bytes):
 @dataclass
 class Compute:
     """Seconds per sample of each top-level layer: ``layers[key] = (forward, backward)``
-    in model order, and the optimizer update per step."""
+    in model order, and the optimizer update per step. ``cv``: the spread of a rank's
+    forward + backward from step to step (standard deviation over mean); ``on_cores``:
+    the compute runs on the CPU cores (measured on a CPU), so an overlapping progress
+    thread needs a spare one; a given pace (a GPU, emulated compute) leaves them free."""
 
     layers: dict
     update_s: float = 0.0
     source: str = ""
+    cv: float = 0.0
+    on_cores: bool = False
 
     def forward(self, samples):
         return samples * sum(f for f, _ in self.layers.values())
@@ -184,10 +189,22 @@ def compute_from_pace(model, seconds_per_sample, update_s=0.0):
     return Compute(layers, update_s, f"{seconds_per_sample:g} s/sample by parameter count")
 
 
+def slowest_of(p):
+    """The expected largest of ``p`` standard normal draws (Blom's approximation)."""
+    from statistics import NormalDist  # noqa: PLC0415
+
+    return 0.0 if p <= 1 else NormalDist().inv_cdf((p - 0.375) / (p + 0.25))
+
+
 def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
     """Predicted seconds of one step: {forward, backward, comm, exposed_comm, update,
-    total} (module doc)."""
+    skew, total} (module doc). Overlap hides communication only where the progress
+    thread has a core (``Compute.on_cores``, ``Machine.spare_core``); the step waits for
+    the slowest rank's compute (``Compute.cv``)."""
     seg_bytes = segment_bytes() if seg_bytes is None else seg_bytes
+    machine, topo = links.m, links.topo
+    overlap = overlap and (not compute.on_cores
+                           or machine.spare_core(min(topo.per_node, topo.p)))
     micro = batch
     fwd = compute.forward(micro)
     bwd = compute.backward(micro)
@@ -209,10 +226,12 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
         after_bwd = max(done, end_bwd)
     else:
         after_bwd = before + bwd + sum(times[:step.buckets])
-    total = after_bwd + sum(times[step.buckets:]) + compute.update_s
+    skew = compute.cv * accumulate * (fwd + bwd) * slowest_of(step.p)
+    total = after_bwd + sum(times[step.buckets:]) + compute.update_s + skew
     compute_s = accumulate * (fwd + bwd) + compute.update_s
     return {"forward": accumulate * fwd, "backward": accumulate * bwd, "comm": comm,
-            "exposed_comm": total - compute_s, "update": compute.update_s, "total": total}
+            "exposed_comm": total - compute_s - skew, "update": compute.update_s,
+            "skew": skew, "total": total}
 
 
 def efficiency(t_one, t_p):
