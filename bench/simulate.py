@@ -247,14 +247,55 @@ def plot_time(rows, path):
 
 
 # ------------------------------------------------------------------ scale
+#: The described cluster: 8 GPUs per node (NVLink-class links inside a node, about
+#: 100 GB/s between two GPUs), 200 Gbit/s (25 GB/s) between nodes; alpha includes mpidl's
+#: Python cost per message (~10 us); reductions on the GPU at about 1 TB/s.
+CLUSTER = {"name": "8 GPUs per node, 200 Gbit/s between nodes (described)",
+           "ranks_per_node": 8, "alpha_intra": 10e-6, "beta_intra": 1 / 100e9,
+           "alpha_inter": 15e-6, "beta_inter": 8 / 200e9, "gamma": 1e-12,
+           "compute_cv": 0.0}
+
+
+def cluster_machine(path):
+    """Write the described cluster's machine file; its compute is the per-layer forward
+    and backward times mpidl measured on an H100 at batch 128
+    (bench/results/engine_gpu.json, ``layers_ms``), the loss folded into the last layer's
+    forward, zero_grad into the update."""
+    with open(os.path.join(RESULTS, "engine_gpu.json")) as f:
+        gpu = json.load(f)
+    compute = {}
+    for model in ("mlp", "cnn"):
+        entry = gpu["results"][f"{model}@128"]
+        ms = entry["layers_ms"]
+        batch = entry["batch"]
+        layers = {}
+        for key, value in ms.items():
+            phase, _, name = key.partition(" ")
+            if phase in ("forward", "backward"):
+                index = name.split(":")[0]
+                f_b = layers.setdefault(index, [0.0, 0.0])
+                f_b[phase == "backward"] += value / 1e3 / batch
+        last = max(layers, key=int)
+        layers[last][0] += ms["loss"] / 1e3 / batch
+        compute[model] = {"batch_size": batch, "dtype": "float32", "device": "gpu",
+                          "layers": layers, "update_s": (ms["optimizer step"]
+                                                         + ms["zero_grad"]) / 1e3,
+                          "source": f"bench/results/engine_gpu.json ({gpu['device']['gpu']})"}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**CLUSTER, "compute": compute}, f, indent=1)
+        f.write("\n")
+    return path
+
+
 def scale_bench(a):
     from mpidl.benchmarks.machine import describe
     from mpidl.benchmarks.plotting import pyplot
 
-    machine = os.path.join(MACHINES, "gpu_cluster.json")
+    machine = cluster_machine(os.path.join(MACHINES, "gpu_cluster.json"))
     curves = []
     for model, batch in (("mlp", 128), ("cnn", 128)):
-        for alg in ("ring", "hierarchical"):
+        for alg in ("ring", "hierarchical", "recursive_doubling"):
             out = _run(mpidl_cmd() + ["simulate", "--model", model, "--batch-size",
                                       str(batch), "--ranks", "1-4096", "--algorithm", alg,
                                       "--overlap", "on", "--machine", machine, "--json"])
@@ -292,7 +333,8 @@ def scale_bench(a):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("ranks (8 per node)")
     ax.set_ylabel("predicted weak-scaling efficiency (%)")
-    ax.set_title("mpidl simulate: data parallelism, 200 Gbit/s between nodes")
+    ax.set_title("mpidl simulate: data parallelism, 8 GPUs/node, 200 Gbit/s between nodes",
+                 fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(a.out, "simulate_scale.png"), dpi=110)
