@@ -3,6 +3,7 @@
     python bench/simulate.py            # time: predicted vs measured step, 2 and 4 ranks
     python bench/simulate.py --quick    # fewer repeats and steps
     python bench/simulate.py --scale    # scale: mlp and cnn to 4096 ranks on a GPU cluster
+    sudo python bench/simulate.py --vcluster 1gbit   # time: 2 nodes x 1 rank, 1 Gbit/s links
 
 Time (writes bench/results/simulate_time.json + .png): each repeat first calibrates this
 machine in the same run (``mpiexec -n P mpidl simulate --calibrate``: alpha, beta, gamma,
@@ -19,6 +20,12 @@ every configuration); the error is (predicted - measured) / measured.
   the real compute leaves), and the prediction is given the same pace
   (``--compute-s-per-sample``). What is predicted there is the communication and the
   update around a known compute.
+
+Virtual cluster (``--vcluster RATE``, root: ``slurm/vcluster.sh``; writes
+bench/results/simulate_time_vcluster_RATE.json + .png): the same on 2 nodes x 1 rank
+joined by links of RATE (tbf), so the calibration measures alpha and beta between the
+nodes and each rank has a core of its own (real compute). The script brings the cluster
+up if it is down (and takes it down at the end).
 
 Scale (writes bench/results/simulate_scale.json + .png): ``mpidl simulate --ranks
 1-4096`` for the mlp and the cnn, ring and hierarchical all-reduce, on the cluster
@@ -58,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--overlap", default="off", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
     p.add_argument("--pace", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--vcluster", default=None, metavar="RATE",
+                   help="run on slurm/vcluster.sh's 2 nodes with links of RATE (root)")
     p.add_argument("--out", default=RESULTS)
     return p.parse_args(argv)
 
@@ -105,10 +114,24 @@ def worker(a):
     comm.close()
 
 
+VCLUSTER = os.path.join(ROOT, "slurm", "vcluster.sh")
+_ON_VCLUSTER = []  # set by --vcluster: launches go across its nodes, one rank per node
+
+
+def launcher(p):
+    """The command prefix that starts ``p`` ranks."""
+    from mpidl.benchmarks.machine import mpiexec
+
+    if _ON_VCLUSTER:
+        return ["bash", VCLUSTER, "mpiexec", "-n", str(p), "-ppn", "1"]
+    return [mpiexec(), "-n", str(p)]
+
+
 def _env():
-    from mpidl.benchmarks.machine import launch_env
+    from mpidl.benchmarks.machine import launch_env, mpiexec
 
     env = launch_env(ROOT)
+    env.setdefault("MPIEXEC", mpiexec())  # (vcluster.sh: the venv's Hydra)
     env["MPIDL_TUNING"] = os.path.join(tempfile.gettempdir(), "mpidl-bench-simulate-none")
     return env
 
@@ -130,18 +153,14 @@ def mpidl_cmd():
 
 
 def measure(p, algorithm, overlap, batch, pace, steps):
-    from mpidl.benchmarks.machine import mpiexec
-
-    cmd = [mpiexec(), "-n", str(p), sys.executable, os.path.abspath(__file__), "--worker",
+    cmd = launcher(p) + [sys.executable, os.path.abspath(__file__), "--worker",
            "--algorithm", algorithm, "--overlap", overlap, "--batch", str(batch),
            "--steps", str(steps)] + (["--pace", str(pace)] if pace else [])
     return _last_json(_run(cmd))
 
 
 def calibrate(p, batch, path):
-    from mpidl.benchmarks.machine import mpiexec
-
-    out = _run([mpiexec(), "-n", str(p)] + mpidl_cmd() + [
+    out = _run(launcher(p) + mpidl_cmd() + [
         "simulate", "--calibrate", "--model", MODEL, "--batch-size", str(batch),
         "--fused-optimizer", "off", "--machine", path, "--json"])
     return _last_json(out)
@@ -185,7 +204,8 @@ def time_bench(a):
         measured = statistics.median(g["step_s"] for g, _ in pairs)
         predicted = statistics.median(w["step_s"] for _, w in pairs)
         rows.append({"ranks": p, "algorithm": alg, "overlap": ov,
-                     "compute": "real (2 ranks, 2 cores)" if p <= 2 else
+                     "compute": ("real (2 nodes x 1 rank, a core each)" if _ON_VCLUSTER
+                                 else "real (2 ranks, 2 cores)") if p <= 2 else
                      f"emulated: {PACE_4} s/sample (4 ranks oversubscribe 2 cores)",
                      "batch": BATCH if p <= 2 else BATCH_4,
                      "measured_step_ms": 1e3 * measured, "predicted_step_ms": 1e3 * predicted,
@@ -201,11 +221,14 @@ def time_bench(a):
                    "worst_abs_error": max(abs(r["error"]) for r in rows if r["ranks"] == p)}
                    for p in a.ranks}}
     result = {"info": {**describe(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                       "repeats": repeats, "steps": steps, "model": MODEL},
+                       "repeats": repeats, "steps": steps, "model": MODEL,
+                       "vcluster": _ON_VCLUSTER[0] if _ON_VCLUSTER else None,
+                       "load_avg_after": os.getloadavg()},
               "machines": {str(p): m for p, m in machines.items()},
               "rows": rows, "summary": summary}
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "simulate_time.json"), "w") as f:
+    name = f"simulate_time_vcluster_{_ON_VCLUSTER[0]}" if _ON_VCLUSTER else "simulate_time"
+    with open(os.path.join(a.out, name + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"median |error| {100 * summary['median_abs_error']:.1f} %, worst "
           f"{100 * summary['worst_abs_error']:.1f} %")
@@ -213,7 +236,7 @@ def time_bench(a):
         print(f"p={r['ranks']} {r['algorithm']:>18} overlap {r['overlap']:>3}: measured "
               f"{r['measured_step_ms']:7.2f} ms, predicted {r['predicted_step_ms']:7.2f} ms, "
               f"error {100 * r['error']:+6.1f} %")
-    plot_time(rows, os.path.join(a.out, "simulate_time.png"))
+    plot_time(rows, os.path.join(a.out, name + ".png"))
 
 
 def plot_time(rows, path):
@@ -239,7 +262,9 @@ def plot_time(rows, path):
         ax.set_xticklabels([f"{r['algorithm'].replace('recursive_doubling', 'rd')}\n"
                             f"ov {r['overlap']}" for r in sub], fontsize=8)
         ax.set_ylabel("step (ms)")
-        ax.set_title(f"{p} ranks, {MODEL}: {sub[0]['compute'].split(':')[0]} compute")
+        where = f" over {_ON_VCLUSTER[0]} links" if _ON_VCLUSTER else ""
+        ax.set_title(f"{p} ranks{where}, {MODEL}: {sub[0]['compute'].split(':')[0]} "
+                     "compute", fontsize=9)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -347,7 +372,33 @@ def main(argv=None):
         return worker(a)
     if a.scale:
         return scale_bench(a)
+    if a.vcluster:
+        return on_vcluster(a)
     return time_bench(a)
+
+
+def on_vcluster(a):
+    """``time_bench`` on 2 nodes x 1 rank of the virtual cluster (brought up if down)."""
+    state = "/run/mpidl-vcluster"
+    made = False
+    if not os.path.exists(os.path.join(state, "nodes")):
+        subprocess.run(["bash", VCLUSTER, "up", "2", a.vcluster], check=True)
+        made = True
+    else:
+        with open(os.path.join(state, "nodes")) as f:
+            nodes = len(f.read().split())
+        with open(os.path.join(state, "rate")) as f:
+            rate = f.read().strip()
+        if (nodes, rate) != (2, a.vcluster):
+            raise SystemExit(f"a virtual cluster of {nodes} nodes, links {rate!r} is up: "
+                             f"take it down (bash {VCLUSTER} down) or ask for that one")
+    _ON_VCLUSTER.append(a.vcluster)
+    a.ranks = [2]
+    try:
+        time_bench(a)
+    finally:
+        if made:
+            subprocess.run(["bash", VCLUSTER, "down"], check=True)
 
 
 if __name__ == "__main__":

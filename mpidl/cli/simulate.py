@@ -215,6 +215,7 @@ def compute_of(args, cfg, model, machine):
 
 def predict(args, cfg, model, dataset, machine, ranks):
     """The prediction as a dict (what --json prints)."""
+    from mpidl.data.loader import BatchLoader  # noqa: PLC0415
     from mpidl.runtime.sync.fused import check_bucket_mb  # noqa: PLC0415
     from mpidl.runtime.sync.rowsparse import check_sparse_mode, sparse_param_names  # noqa
     from mpidl.simulate import collectives as col  # noqa: PLC0415
@@ -247,8 +248,8 @@ def predict(args, cfg, model, dataset, machine, ranks):
                              ranks=None if p <= MAX_PER_RANK else [0, p - 1], seg_bytes=seg)
         msgs = [c["total"]["messages"] for c in counted.values()]
         nbytes = [c["total"]["bytes"] for c in counted.values()]
-        steps = st.epoch_steps(len(dataset.train_y), cfg.batch_size, accumulate, p,
-                               cfg.drop_last)
+        steps = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size * accumulate,
+                            shard=(0, p), drop_last=cfg.drop_last).steps_per_epoch
         row = {"ranks": p, "nodes": topo.nodes,
                "calls": [{"kind": c.kind, "name": c.name, "algorithm": c.algorithm,
                           "bytes": c.nbytes()} for c in lay.calls],

@@ -1,10 +1,14 @@
 """``mpidl simulate --calibrate``: measure the machine the cost model describes.
 
-- Links: ping-pong between rank 0 and another rank (one of its node, and one of another
-  node when there is one) at sizes from 1 byte to 8 MiB, through mpi4py from Python as
-  mpidl's own algorithms send; half the round trip is one message's time, and
-  ``alpha + beta * bytes`` is fitted by least squares on the relative error (so the
-  small sizes fix alpha and the large ones beta).
+- Links: ring exchanges at sizes from 1 byte to 8 MiB: every rank sends a message to
+  its right neighbour and receives one from its left at the same time (``isend`` and
+  ``irecv`` through mpi4py from Python, as one step of mpidl's ring does), the slowest
+  rank's time per step; ``alpha + beta * bytes`` is fitted by least squares on the
+  relative error (so the small sizes fix alpha and the large ones beta). Every rank
+  sends at once because that is what a collective does: on a machine whose ranks share
+  cores (or a node's link), a lone ping-pong would measure a faster machine than the
+  collectives see. Inside a node: the exchange among a node's ranks; between nodes
+  (when the launch spans several): among all ranks, whose ring crosses every node.
 - Reductions: ``gamma``, seconds per byte of ``np.add(a, b, out=c)`` on 4 MiB buffers.
 - Compute: forward and backward of each top-level layer of the model at the batch size,
   on every rank at once (ranks that share cores slow each other, as in training), the
@@ -30,48 +34,54 @@ def fit_alpha_beta(sizes, times):
     return max(float(alpha), 0.0), max(float(beta), 0.0)
 
 
-def ping_pong(comm, peer, sizes, repeats=5, target=0.01):
-    """One-way seconds per message size between rank 0 and ``peer`` (others wait);
-    the median of ``repeats`` runs of enough round trips to last about ``target`` s
-    (a first round trip sets the count, so a loaded machine does not stretch the run)."""
-    rank = comm.Get_rank()
+def ring_exchange(comm, sizes, repeats=5, target=0.01):
+    """Seconds of one ring step per message size (module doc): the median of
+    ``repeats`` runs of enough steps to last about ``target`` s (a first short run sets
+    the count, so a loaded machine does not stretch the calibration)."""
+    from mpi4py import MPI  # noqa: PLC0415
 
-    def trips(buf, iters):
+    rank, p = comm.Get_rank(), comm.Get_size()
+    right, left = (rank + 1) % p, (rank - 1) % p
+
+    def steps(sbuf, rbuf, iters):
         comm.Barrier()
         t0 = _clock()
-        if rank == 0:
-            for _ in range(iters):
-                comm.Send(buf, peer, 11)
-                comm.Recv(buf, peer, 11)
-        elif rank == peer:
-            for _ in range(iters):
-                comm.Recv(buf, 0, 11)
-                comm.Send(buf, 0, 11)
-        return comm.bcast((_clock() - t0) / iters / 2, root=0)
+        for _ in range(iters):
+            MPI.Request.Waitall([comm.Irecv(rbuf, left, 12), comm.Isend(sbuf, right, 12)])
+        return comm.allreduce((_clock() - t0) / iters, op=MPI.MAX)
 
     out = []
     for n in sizes:
-        buf = np.zeros(max(n, 1), dtype=np.uint8)[:n]
-        first = trips(buf, 3)
-        iters = max(1, min(1000, int(target / max(2 * first, 1e-7))))
-        out.append(float(np.median([trips(buf, iters) for _ in range(repeats)])))
+        sbuf = np.zeros(max(n, 1), dtype=np.uint8)[:n]
+        rbuf = np.zeros_like(sbuf)
+        first = steps(sbuf, rbuf, 3)
+        iters = max(1, min(1000, int(target / max(first, 1e-7))))
+        out.append(float(np.median([steps(sbuf, rbuf, iters) for _ in range(repeats)])))
     return out
 
 
 def measure_links(comm, nodes):
-    """{"alpha_intra", "beta_intra", ["alpha_inter", "beta_inter"], "points"}; ``nodes``:
-    the node of each rank."""
+    """{"alpha_intra", "beta_intra", ["alpha_inter", "beta_inter"], "points"} (collective);
+    ``nodes``: the node of each rank."""
     sizes = [1 << k for k in range(0, 24, 3)] + [1 << 23]
+    rank = comm.Get_rank()
     out = {"points": {}}
-    same = [r for r in range(1, len(nodes)) if nodes[r] == nodes[0]]
-    other = [r for r in range(1, len(nodes)) if nodes[r] != nodes[0]]
-    for where, peers in (("intra", same), ("inter", other)):
-        if not peers:
+    local = comm.Split(nodes[rank], rank)
+    groups = [("intra", local if local.Get_size() > 1 else None)]
+    if len(set(nodes)) > 1:
+        groups.append(("inter", comm))
+    # every node measures its own ranks at once; the biggest node's figures are kept
+    biggest = max(set(nodes), key=nodes.count)
+    for where, group in groups:
+        if where == "intra" and nodes.count(biggest) < 2:
             continue
-        times = ping_pong(comm, peers[0], sizes)
+        times = ring_exchange(group, sizes) if group is not None else None
+        times = comm.bcast(times, root=nodes.index(biggest) if where == "intra" else 0)
         alpha, beta = fit_alpha_beta(sizes, times)
         out[f"alpha_{where}"], out[f"beta_{where}"] = alpha, beta
-        out["points"][where] = {"peer": peers[0], "bytes": sizes, "seconds": times}
+        out["points"][where] = {"ranks": nodes.count(biggest) if where == "intra"
+                                else len(nodes), "bytes": sizes, "seconds": times}
+    local.Free()
     return out
 
 

@@ -42,7 +42,7 @@ from functools import lru_cache
 from mpidl.comm import hierarchical as _hier
 from mpidl.comm import recursive_doubling as _rd
 from mpidl.comm.algorithms import Context
-from mpidl.comm.layout import even_split
+from mpidl.comm.layout import displacements, even_split
 
 ALGORITHMS = ("ring", "tree", "recursive_doubling", "hierarchical", "mpi")
 KINDS = ("allreduce", "allgatherv")  # what data parallelism calls (others: not modelled yet)
@@ -148,13 +148,13 @@ def rd_allgatherv(r, counts, itemsize, seg=None):
     n = sum(counts)
     if p == 1 or n == 0:
         return 0, 0
-    _, displs = _displs(counts)
+    displs = displacements(counts)
     role, v, partners, q, rem = _rd.plan(r, p)
     if role == "out":
         return 1, counts[r] * itemsize
 
-    def start(w):
-        return n if w >= q else displs[2 * w if w < rem else w + rem]
+    def start(w):  # as the module's: the first element virtual rank w holds
+        return n if w >= q else displs[_rd._vfirst(w, rem)]
 
     messages = nbytes = 0
     mask = 1
@@ -167,14 +167,6 @@ def rd_allgatherv(r, counts, itemsize, seg=None):
         messages += 1
         nbytes += n
     return messages, nbytes * itemsize
-
-
-def _displs(counts):
-    displs, acc = [], 0
-    for c in counts:
-        displs.append(acc)
-        acc += c
-    return counts, displs
 
 
 def _hier_groups(topo):

@@ -22,7 +22,6 @@ the progress thread (overlap) or after backward (no overlap), the row gathers, t
 optimizer update.
 """
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -266,11 +265,6 @@ def parse_ranks(text):
         raise ValueError(f"--ranks {text!r}: expected a rank count >= 1, a range A-B "
                          "(1-4096: the powers of two between) or a list 2,3,4")
     return sorted(set(out))
-
-
-def epoch_steps(train_size, batch, accumulate, p, drop_last=False):
-    per_step = batch * accumulate * p
-    return train_size // per_step if drop_last else math.ceil(train_size / per_step)
 
 
 def touched_rows(model, sparse_names, x):
