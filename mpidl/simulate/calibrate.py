@@ -97,10 +97,12 @@ def measure_gamma(nbytes=4 << 20, repeats=21):
     return float(np.median(runs)) / nbytes
 
 
-def measure_compute(model, optimizer, x, repeats=12):
+def measure_compute(model, optimizer, x, repeats=12, seconds=2.0):
     """Per-sample (forward, backward) seconds of each top-level layer of a ``Sequential``,
     the seconds of one optimizer step, at the batch of ``x``, and the coefficient of
-    variation of the forward + backward time."""
+    variation of the forward + backward time: at least ``repeats`` repeats and
+    ``seconds`` of them (on a shared machine the load drifts: a longer window averages
+    it as a run of many steps will)."""
     from mpidl.engine.module import Sequential  # noqa: PLC0415
 
     layers = model.children() if isinstance(model, Sequential) else [("model", model)]
@@ -110,7 +112,9 @@ def measure_compute(model, optimizer, x, repeats=12):
     # each repeat starts from the same weights (repeated updates along one made-up
     # gradient would drive them to overflow, and arithmetic on inf/NaN times differently)
     saved = [(q, q.data.copy()) for _, q in model.named_parameters()]
-    for rep in range(repeats + 1):
+    start, rep = _clock(), 0
+    while rep <= repeats or _clock() - start < seconds:
+        rep += 1
         model.zero_grad()
         h = x
         needs = getattr(model, "needs_input_grad", False)
