@@ -129,6 +129,8 @@ def test_calibrate_then_predict(tmp_path):
     (["--strategy", "ps"], ["--strategy ps is not modelled yet"]),
     (["--compression", "topk"], ["--compression topk is not modelled yet"]),
     (["--calibrate"], ["--calibrate", "--machine FILE"]),
+    (["--calibrate", "--machine", "m.json"], ["mpiexec -n 2"]),
+    (["--ranks", "2", "--ranks-per-node", "0"], ["--ranks-per-node must be >= 1"]),
 ])
 def test_bad_input_is_one_line(args, needles):
     assert_one_line_error(simulate("--model", "mlp", *args), *needles)
