@@ -4,6 +4,7 @@
     python bench/simulate.py --quick    # fewer repeats and steps
     python bench/simulate.py --scale    # scale: mlp and cnn to 4096 ranks on a GPU cluster
     sudo python bench/simulate.py --vcluster 1gbit   # time: 2 nodes x 1 rank, 1 Gbit/s links
+    sudo python bench/simulate.py --vcluster 1gbit --ppn 2   # 2 nodes x 2 ranks (emulated)
 
 Time (writes bench/results/simulate_time.json + .png): each repeat first calibrates this
 machine in the same run (``mpiexec -n P mpidl simulate --calibrate``: alpha, beta, gamma,
@@ -24,8 +25,10 @@ every configuration); the error is (predicted - measured) / measured.
 Virtual cluster (``--vcluster RATE``, root: ``slurm/vcluster.sh``; writes
 bench/results/simulate_time_vcluster_RATE.json + .png): the same on 2 nodes x 1 rank
 joined by links of RATE (tbf), so the calibration measures alpha and beta between the
-nodes and each rank has a core of its own (real compute). The script brings the cluster
-up if it is down (and takes it down at the end).
+nodes and each rank has a core of its own (real compute). ``--ppn 2``: 2 nodes x 2 ranks
+(4 ranks on 2 cores: emulated compute, as above) and the hierarchical all-reduce too;
+the results file is then ..._vcluster_RATE_2x2. The script brings the cluster up if it
+is down (and takes it down at the end).
 
 Scale (writes bench/results/simulate_scale.json + .png): ``mpidl simulate --ranks
 1-4096`` for the mlp and the cnn, ring and hierarchical all-reduce, on the cluster
@@ -67,6 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--pace", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--vcluster", default=None, metavar="RATE",
                    help="run on slurm/vcluster.sh's 2 nodes with links of RATE (root)")
+    p.add_argument("--ppn", type=int, default=1, help="ranks per node on the virtual cluster")
     p.add_argument("--out", default=RESULTS)
     return p.parse_args(argv)
 
@@ -123,7 +127,7 @@ def launcher(p):
     from mpidl.benchmarks.machine import mpiexec
 
     if _ON_VCLUSTER:
-        return ["bash", VCLUSTER, "mpiexec", "-n", str(p), "-ppn", "1"]
+        return ["bash", VCLUSTER, "mpiexec", "-n", str(p), "-ppn", str(p // 2)]
     return [mpiexec(), "-n", str(p)]
 
 
@@ -185,7 +189,8 @@ def time_bench(a):
 
     repeats = 1 if a.quick else a.repeats
     steps = 10 if a.quick else a.steps
-    configs = [(p, alg, ov) for p in a.ranks for alg in ALGORITHMS for ov in ("off", "on")]
+    algorithms = ALGORITHMS + (("hierarchical",) if _ON_VCLUSTER and a.ppn > 1 else ())
+    configs = [(p, alg, ov) for p in a.ranks for alg in algorithms for ov in ("off", "on")]
     runs = {c: [] for c in configs}
     machines = {p: [] for p in a.ranks}
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,6 +218,8 @@ def time_bench(a):
         rows.append({"ranks": p, "algorithm": alg, "overlap": ov,
                      "compute": ("real (2 nodes x 1 rank, a core each)" if _ON_VCLUSTER
                                  else "real (2 ranks, 2 cores)") if p <= 2 else
+                     f"emulated: {PACE_4} s/sample (2 nodes x {p // 2} ranks on 2 cores)"
+                     if _ON_VCLUSTER else
                      f"emulated: {PACE_4} s/sample (4 ranks oversubscribe 2 cores)",
                      "batch": BATCH if p <= 2 else BATCH_4,
                      "measured_step_ms": 1e3 * measured, "predicted_step_ms": 1e3 * predicted,
@@ -239,7 +246,8 @@ def time_bench(a):
               "machines": {str(p): m for p, m in machines.items()},
               "rows": rows, "summary": summary}
     os.makedirs(a.out, exist_ok=True)
-    name = f"simulate_time_vcluster_{_ON_VCLUSTER[0]}" if _ON_VCLUSTER else "simulate_time"
+    name = (f"simulate_time_vcluster_{_ON_VCLUSTER[0]}" + (f"_2x{a.ppn}" if a.ppn > 1 else "")
+            if _ON_VCLUSTER else "simulate_time")
     with open(os.path.join(a.out, name + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"median |error| {100 * summary['median_abs_error']:.1f} %, worst "
@@ -274,7 +282,7 @@ def plot_time(rows, path):
                                                            r["predicted_step_ms"])),
                         ha="center", va="bottom", fontsize=8)
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([f"{r['algorithm'].replace('recursive_doubling', 'rd')}\n"
+        ax.set_xticklabels([f"{r['algorithm'].replace('recursive_doubling', 'rd')[:5]}\n"
                             f"ov {r['overlap']}" for r in sub], fontsize=8)
         ax.set_ylabel("step (ms)")
         where = f" over {_ON_VCLUSTER[0]} links" if _ON_VCLUSTER else ""
@@ -408,7 +416,7 @@ def on_vcluster(a):
             raise SystemExit(f"a virtual cluster of {nodes} nodes, links {rate!r} is up: "
                              f"take it down (bash {VCLUSTER} down) or ask for that one")
     _ON_VCLUSTER.append(a.vcluster)
-    a.ranks = [2]
+    a.ranks = [2 * a.ppn]
     try:
         time_bench(a)
     finally:
