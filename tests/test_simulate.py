@@ -119,6 +119,7 @@ def test_calibrate_then_predict(tmp_path):
     out = json_of(simulate("--model", "logreg", "--batch-size", "16", "--machine", machine,
                            "--limit-train", "256", "--ranks", "2", "--json").check())
     row = out["predictions"][0]
+    assert out["bytes_per_step"] == row["bytes_per_step"] and out["ranks"] == 2
     assert out["compute"].startswith("measured") and row["time_s"]["forward"] > 0
     assert row["step_s"] >= row["time_s"]["forward"] + row["time_s"]["backward"]
 

@@ -266,13 +266,18 @@ def predict(args, cfg, model, dataset, machine, ranks):
         out.append(row)
     below = next((r["ranks"] for r in out if r["efficiency"] is not None
                   and r["efficiency"] < 0.5), None)
-    return {"model": cfg.model, "dataset": dataset.name, "batch_size": cfg.batch_size,
+    result = {"model": cfg.model, "dataset": dataset.name, "batch_size": cfg.batch_size,
             "accumulate": accumulate, "dtype": cfg.dtype, "algorithm": algorithm,
             "bucket_mb": bucket_mb, "overlap": "on" if overlap else "off",
             "sparse_grads": sparse, "rows_per_rank": rows, "segment_bytes": seg,
             "compute": compute.source, "machine": {k: v for k, v in machine.to_dict().items()
                                                    if k != "compute"},
             "predictions": out, "efficiency_below_50pct_at": below}
+    if len(out) == 1:  # one rank count: its figures at the top level too
+        result.update({k: out[0][k] for k in ("ranks", "messages_per_step", "bytes_per_step",
+                                              "step_s", "epoch_s", "efficiency")
+                       if k in out[0]})
+    return result
 
 
 def _table(result):
