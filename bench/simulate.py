@@ -11,7 +11,8 @@ machine in the same run (``mpiexec -n P mpidl simulate --calibrate``: alpha, bet
 per-layer compute of the model at the batch size with all P ranks computing at once),
 then, for the ring, tree and recursive doubling, overlap off and on, measures the mean
 step of the data-parallel runtime on P ranks (random in-memory data: only the step is
-timed) and asks ``mpidl simulate --json`` for its prediction. Measured figures are the
+timed) and asks ``mpidl simulate --json`` for its prediction (calibrating again before
+each configuration unless ``--calibrate-every repeat``). Measured figures are the
 median over the repeats (run in rotation, so drift on this shared machine spreads over
 every configuration); the error is (predicted - measured) / measured.
 
@@ -71,6 +72,10 @@ def parse_args(argv=None):
     p.add_argument("--vcluster", default=None, metavar="RATE",
                    help="run on slurm/vcluster.sh's 2 nodes with links of RATE (root)")
     p.add_argument("--ppn", type=int, default=1, help="ranks per node on the virtual cluster")
+    p.add_argument("--calibrate-every", choices=("config", "repeat"), default="config",
+                   help="calibrate before every configuration (default: the prediction "
+                   "and the run it is compared with are a minute apart at most) or once "
+                   "per repeat")
     p.add_argument("--out", default=RESULTS)
     return p.parse_args(argv)
 
@@ -198,8 +203,9 @@ def time_bench(a):
             for p in a.ranks:
                 batch, pace = (BATCH, None) if p <= 2 else (BATCH_4, PACE_4)
                 path = os.path.join(tmp, f"machine_p{p}_{rep}.json")
-                machines[p].append(calibrate(p, batch, path))
-                for c in [c for c in configs if c[0] == p]:
+                for i, c in enumerate([c for c in configs if c[0] == p]):
+                    if i == 0 or a.calibrate_every == "config":
+                        machines[p].append(calibrate(p, batch, path))
                     got = measure(p, c[1], c[2], batch, pace, steps)
                     want = predict(p, c[1], c[2], batch, pace, path)
                     runs[c].append((got, want))
@@ -241,6 +247,7 @@ def time_bench(a):
                    for p in a.ranks}}
     result = {"info": {**describe(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        "repeats": repeats, "steps": steps, "model": MODEL,
+                       "calibrate_every": a.calibrate_every,
                        "vcluster": _ON_VCLUSTER[0] if _ON_VCLUSTER else None,
                        "load_avg_after": os.getloadavg()},
               "machines": {str(p): m for p, m in machines.items()},
