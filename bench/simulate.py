@@ -295,7 +295,7 @@ def plot_time(rows, path):
         where = f" over {_ON_VCLUSTER[0]} links" if _ON_VCLUSTER else ""
         ax.set_title(f"{p} ranks{where}, {MODEL}: {sub[0]['compute'].split(':')[0]} "
                      "compute", fontsize=9)
-        ax.legend()
+        ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
