@@ -1,5 +1,5 @@
 """The ``mpidl`` command: ``mpidl train``, ``mpidl rl``, ``mpidl sample``, ``mpidl info``,
-``mpidl bench``.
+``mpidl simulate``, ``mpidl bench``.
 
 Run it as one process or under a launcher (``mpiexec -n 4 mpidl train ...``,
 ``srun --mpi=pmi2 mpidl train ...``); every rank runs the same command line. See
@@ -33,7 +33,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser():
-    from mpidl.cli import info, rl, sample, train  # noqa: PLC0415
+    from mpidl.cli import info, rl, sample, simulate, train  # noqa: PLC0415
 
     parser = Parser(prog="mpidl", description="Pure-MPI distributed training of neural "
                     "networks (NumPy on CPU, CuPy on GPU). Launch with mpiexec/srun for "
@@ -44,6 +44,7 @@ def build_parser():
     rl.register(sub)
     sample.register(sub)
     info.register(sub)
+    simulate.register(sub)
     try:  # written with the communicator; main works without it
         bench = importlib.import_module("mpidl.cli.bench")
     except ModuleNotFoundError as e:
@@ -72,7 +73,7 @@ def main(argv=None):
         with Agreement(world):  # local set-up only; ranks agree on user errors at its end
             args = build_parser().parse_args(argv)
             if not getattr(args, "command", None):
-                raise UserError("no command given; use one of: train, rl, sample, info, bench "
+                raise UserError("no command given; use one of: train, rl, sample, info, simulate, bench "
                                 "(mpidl --help)")
             job = args.prepare(args, world) if hasattr(args, "prepare") else None
         if job is not None:

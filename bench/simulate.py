@@ -1,0 +1,435 @@
+"""The cost model (``mpidl simulate``) against measured steps, and its scaling prediction.
+
+    python bench/simulate.py            # time: predicted vs measured step, 2 and 4 ranks
+    python bench/simulate.py --quick    # fewer repeats and steps
+    python bench/simulate.py --scale    # scale: mlp and cnn to 4096 ranks on a GPU cluster
+    sudo python bench/simulate.py --vcluster 1gbit   # time: 2 nodes x 1 rank, 1 Gbit/s links
+    sudo python bench/simulate.py --vcluster 1gbit --ppn 2   # 2 nodes x 2 ranks (emulated)
+
+Time (writes bench/results/simulate_time.json + .png): each repeat first calibrates this
+machine in the same run (``mpiexec -n P mpidl simulate --calibrate``: alpha, beta, gamma,
+per-layer compute of the model at the batch size with all P ranks computing at once),
+then, for the ring, tree and recursive doubling, overlap off and on, measures the mean
+step of the data-parallel runtime on P ranks (random in-memory data: only the step is
+timed) and asks ``mpidl simulate --json`` for its prediction (calibrating again before
+each configuration unless ``--calibrate-every repeat``). Measured figures are the
+median over the repeats (run in rotation, so drift on this shared machine spreads over
+every configuration); the error is (predicted - measured) / measured.
+
+- 2 ranks: the mlp's real compute (2 ranks on the 2 cores).
+- 4 ranks: oversubscribed (2 cores), so each rank's compute is EMULATED: the runtime's
+  ``compute_pace`` makes forward + backward take PACE seconds per sample (it sleeps what
+  the real compute leaves), and the prediction is given the same pace
+  (``--compute-s-per-sample``). What is predicted there is the communication and the
+  update around a known compute.
+
+Virtual cluster (``--vcluster RATE``, root: ``slurm/vcluster.sh``; writes
+bench/results/simulate_time_vcluster_RATE.json + .png): the same on 2 nodes x 1 rank
+joined by links of RATE (tbf), so the calibration measures alpha and beta between the
+nodes and each rank has a core of its own (real compute). ``--ppn 2``: 2 nodes x 2 ranks
+(4 ranks on 2 cores: emulated compute, as above) and the hierarchical all-reduce too;
+the results file is then ..._vcluster_RATE_2x2. The script brings the cluster up if it
+is down (and takes it down at the end).
+
+Scale (writes bench/results/simulate_scale.json + .png): ``mpidl simulate --ranks
+1-4096`` for the mlp and the cnn, ring and hierarchical all-reduce, on the cluster
+described in bench/machines/gpu_cluster.json (8 GPUs per node, 200 Gbit/s between nodes),
+with the rank count where the predicted efficiency falls below 50 %.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+MACHINES = os.path.join(ROOT, "bench", "machines")
+sys.path.insert(0, ROOT)
+
+ALGORITHMS = ("ring", "tree", "recursive_doubling")
+MODEL, BATCH = "mlp", 64
+PACE_4 = 0.003  # s/sample of emulated compute at 4 ranks (above the oversubscribed real one)
+BATCH_4 = 32
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--scale", action="store_true", help="the 4096-rank prediction instead")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--algorithm", default="ring", help=argparse.SUPPRESS)
+    p.add_argument("--overlap", default="off", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
+    p.add_argument("--pace", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--vcluster", default=None, metavar="RATE",
+                   help="run on slurm/vcluster.sh's 2 nodes with links of RATE (root)")
+    p.add_argument("--ppn", type=int, default=1, help="ranks per node on the virtual cluster")
+    p.add_argument("--calibrate-every", choices=("config", "repeat"), default="config",
+                   help="calibrate before every configuration (default: the prediction "
+                   "and the run it is compared with are a minute apart at most) or once "
+                   "per repeat")
+    p.add_argument("--out", default=RESULTS)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ the measured step
+def worker(a):
+    """Under mpiexec: the mean step time of the data-parallel runtime (rank 0 prints)."""
+    from mpidl.threads import share_blas_threads
+
+    share_blas_threads()
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpidl.comm import Communicator
+    from mpidl.engine import SGD, SoftmaxCrossEntropy
+    from mpidl.engine.models import build_model
+    from mpidl.runtime import build
+
+    comm = Communicator(MPI.COMM_WORLD)
+    model = build_model(MODEL, input_shape=(1, 28, 28), num_classes=10, seed=0)
+    opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
+    options = {"algorithm": a.algorithm, "overlap": a.overlap}
+    if a.pace:
+        options["compute_pace"] = a.pace
+    rt = build("allreduce", comm, **options)
+    rt.setup(model, opt, SoftmaxCrossEntropy())
+    rng = np.random.default_rng(comm.rank)
+    x = rng.standard_normal((a.batch, 1, 28, 28)).astype("float32")
+    y = rng.integers(0, 10, size=a.batch)
+    warm = 5
+    for _ in range(warm):
+        rt.train_step(x, y)
+    rt.metrics()
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        rt.train_step(x, y)
+    step = (time.perf_counter() - t0) / a.steps
+    m = rt.metrics()
+    steps = comm.mpi.gather(step, root=0)
+    if comm.rank == 0:
+        print(json.dumps({"step_s": max(steps), "compute_ms": m.get("compute_ms"),
+                          "wait_ms": m.get("wait_ms"), "overlap": m.get("overlap")}),
+              flush=True)
+    comm.close()
+
+
+VCLUSTER = os.path.join(ROOT, "slurm", "vcluster.sh")
+_ON_VCLUSTER = []  # set by --vcluster: launches go across its nodes, one rank per node
+
+
+def launcher(p):
+    """The command prefix that starts ``p`` ranks."""
+    from mpidl.benchmarks.machine import mpiexec
+
+    if _ON_VCLUSTER:
+        return ["bash", VCLUSTER, "mpiexec", "-n", str(p), "-ppn", str(p // 2)]
+    return [mpiexec(), "-n", str(p)]
+
+
+def _env():
+    from mpidl.benchmarks.machine import launch_env, mpiexec
+
+    env = launch_env(ROOT)
+    env.setdefault("MPIEXEC", mpiexec())  # (vcluster.sh: the venv's Hydra)
+    env["MPIDL_TUNING"] = os.path.join(tempfile.gettempdir(), "mpidl-bench-simulate-none")
+    return env
+
+
+def _run(cmd, timeout=600):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,
+                       cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout}{r.stderr}")
+    return r.stdout
+
+
+def _last_json(text):
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+def mpidl_cmd():
+    return [sys.executable, "-m", "mpidl.cli.main"]
+
+
+def measure(p, algorithm, overlap, batch, pace, steps):
+    cmd = launcher(p) + [sys.executable, os.path.abspath(__file__), "--worker",
+           "--algorithm", algorithm, "--overlap", overlap, "--batch", str(batch),
+           "--steps", str(steps)] + (["--pace", str(pace)] if pace else [])
+    return _last_json(_run(cmd))
+
+
+def calibrate(p, batch, path):
+    out = _run(launcher(p) + mpidl_cmd() + [
+        "simulate", "--calibrate", "--model", MODEL, "--batch-size", str(batch),
+        "--fused-optimizer", "off", "--machine", path, "--json"])
+    return _last_json(out)
+
+
+def predict(p, algorithm, overlap, batch, pace, machine):
+    cmd = mpidl_cmd() + ["simulate", "--model", MODEL, "--batch-size", str(batch),
+                         "--ranks", str(p), "--algorithm", algorithm, "--overlap", overlap,
+                         "--machine", machine, "--limit-train", "1024", "--json"]
+    if pace:
+        cmd += ["--compute-s-per-sample", str(pace)]
+    row = _last_json(_run(cmd))["predictions"][-1]
+    t = row["time_s"]
+    return {"step_s": row["step_s"], "time_s": t,
+            "compute_s": t["forward"] + t["backward"] + t["update"],
+            "bytes_per_step": row["bytes_per_step"],
+            "messages_per_step": row["messages_per_step"]}
+
+
+def time_bench(a):
+    from mpidl.benchmarks.machine import describe
+
+    repeats = 1 if a.quick else a.repeats
+    steps = 10 if a.quick else a.steps
+    algorithms = ALGORITHMS + (("hierarchical",) if _ON_VCLUSTER and a.ppn > 1 else ())
+    configs = [(p, alg, ov) for p in a.ranks for alg in algorithms for ov in ("off", "on")]
+    runs = {c: [] for c in configs}
+    machines = {p: [] for p in a.ranks}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(repeats):
+            for p in a.ranks:
+                batch, pace = (BATCH, None) if p <= 2 else (BATCH_4, PACE_4)
+                path = os.path.join(tmp, f"machine_p{p}_{rep}.json")
+                for i, c in enumerate([c for c in configs if c[0] == p]):
+                    if i == 0 or a.calibrate_every == "config":
+                        machines[p].append(calibrate(p, batch, path))
+                    got = measure(p, c[1], c[2], batch, pace, steps)
+                    want = predict(p, c[1], c[2], batch, pace, path)
+                    runs[c].append((got, want))
+                    print(f"repeat {rep + 1}/{repeats} p={p} {c[1]:>18} overlap {c[2]:>3}: "
+                          f"measured {1e3 * got['step_s']:7.2f} ms, predicted "
+                          f"{1e3 * want['step_s']:7.2f} ms", flush=True)
+    rows = []
+    for (p, alg, ov), pairs in runs.items():
+        measured = statistics.median(g["step_s"] for g, _ in pairs)
+        predicted = statistics.median(w["step_s"] for _, w in pairs)
+        # the model given the run's own compute: what the communication, overlap and
+        # wait part predicts once load drift of the compute is taken out (emulated
+        # compute is known: there the prediction itself)
+        given = predicted if p > 2 else statistics.median(
+            w["step_s"] - w["compute_s"] + g["compute_ms"] / 1e3 for g, w in pairs)
+        rows.append({"ranks": p, "algorithm": alg, "overlap": ov,
+                     "compute": ("real (2 nodes x 1 rank, a core each)" if _ON_VCLUSTER
+                                 else "real (2 ranks, 2 cores)") if p <= 2 else
+                     f"emulated: {PACE_4} s/sample (2 nodes x {p // 2} ranks on 2 cores)"
+                     if _ON_VCLUSTER else
+                     f"emulated: {PACE_4} s/sample (4 ranks oversubscribe 2 cores)",
+                     "batch": BATCH if p <= 2 else BATCH_4,
+                     "measured_step_ms": 1e3 * measured, "predicted_step_ms": 1e3 * predicted,
+                     "error": (predicted - measured) / measured,
+                     "predicted_given_compute_ms": 1e3 * given,
+                     "error_given_compute": (given - measured) / measured,
+                     "measured_runs_ms": [1e3 * g["step_s"] for g, _ in pairs],
+                     "measured_compute_ms": [g["compute_ms"] for g, _ in pairs],
+                     "measured_wait_ms": [g["wait_ms"] for g, _ in pairs],
+                     "predicted_runs": [w for _, w in pairs]})
+    errors = [abs(r["error"]) for r in rows]
+    given = [abs(r["error_given_compute"]) for r in rows]
+    summary = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
+               "given_compute": {"median_abs_error": statistics.median(given),
+                                 "worst_abs_error": max(given)},
+               "per_ranks": {str(p): {"median_abs_error": statistics.median(
+                   abs(r["error"]) for r in rows if r["ranks"] == p),
+                   "worst_abs_error": max(abs(r["error"]) for r in rows if r["ranks"] == p)}
+                   for p in a.ranks}}
+    result = {"info": {**describe(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "repeats": repeats, "steps": steps, "model": MODEL,
+                       "calibrate_every": a.calibrate_every,
+                       "vcluster": _ON_VCLUSTER[0] if _ON_VCLUSTER else None,
+                       "load_avg_after": os.getloadavg()},
+              "machines": {str(p): m for p, m in machines.items()},
+              "rows": rows, "summary": summary}
+    os.makedirs(a.out, exist_ok=True)
+    name = (f"simulate_time_vcluster_{_ON_VCLUSTER[0]}" + (f"_2x{a.ppn}" if a.ppn > 1 else "")
+            if _ON_VCLUSTER else "simulate_time")
+    with open(os.path.join(a.out, name + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"median |error| {100 * summary['median_abs_error']:.1f} %, worst "
+          f"{100 * summary['worst_abs_error']:.1f} %; given the run's own compute: median "
+          f"{100 * summary['given_compute']['median_abs_error']:.1f} %, worst "
+          f"{100 * summary['given_compute']['worst_abs_error']:.1f} %")
+    for r in rows:
+        print(f"p={r['ranks']} {r['algorithm']:>18} overlap {r['overlap']:>3}: measured "
+              f"{r['measured_step_ms']:7.2f} ms, predicted {r['predicted_step_ms']:7.2f} ms, "
+              f"error {100 * r['error']:+6.1f} % (given its compute "
+              f"{100 * r['error_given_compute']:+6.1f} %)")
+    plot_time(rows, os.path.join(a.out, name + ".png"))
+
+
+def plot_time(rows, path):
+    from mpidl.benchmarks.plotting import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len({r["ranks"] for r in rows}), figsize=(11, 4),
+                             squeeze=False)
+    for ax, p in zip(axes[0], sorted({r["ranks"] for r in rows})):
+        sub = [r for r in rows if r["ranks"] == p]
+        xs = range(len(sub))
+        ax.bar([x - 0.2 for x in xs], [r["measured_step_ms"] for r in sub], 0.4,
+               label="measured")
+        ax.bar([x + 0.2 for x in xs], [r["predicted_step_ms"] for r in sub], 0.4,
+               label="predicted")
+        for x, r in zip(xs, sub):
+            ax.annotate(f"{100 * r['error']:+.0f}%", (x, max(r["measured_step_ms"],
+                                                           r["predicted_step_ms"])),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{r['algorithm'].replace('recursive_doubling', 'rd')[:5]}\n"
+                            f"ov {r['overlap']}" for r in sub], fontsize=8)
+        ax.set_ylabel("step (ms)")
+        where = f" over {_ON_VCLUSTER[0]} links" if _ON_VCLUSTER else ""
+        ax.set_title(f"{p} ranks{where}, {MODEL}: {sub[0]['compute'].split(':')[0]} "
+                     "compute", fontsize=9)
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ scale
+#: The described cluster: 8 GPUs per node (NVLink-class links inside a node, about
+#: 100 GB/s between two GPUs), 200 Gbit/s (25 GB/s) between nodes; alpha includes mpidl's
+#: Python cost per message (~10 us); reductions on the GPU at about 1 TB/s.
+CLUSTER = {"name": "8 GPUs per node, 200 Gbit/s between nodes (described)",
+           "ranks_per_node": 8, "alpha_intra": 10e-6, "beta_intra": 1 / 100e9,
+           "alpha_inter": 15e-6, "beta_inter": 8 / 200e9, "gamma": 1e-12,
+           "compute_cv": 0.0}
+
+
+def cluster_machine(path):
+    """Write the described cluster's machine file; its compute is the per-layer forward
+    and backward times mpidl measured on an H100 at batch 128
+    (bench/results/engine_gpu.json, ``layers_ms``), the loss folded into the last layer's
+    forward, zero_grad into the update."""
+    with open(os.path.join(RESULTS, "engine_gpu.json")) as f:
+        gpu = json.load(f)
+    compute = {}
+    for model in ("mlp", "cnn"):
+        entry = gpu["results"][f"{model}@128"]
+        ms = entry["layers_ms"]
+        batch = entry["batch"]
+        layers = {}
+        for key, value in ms.items():
+            phase, _, name = key.partition(" ")
+            if phase in ("forward", "backward"):
+                index = name.split(":")[0]
+                f_b = layers.setdefault(index, [0.0, 0.0])
+                f_b[phase == "backward"] += value / 1e3 / batch
+        last = max(layers, key=int)
+        layers[last][0] += ms["loss"] / 1e3 / batch
+        compute[model] = {"batch_size": batch, "dtype": "float32", "device": "gpu",
+                          "layers": layers, "update_s": (ms["optimizer step"]
+                                                         + ms["zero_grad"]) / 1e3,
+                          "source": f"bench/results/engine_gpu.json ({gpu['device']['gpu']})"}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**CLUSTER, "compute": compute}, f, indent=1)
+        f.write("\n")
+    return path
+
+
+def scale_bench(a):
+    from mpidl.benchmarks.machine import describe
+    from mpidl.benchmarks.plotting import pyplot
+
+    machine = cluster_machine(os.path.join(MACHINES, "gpu_cluster.json"))
+    curves = []
+    for model, batch in (("mlp", 128), ("cnn", 128)):
+        for alg in ("ring", "hierarchical", "recursive_doubling"):
+            out = _run(mpidl_cmd() + ["simulate", "--model", model, "--batch-size",
+                                      str(batch), "--ranks", "1-4096", "--algorithm", alg,
+                                      "--overlap", "on", "--machine", machine, "--json"])
+            res = _last_json(out)
+            curves.append({"model": model, "algorithm": alg, "batch": batch,
+                           "compute": res["compute"],
+                           "below_50pct_at": res["efficiency_below_50pct_at"],
+                           "points": [{"ranks": r["ranks"], "nodes": r["nodes"],
+                                       "step_ms": 1e3 * r["step_s"],
+                                       "comm_ms": 1e3 * r["time_s"]["comm"],
+                                       "bytes_per_step": r["bytes_per_step"],
+                                       "messages_per_step": r["messages_per_step"],
+                                       "efficiency": r["efficiency"]}
+                                      for r in res["predictions"]]})
+            print(f"{model} {alg}: efficiency below 50 % at "
+                  f"{res['efficiency_below_50pct_at']} ranks; at 4096: "
+                  f"{100 * res['predictions'][-1]['efficiency']:.1f} %", flush=True)
+    with open(machine) as f:
+        described = json.load(f)
+    result = {"info": {**describe(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+              "machine": {k: v for k, v in described.items() if k != "compute"},
+              "curves": curves}
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "simulate_scale.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c in curves:
+        ax.plot([q["ranks"] for q in c["points"]],
+                [100 * q["efficiency"] for q in c["points"]], marker="o", ms=3,
+                label=f"{c['model']} {c['algorithm']} (<50% at {c['below_50pct_at']})")
+    ax.axhline(50, color="grey", ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks (8 per node)")
+    ax.set_ylabel("predicted weak-scaling efficiency (%)")
+    ax.set_title("mpidl simulate: data parallelism, 8 GPUs/node, 200 Gbit/s between nodes",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(a.out, "simulate_scale.png"), dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.worker:
+        return worker(a)
+    if a.scale:
+        return scale_bench(a)
+    if a.vcluster:
+        return on_vcluster(a)
+    return time_bench(a)
+
+
+def on_vcluster(a):
+    """``time_bench`` on 2 nodes x 1 rank of the virtual cluster (brought up if down)."""
+    state = "/run/mpidl-vcluster"
+    made = False
+    if not os.path.exists(os.path.join(state, "nodes")):
+        subprocess.run(["bash", VCLUSTER, "up", "2", a.vcluster], check=True)
+        made = True
+    else:
+        with open(os.path.join(state, "nodes")) as f:
+            nodes = len(f.read().split())
+        with open(os.path.join(state, "rate")) as f:
+            rate = f.read().strip()
+        if (nodes, rate) != (2, a.vcluster):
+            raise SystemExit(f"a virtual cluster of {nodes} nodes, links {rate!r} is up: "
+                             f"take it down (bash {VCLUSTER} down) or ask for that one")
+    _ON_VCLUSTER.append(a.vcluster)
+    a.ranks = [2 * a.ppn]
+    try:
+        time_bench(a)
+    finally:
+        if made:
+            subprocess.run(["bash", VCLUSTER, "down"], check=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""``mpidl simulate``: predict a data-parallel run's traffic and time before running it.
+
+It takes ``mpidl train``'s arguments (model, dataset, batch size, ``--algorithm``,
+``--bucket-mb``, ``--overlap``, ``--accumulate``, ``--dtype``, ``--sparse-grads`` ...)
+and a machine (``--machine FILE``, or the link flags), builds the model, lays out the
+step as the runtime would (``mpidl.simulate.step``) and prints, for each rank count of
+``--ranks``: the messages and bytes each rank sends per step (exactly what the
+communicator's counters will show), the predicted time per step (communication,
+compute, overlapped total) and per epoch, and the scaling efficiency.
+
+``mpidl simulate --calibrate --machine FILE`` (under ``mpiexec -n 2`` or more) measures
+the machine instead (``mpidl.simulate.calibrate``) and writes FILE for later runs.
+
+Data parallelism only: other strategies, compression, ZeRO, tensor and pipeline
+parallelism are refused with one line until they are modelled.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from mpidl.errors import ConfigError, UserError
+
+#: the parallelism settings the cost model follows; any other one set is refused
+MODELLED = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
+            "sparse_grads")
+MAX_PER_RANK = 1024  # per-rank lists in --json up to this many ranks
+
+
+def register(subparsers):
+    from mpidl.cli import train  # noqa: PLC0415
+
+    holder = argparse.ArgumentParser(add_help=False).add_subparsers()
+    base = train.register(holder)  # mpidl train's flags, declared once
+    p = subparsers.add_parser(
+        "simulate", parents=[base], conflict_handler="resolve",
+        help="predict messages, bytes and time per step of a data-parallel run",
+        description="Predict what mpidl train with the same arguments would send and how "
+        "long its steps would take on a described machine, for one or many rank counts: "
+        "messages and bytes per rank per step (exactly what the communicator's counters "
+        "count), time per step (communication, compute, overlapped total) and per epoch, "
+        "and the scaling efficiency. With --calibrate (under mpiexec -n 2 or more), "
+        "measure this machine's alpha, beta, reduction speed and per-layer compute "
+        "instead and write them to --machine FILE. Data parallelism (--strategy "
+        "allreduce) only.",
+        epilog="examples:\n"
+        "  mpiexec -n 2 mpidl simulate --calibrate --model mlp --machine here.json\n"
+        "  mpidl simulate --model mlp --machine here.json --ranks 2 --algorithm ring\n"
+        "  mpidl simulate --model cnn --machine bench/machines/gpu-cluster.json "
+        "--ranks 1-4096 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("machine and scale (mpidl simulate)")
+    g.add_argument("--ranks", default=None, metavar="P|A-B|P,Q",
+                   help="rank counts to predict: one (8), the powers of two of a range and "
+                   "its end (1-4096), or a list (2,3,4); default: this launch's size, or 2")
+    g.add_argument("--ranks-per-node", type=int, default=None, metavar="R",
+                   help="consecutive ranks per node (default: the machine file's, else 1)")
+    g.add_argument("--machine", default=None, metavar="FILE.json",
+                   help="machine description to read (or, with --calibrate, to write)")
+    for key, what in (("alpha-intra", "latency of a message inside a node (s)"),
+                      ("beta-intra", "seconds per byte inside a node"),
+                      ("alpha-inter", "latency of a message between nodes (s)"),
+                      ("beta-inter", "seconds per byte between nodes (8e-9/G for G Gbit/s)"),
+                      ("gamma", "seconds per byte of a local reduction")):
+        g.add_argument("--" + key, type=float, default=None, metavar="S",
+                       help=what + " (overrides the machine file)")
+    g.add_argument("--compute-s-per-sample", type=float, default=None, metavar="S",
+                   help="forward + backward seconds per sample, spread over the layers by "
+                   "parameter count (default: the machine file's measured layers, else 0)")
+    g.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (under mpiexec -n 2+) and write --machine FILE")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw the scaling efficiency over --ranks")
+    p.set_defaults(prepare=prepare)
+    return p
+
+
+def _refuse_unmodelled(cfg):
+    from mpidl.config import strategy_kwargs  # noqa: PLC0415
+
+    strategy = cfg.strategy or "allreduce"
+    if strategy != "allreduce":
+        raise ConfigError(f"mpidl simulate: --strategy {strategy} is not modelled yet (data "
+                          "parallelism only: --strategy allreduce)")
+    for name, value in strategy_kwargs(cfg).items():
+        if name not in MODELLED and value not in (None, False, "none", "allreduce", "fp32"):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"mpidl simulate: {flag} {value} is not modelled yet (data "
+                              "parallelism with fused all-reduce and row-sparse gathers "
+                              f"only: {', '.join('--' + m.replace('_', '-') for m in MODELLED)})")
+
+
+def machine_of(args):
+    from mpidl.simulate import machine as machines  # noqa: PLC0415
+
+    m = machines.load(args.machine) if args.machine else machines.Machine()
+    for key in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma"):
+        value = getattr(args, key)
+        if value is not None:
+            if not 0 <= value < float("inf"):
+                raise ConfigError(f"--{key.replace('_', '-')} must be a number >= 0, got "
+                                  f"{value}")
+            setattr(m, key, value)
+    if args.ranks_per_node is not None:
+        if args.ranks_per_node < 1:
+            raise ConfigError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
+        m.ranks_per_node = args.ranks_per_node
+    return m
+
+
+def prepare(args, world):
+    """Phase 1: resolve and check everything (one clear line on a mistake)."""
+    from mpidl.cli.train import (build_model_and_optimizer, dataset_options,  # noqa: PLC0415
+                                 given_flags, planned_steps)
+    from mpidl.config import resolve  # noqa: PLC0415
+    from mpidl.data import load_dataset  # noqa: PLC0415
+    from mpidl.simulate.step import parse_ranks  # noqa: PLC0415
+
+    from mpidl.runtime.sync.fused import check_algorithm  # noqa: PLC0415
+
+    cfg = resolve(given_flags(args), args.config)
+    _refuse_unmodelled(cfg)
+    check_algorithm(cfg.algorithm)
+    if args.calibrate:
+        if not args.machine:
+            raise ConfigError("--calibrate writes the measurements to --machine FILE: give "
+                              "one")
+        if world.size < 2:
+            raise ConfigError("--calibrate measures messages between ranks: run it under "
+                              "mpiexec -n 2 (or more) mpidl simulate --calibrate ...")
+        folder = os.path.dirname(os.path.abspath(args.machine))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--machine {args.machine}: the folder {folder} does not exist")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ConfigError(f"--plot {args.plot}: give a .png file name")
+    try:
+        ranks = parse_ranks(args.ranks if args.ranks is not None else max(world.size, 2))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if max(ranks) > 1 << 20:
+        raise ConfigError(f"--ranks: at most {1 << 20} ranks, got {max(ranks)}")
+    machine = machine_of(args) if not args.calibrate else None
+    if args.compute_s_per_sample is not None and not 0 <= args.compute_s_per_sample < \
+            float("inf"):
+        raise ConfigError(f"--compute-s-per-sample must be a number >= 0, got "
+                          f"{args.compute_s_per_sample}")
+    dataset = load_dataset(cfg.dataset, cfg.data_dir, **dataset_options(cfg))
+    if cfg.limit_train or cfg.limit_test:
+        dataset = dataset.limit(cfg.limit_train, cfg.limit_test)
+    model, optimizer = build_model_and_optimizer(
+        cfg, dataset, steps=planned_steps(cfg, dataset, max(ranks)))
+
+    if args.calibrate:
+        return lambda: calibrate_job(args, cfg, world, model, optimizer, dataset)
+    return lambda: predict_job(args, cfg, world, model, dataset, machine, ranks)
+
+
+def _overlap(cfg):
+    """``--overlap auto`` is on where it pays: on a GPU (a spare core per rank is not
+    known here: a CPU run is taken to compute on every core, so off)."""
+    from mpidl.runtime.sync.fused import check_overlap  # noqa: PLC0415
+
+    mode = check_overlap(cfg.overlap)
+    if mode == "auto":
+        return cfg.device == "gpu"
+    return mode == "on"
+
+
+def estimate_rows(model, sparse, dataset, batch, seed, samples=4):
+    """Rows each rank's batch touches, per row-sparse parameter: the mean over a few
+    random batches of the training set (data-dependent: an estimate)."""
+    import numpy as np  # noqa: PLC0415
+
+    from mpidl.backend import to_device  # noqa: PLC0415
+    from mpidl.data.loader import input_dtype  # noqa: PLC0415
+    from mpidl.simulate.step import touched_rows  # noqa: PLC0415
+
+    if not sparse:
+        return {}
+    rng = np.random.default_rng(seed)
+    n = len(dataset.train_y)
+    seen = {name: [] for name in sparse}
+    for _ in range(samples):
+        idx = rng.choice(n, size=min(batch, n), replace=False)
+        x = dataset.train_x[idx]
+        x = to_device(x, dtype=input_dtype(x, str(model.named_parameters()[0][1].data.dtype)))
+        for name, rows in touched_rows(model, sparse, x).items():
+            seen[name].append(rows)
+    return {name: int(round(sum(v) / len(v))) for name, v in seen.items()}
+
+
+def compute_of(args, cfg, model, machine):
+    from mpidl.simulate.step import Compute, compute_from_pace  # noqa: PLC0415
+
+    measured = machine.model_compute(cfg.model)
+    if args.compute_s_per_sample is not None:  # (the update: measured, if it was)
+        return compute_from_pace(model, args.compute_s_per_sample,
+                                 float((measured or {}).get("update_s", 0.0)))
+    if measured:
+        keys = [k for k, _ in model.children()]
+        if sorted(measured["layers"]) != sorted(keys):
+            raise ConfigError(f"--machine {args.machine}: the compute measured for "
+                              f"{cfg.model!r} has layers {sorted(measured['layers'])}, this "
+                              f"model has {keys} (other model options?): calibrate again")
+        layers = {k: tuple(measured["layers"][k]) for k in keys}
+        return Compute(layers, float(measured.get("update_s", 0.0)),
+                       f"measured at batch {measured.get('batch_size')} "
+                       f"({measured.get('dtype', '?')}, {measured.get('device', 'cpu')})",
+                       cv=machine.compute_cv, on_cores=measured.get("device", "cpu") == "cpu")
+    return Compute({k: (0.0, 0.0) for k, _ in model.children()}, 0.0,
+                   "none given: communication only")
+
+
+def predict(args, cfg, model, dataset, machine, ranks):
+    """The prediction as a dict (what --json prints)."""
+    from mpidl.data.loader import BatchLoader  # noqa: PLC0415
+    from mpidl.runtime.sync.fused import check_bucket_mb  # noqa: PLC0415
+    from mpidl.runtime.sync.rowsparse import check_sparse_mode, sparse_param_names  # noqa
+    from mpidl.simulate import collectives as col  # noqa: PLC0415
+    from mpidl.simulate import step as st  # noqa: PLC0415
+
+    accumulate = max(getattr(cfg, "accumulate", 1) or 1, getattr(cfg, "micro_batches", 1) or 1)
+    bucket_mb = check_bucket_mb(cfg.bucket_mb)
+    algorithm = cfg.algorithm or "auto"
+    sparse = sorted(sparse_param_names(model)) \
+        if check_sparse_mode(cfg.sparse_grads) == "allgather" else []
+    rows = estimate_rows(model, sparse, dataset, cfg.batch_size * accumulate, cfg.seed)
+    compute = compute_of(args, cfg, model, machine)
+    overlap = _overlap(cfg)
+    seg = st.segment_bytes()
+    named = model.named_parameters()
+    per_node = machine.ranks_per_node
+    base = None
+    out = []
+    for p in sorted(set(ranks) | {1}):
+        lay = st.layout(named, p, algorithm, bucket_mb, sparse,
+                        {n: [r] * p for n, r in rows.items()})
+        topo = col.Topology(p, min(per_node, p))
+        links = col.Links(machine, topo)
+        t = st.step_time(lay, compute, cfg.batch_size, accumulate, links, overlap, seg)
+        if p == 1:
+            base = t["total"]
+            if 1 not in ranks:
+                continue
+        counted = st.traffic(lay, topo.per_node,
+                             ranks=None if p <= MAX_PER_RANK else [0, p - 1], seg_bytes=seg)
+        msgs = [c["total"]["messages"] for c in counted.values()]
+        nbytes = [c["total"]["bytes"] for c in counted.values()]
+        steps = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size * accumulate,
+                            shard=(0, p), drop_last=cfg.drop_last).steps_per_epoch
+        row = {"ranks": p, "nodes": topo.nodes,
+               "calls": [{"kind": c.kind, "name": c.name, "algorithm": c.algorithm,
+                          "bytes": c.nbytes()} for c in lay.calls],
+               "messages_per_step": sum(msgs) / len(msgs),
+               "bytes_per_step": sum(nbytes) / len(nbytes),
+               "time_s": t, "step_s": t["total"], "steps_per_epoch": steps,
+               "epoch_s": steps * t["total"],
+               "efficiency": st.efficiency(base, t["total"]) if base else None}
+        if p <= MAX_PER_RANK:
+            row["per_rank"] = {"messages": msgs, "bytes": nbytes}
+            row["counters"] = counted[0]
+        else:  # the mean above is rank 0's and the last rank's (the rest not counted)
+            row["per_rank_note"] = f"over {p} ranks: mean of ranks 0 and {p - 1}"
+        out.append(row)
+    below = next((r["ranks"] for r in out if r["efficiency"] is not None
+                  and r["efficiency"] < 0.5), None)
+    result = {"model": cfg.model, "dataset": dataset.name, "batch_size": cfg.batch_size,
+            "accumulate": accumulate, "dtype": cfg.dtype, "algorithm": algorithm,
+            "bucket_mb": bucket_mb, "overlap": "on" if overlap else "off",
+            "sparse_grads": sparse, "rows_per_rank": rows, "segment_bytes": seg,
+            "compute": compute.source, "machine": {k: v for k, v in machine.to_dict().items()
+                                                   if k != "compute"},
+            "predictions": out, "efficiency_below_50pct_at": below}
+    if len(out) == 1:  # one rank count: its figures at the top level too
+        result.update({k: out[0][k] for k in ("ranks", "messages_per_step", "bytes_per_step",
+                                              "step_s", "epoch_s", "efficiency")
+                       if k in out[0]})
+    return result
+
+
+def _table(result):
+    lines = [f"mpidl simulate: {result['model']} on {result['dataset']}, batch "
+             f"{result['batch_size']}/rank x accumulate {result['accumulate']}, "
+             f"{result['dtype']}, algorithm {result['algorithm']}, buckets of "
+             f"{result['bucket_mb']:g} MiB, overlap {result['overlap']}; machine "
+             f"{result['machine']['name']} ({result['machine']['ranks_per_node']} ranks/node); "
+             f"compute {result['compute']}",
+             f"{'ranks':>6} {'nodes':>5} {'msgs/rank':>10} {'bytes/rank':>12} "
+             f"{'comm ms':>9} {'compute ms':>10} {'step ms':>9} {'epoch s':>9} "
+             f"{'efficiency':>10}"]
+    for r in result["predictions"]:
+        t = r["time_s"]
+        lines.append(f"{r['ranks']:>6} {r['nodes']:>5} {r['messages_per_step']:>10.1f} "
+                     f"{r['bytes_per_step']:>12.0f} {1e3 * t['comm']:>9.3f} "
+                     f"{1e3 * (t['forward'] + t['backward'] + t['update']):>10.3f} "
+                     f"{1e3 * r['step_s']:>9.3f} {r['epoch_s']:>9.2f} "
+                     + (f"{100 * r['efficiency']:>9.1f}%" if r["efficiency"] is not None
+                        else f"{'-':>10}"))
+    below = result["efficiency_below_50pct_at"]
+    if result["predictions"][0]["efficiency"] is None:
+        lines.append("efficiency: no compute described (--machine with measured compute, "
+                     "or --compute-s-per-sample)")
+    else:
+        lines.append("efficiency falls below 50% at " + (f"{below} ranks" if below else
+                                                         "none of these rank counts"))
+    return "\n".join(lines)
+
+
+def plot(result, path):
+    from mpidl.benchmarks.plotting import pyplot  # noqa: PLC0415
+
+    plt = pyplot()
+    if plt is None:
+        return
+    xs = [r["ranks"] for r in result["predictions"]]
+    ys = [100 * (r["efficiency"] or 0) for r in result["predictions"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, ys, marker="o")
+    ax.axhline(50, color="grey", ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("predicted scaling efficiency (%)")
+    ax.set_title(f"{result['model']}, {result['algorithm']}, {result['machine']['name']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def predict_job(args, cfg, world, model, dataset, machine, ranks):
+    result = predict(args, cfg, model, dataset, machine, ranks)
+    if world.rank == 0:
+        if args.plot:
+            plot(result, args.plot)
+        print(json.dumps(result) if args.json else _table(result), flush=True)
+    return 0
+
+
+def calibrate_job(args, cfg, world, model, optimizer, dataset):
+    """Collective: every rank measures; rank 0 writes and prints."""
+    import numpy as np  # noqa: PLC0415
+
+    from mpidl.backend import to_device  # noqa: PLC0415
+    from mpidl.comm.hierarchical import node_layout  # noqa: PLC0415
+    from mpidl.data.loader import input_dtype  # noqa: PLC0415
+    from mpidl.simulate import calibrate as cal  # noqa: PLC0415
+    from mpidl.simulate import machine as machines  # noqa: PLC0415
+    from mpidl.threads import usable_cpus  # noqa: PLC0415
+
+    comm = world.mpi
+    nodes = node_layout(comm)
+    links = cal.measure_links(comm, nodes)
+    gamma = comm.allreduce(cal.measure_gamma()) / world.size
+    rng = np.random.default_rng(cfg.seed + world.rank)
+    n = len(dataset.train_y)
+    idx = rng.choice(n, size=min(cfg.batch_size, n), replace=False)
+    x = dataset.train_x[idx]
+    x = to_device(x, dtype=input_dtype(x, cfg.dtype))
+    comm.Barrier()
+    layers, update, cv = cal.measure_compute(model, optimizer, x)
+    everyone = comm.gather((layers, update, cv), root=0)
+    if world.rank != 0:
+        return 0
+    mean = {k: [float(np.mean([e[0][k][i] for e in everyone])) for i in (0, 1)]
+            for k in layers}
+    counts = {node: nodes.count(node) for node in nodes}
+    m = machines.Machine(
+        alpha_intra=links.get("alpha_intra", links.get("alpha_inter", 0.0)),
+        beta_intra=links.get("beta_intra", links.get("beta_inter", 0.0)),
+        alpha_inter=links.get("alpha_inter", links.get("alpha_intra", 0.0)),
+        beta_inter=links.get("beta_inter", links.get("beta_intra", 0.0)),
+        gamma=gamma, ranks_per_node=max(counts.values()),
+        cores_per_node=usable_cpus(),
+        compute_cv=float(np.mean([e[2] for e in everyone])),
+        name=f"calibrated on {world.size} ranks", info={
+            "ranks": world.size, "nodes": len(counts), "points": links["points"],
+            "inter_measured": "alpha_inter" in links})
+    if args.machine and os.path.exists(args.machine):  # keep other models' compute
+        try:
+            m.compute = machines.load(args.machine).compute
+        except UserError:
+            pass
+    m.compute[cfg.model] = {"batch_size": cfg.batch_size, "dtype": cfg.dtype,
+                            "device": cfg.device or "cpu",
+                            "ranks_computing": world.size, "layers": mean,
+                            "update_s": float(np.mean([e[1] for e in everyone]))}
+    machines.save(m, args.machine)
+    fwd = sum(v[0] for v in mean.values()) * cfg.batch_size
+    bwd = sum(v[1] for v in mean.values()) * cfg.batch_size
+    text = (f"mpidl simulate --calibrate: {world.size} ranks on {len(counts)} node(s): "
+            f"alpha {links.get('alpha_intra', 0) * 1e6:.2f} us, beta "
+            f"{links.get('beta_intra', 0) * 1e9:.4f} ns/byte "
+            f"({1 / max(links.get('beta_intra', 0), 1e-30) / 1e9:.2f} GB/s) inside a node"
+            + (f"; alpha {links['alpha_inter'] * 1e6:.2f} us, beta "
+               f"{links['beta_inter'] * 1e9:.4f} ns/byte between nodes"
+               if "alpha_inter" in links else "; between nodes: not measured (one node), "
+               "taken equal") +
+            f"; gamma {gamma * 1e9:.4f} ns/byte; {cfg.model} at batch {cfg.batch_size}: "
+            f"forward {fwd * 1e3:.2f} ms, backward {bwd * 1e3:.2f} ms, update "
+            f"{m.compute[cfg.model]['update_s'] * 1e3:.2f} ms, spread {100 * m.compute_cv:.1f} %; "
+            f"{m.cores_per_node} cores per node; written to {args.machine}")
+    print(json.dumps(m.to_dict()) if args.json else text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run it as: mpidl simulate ...")

@@ -1,0 +1,15 @@
+"""The cost model of ``mpidl simulate``: a step's traffic, exactly, and its time, predicted.
+
+- ``collectives``: per algorithm (ring, tree, recursive doubling, hierarchical, MPI's
+  own), the messages and bytes each rank sends in one call, as the modules of
+  ``mpidl.comm`` send them and its counters count them; and the alpha-beta-gamma time of
+  the call on a machine.
+- ``step``: a data-parallel step laid out as the runtime lays it out (fused buckets,
+  ``auto``'s choices, row-sparse gathers), its per-rank traffic and its predicted time.
+- ``machine``: the machine description (links, reductions, measured compute) and its file.
+- ``calibrate``: the measurements ``mpidl simulate --calibrate`` makes.
+
+Why: "how will this run do on 512 ranks?" deserves an answer before the machine is
+booked, and "how many bytes does a step send?" one that tests can hold to the counters.
+Data parallelism only, for now.
+"""

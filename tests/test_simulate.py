@@ -1,0 +1,164 @@
+"""``mpidl simulate``: the cost model of data parallelism (issue 18, points 3 and 5).
+
+* exact structure: on real ranks (``tests/ranks/simulate_check.py``), the messages and
+  bytes the model predicts per rank per step equal the communicator's counters, field by
+  field and kind by kind, on every rank: the mlp and gpt-tiny (row gathers), every
+  algorithm (``mpi``: calls only, as the counters count), small and large buckets, ring
+  segments of 64 KiB (several per chunk), odd p, nodes of 2 ranks for the hierarchical
+  all-reduce. A representative slice here; the grid for p = 2, 3, 4, 8 is ``slow``.
+* the command: ``--json`` is one object whose ``bytes_per_step`` is what the epoch
+  line's ``bytes_sent_per_step`` reports for the ring; ``--ranks 1-4096`` is fast;
+  ``--calibrate`` writes a machine file the next run reads.
+* bad input: one line, exit 2.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+from mpirun import assert_one_line_error, run_command, run_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "ranks", "simulate_check.py")
+MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
+ENV = {"MPIDL_RING_SEGMENT": "65536", "MPIDL_TUNING": os.path.join(HERE, "no-tuning-file")}
+ALL = "ring,tree,recursive_doubling,hierarchical,mpi,auto"
+
+
+def check_ranks(n, algs, buckets, models="mlp,gpt", per_node=None, timeout=240):
+    env = dict(ENV)
+    if per_node:
+        env["MPIDL_RANKS_PER_NODE"] = str(per_node)
+    launch = run_ranks(n, [SCRIPT, algs, buckets, models], timeout=timeout, env=env).check()
+    assert f"cases exact on {n} ranks" in launch.output, launch.output
+    return launch
+
+
+@pytest.mark.parametrize("n, algs, buckets, per_node", [
+    (2, "ring,tree,recursive_doubling,hierarchical", "4", None),
+    (3, "ring,tree,recursive_doubling,auto", "0.001", None),
+    (4, "hierarchical,ring", "0.001,4", 2),   # two nodes of two ranks
+])
+def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
+    check_ranks(n, algs, buckets, per_node=per_node)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_predicted_traffic_equals_counters_grid(n):
+    check_ranks(n, ALL, "0.001,0.5,4", timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n, per_node", [(3, 2), (4, 2), (8, 2), (8, 3)])
+def test_hierarchical_over_nodes_grid(n, per_node):
+    check_ranks(n, "hierarchical,recursive_doubling,ring", "0.001,4", per_node=per_node,
+                timeout=900)
+
+
+def simulate(*args, timeout=120):
+    return run_command(MPIDL + ["simulate", *map(str, args)], timeout=timeout)
+
+
+def json_of(launch):
+    lines = [line for line in launch.output.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, launch.output
+    return json.loads(lines[0])
+
+
+def test_json_bytes_mean_what_the_metrics_mean():
+    """For the ring, a rank's bytes per step averaged over the ranks is the epoch line's
+    ``bytes_sent_per_step`` (``FusedAllreduce.bytes_per_step``: 2 (p - 1)/p of the
+    buckets); every rank's own figure is listed too."""
+    from mpidl.engine.models import build_model
+
+    out = json_of(simulate("--model", "mlp", "--ranks", "2,3,5", "--algorithm", "ring",
+                           "--limit-train", "512", "--json").check())
+    dense = sum(q.data.nbytes for _, q in build_model("mlp").named_parameters())
+    assert [r["ranks"] for r in out["predictions"]] == [2, 3, 5]
+    for row in out["predictions"]:
+        p = row["ranks"]
+        assert row["bytes_per_step"] == pytest.approx(dense * 2 * (p - 1) / p, rel=1e-12)
+        assert len(row["per_rank"]["bytes"]) == p
+        assert row["counters"]["allreduce"]["bytes"] == row["per_rank"]["bytes"][0]
+        assert row["steps_per_epoch"] == -(-512 // (out["batch_size"] * p))
+
+
+def test_scaling_to_4096_ranks(tmp_path):
+    """A described cluster (8 ranks per node, 200 Gbit/s): the curve to 4096 ranks comes
+    back quickly, efficiency falls as ranks are added and the point below 50 % is named."""
+    machine = tmp_path / "cluster.json"
+    machine.write_text(json.dumps({"name": "test cluster", "ranks_per_node": 8,
+                                   "alpha_intra": 2e-6, "beta_intra": 1e-11,
+                                   "alpha_inter": 5e-6, "beta_inter": 8 / 200e9,
+                                   "gamma": 1e-11}))
+    out = json_of(simulate("--model", "mlp", "--ranks", "1-4096", "--machine", machine,
+                           "--compute-s-per-sample", "2e-6", "--algorithm", "ring", "--json",
+                           "--limit-train", "512", "--plot", tmp_path / "eff.png").check())
+    rows = out["predictions"]
+    assert [r["ranks"] for r in rows] == [1 << k for k in range(13)]
+    eff = [r["efficiency"] for r in rows]
+    assert eff[0] == 1.0 and all(a >= b for a, b in zip(eff, eff[1:])), eff
+    below = out["efficiency_below_50pct_at"]
+    assert below == next(r["ranks"] for r in rows if r["efficiency"] < 0.5)
+    assert rows[-1]["nodes"] == 512 and (tmp_path / "eff.png").stat().st_size > 0
+
+
+def test_calibrate_then_predict(tmp_path):
+    machine = tmp_path / "here.json"
+    launch = run_ranks(2, ["-m", "mpidl.cli.main", "simulate", "--calibrate", "--model",
+                           "logreg", "--batch-size", "16", "--limit-train", "256",
+                           "--machine", str(machine)], module_mpi4py=False, timeout=180)
+    launch.check()
+    assert "written to" in launch.output and launch.output.count("alpha") == 1, launch.output
+    data = json.loads(machine.read_text())
+    assert data["alpha_intra"] > 0 and data["beta_intra"] > 0 and data["gamma"] > 0
+    assert set(data["compute"]["logreg"]["layers"]) == {"0", "1"}
+    out = json_of(simulate("--model", "logreg", "--batch-size", "16", "--machine", machine,
+                           "--limit-train", "256", "--ranks", "2", "--json").check())
+    row = out["predictions"][0]
+    assert out["bytes_per_step"] == row["bytes_per_step"] and out["ranks"] == 2
+    assert out["compute"].startswith("measured") and row["time_s"]["forward"] > 0
+    assert row["step_s"] >= row["time_s"]["forward"] + row["time_s"]["backward"]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--ranks", "0"], ["--ranks '0'", "rank count >= 1"]),
+    (["--algorithm", "fast"], ["--algorithm", "fast"]),
+    (["--strategy", "ps"], ["--strategy ps is not modelled yet"]),
+    (["--compression", "topk"], ["--compression topk is not modelled yet"]),
+    (["--calibrate"], ["--calibrate", "--machine FILE"]),
+    (["--calibrate", "--machine", "m.json"], ["mpiexec -n 2"]),
+    (["--ranks", "2", "--ranks-per-node", "0"], ["--ranks-per-node must be >= 1"]),
+])
+def test_bad_input_is_one_line(args, needles):
+    assert_one_line_error(simulate("--model", "mlp", *args), *needles)
+
+
+def test_bad_machine_file_is_one_line(tmp_path):
+    bad = tmp_path / "m.json"
+    bad.write_text('{"alpha_intra": -1}')
+    assert_one_line_error(simulate("--machine", bad), str(bad), "alpha_intra",
+                          "a number >= 0")
+
+
+@pytest.mark.parametrize("data, needle", [
+    ("[1, 2]", "expected a JSON object"),
+    ({"beta_inter": "fast"}, "beta_inter must be a number"),
+    ({"ranks_per_node": 0}, "ranks_per_node must be an integer >= 1"),
+    ({"latency": 1e-6}, "unknown key 'latency'"),
+    ({"compute": {"mlp": {"layers": {"1": [1e-6]}}}}, "[forward_s, backward_s]"),
+])
+def test_machine_file_checks(tmp_path, data, needle):
+    from mpidl.errors import ConfigError
+    from mpidl.simulate import machine
+
+    path = tmp_path / "m.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    with pytest.raises(ConfigError) as e:
+        machine.load(str(path))
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="no such file"):
+        machine.load(str(tmp_path / "missing.json"))
