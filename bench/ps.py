@@ -179,6 +179,10 @@ def run_rank(a):
         mine["loop_wall"] = clock.loop_wall  # this worker's own steps, before the others end
         mine["compute_s"] = round(clock.compute_s, 3)
         mine["straggle_s"] = round(clock.straggle_s, 3)
+        if a.pace:  # did the real compute keep the emulated pace? (schedule.py)
+            sched = runtime.schedule
+            mine["pace"] = {"paced": sched.paced, "over_pace": sched.over_pace,
+                            "worst_ratio": round(sched.worst_pace_ratio, 3)}
         sync = runtime.syncs[0][1]
         if getattr(sync, "worker", None) is not None:
             # the worker's counts; compute and straggler sleep are the schedule's (the
@@ -211,6 +215,8 @@ def run_rank(a):
     out = {"images": sum(r["images"] for r in workers), "wall_s": train_wall,
            "images_per_sec": sum(r["images"] / r["loop_wall"] for r in workers),
            "curve": curve, "final_acc": curve[-1][1], "ranks": per_rank}
+    if a.pace:
+        out["pace"] = pace_summary(workers, a.pace)
     if a.ps:
         out.update(summarize(runtime.server.final_stats))
         out["server_cpu_fraction"] = per_rank[0]["cpu"] / per_rank[0]["wall"]
@@ -218,6 +224,18 @@ def run_rank(a):
             out["ps_applied"] / max(1, out["ps_pushed"]))
     with open(a.out, "w") as f:
         json.dump(out, f)
+
+
+def pace_summary(workers, pace):
+    """Whether every worker's real compute stayed within its emulated (paced) time:
+    computations (steps, or dealt portions) paced and over their pace, summed over the
+    workers; the largest real compute over ``pace`` per sample on any of them (under 1:
+    even an unslowed step had room); ``kept``: no computation overran."""
+    paced = sum(r["pace"]["paced"] for r in workers)
+    over = sum(r["pace"]["over_pace"] for r in workers)
+    return {"pace_s_per_sample": pace, "paced": paced, "over_pace": over,
+            "worst_ratio": max(r["pace"]["worst_ratio"] for r in workers),
+            "kept": over == 0}
 
 
 def poll_rank(a):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -77,6 +78,51 @@ def test_stragglers_bench_deals_fewer_portions_to_the_straggler(tmp_path):
     assert by_worker[3] < min(by_worker[1], by_worker[2]), by_worker  # 4x slower: fewer
     assert "ps-sync+4x / ps-dealt+4x, all epochs" in report["ratios"]
     assert (tmp_path / "stragglers.png").stat().st_size > 0
+    for key, r in report["runs"].items():  # every step (portion) checked against the pace
+        assert r["pace"]["paced"] == r["ps_pushed"], key
+        assert r["pace"]["kept"] == (r["pace"]["over_pace"] == 0), key
+    overran = [k for k, r in report["runs"].items() if not r["pace"]["kept"]]
+    assert len(report["notes"]) == len(overran), report["notes"]
+
+
+def test_a_schedule_counts_the_computations_that_overran_their_pace():
+    """bench/stragglers.py marks a run whose real compute did not keep the emulated pace:
+    the schedule counts a compute longer than pace x samples x its straggler factor."""
+    from mpidl.runtime.schedule import MicroBatches  # noqa: PLC0415
+
+    sched = MicroBatches(pace=1e-2)
+    assert sched.slow_down(0.01, 10, 1.0) > 0.08  # 0.1 s paced: kept, slept the rest
+    assert sched.slow_down(0.015, 1, 2.0) > 0.004  # over the pace, within a 2x straggler's
+    assert sched.slow_down(0.05, 1, 2.0) == 0.0  # over even a 2x straggler's 0.02 s
+    assert (sched.paced, sched.over_pace) == (3, 1)
+    assert sched.worst_pace_ratio == pytest.approx(5.0)  # 0.05 s against 0.01 s
+    unpaced = MicroBatches(straggler=2.0)
+    unpaced.slow_down(0.001, 10, 2.0)
+    assert (unpaced.paced, unpaced.over_pace) == (0, 0)
+
+
+def test_stragglers_bounds_and_pace_notes():
+    stragglers = load_bench_module("stragglers")
+    b = stragglers.bounds(3)  # the README's ceiling at 3 workers: 2 / (3 / 2.5)
+    assert b["dealt vs sync, 2x straggler"] == pytest.approx(2 / (3 / 2.5))
+    w = 7
+    b = stragglers.bounds(w)
+    assert b["dealt vs sync, 2x straggler"] == pytest.approx(2 / (w / (w - 0.5)))
+    assert b["dealt vs sync, 4x straggler"] == pytest.approx(4 / (w / (w - 0.75)))
+    draws = np.random.default_rng(0).random((200_000, w)) < 0.1  # 4x slower, p = 0.1
+    sync_step = np.where(draws.any(axis=1), 4.0, 1.0).mean()  # the slowest of W
+    assert b["sync's mean step, transient (units of one step)"] == pytest.approx(
+        sync_step, rel=0.01)
+    assert b["ssp vs sync, transient, unbounded slack"] == pytest.approx(
+        sync_step / np.where(draws, 4.0, 1.0).mean(), rel=0.01)
+    kept = {"pace": {"kept": True, "over_pace": 0, "paced": 10, "worst_ratio": 0.5}}
+    assert stragglers.pace_note("a", kept) is None and stragglers.pace_note("a", {}) is None
+    over = {"pace": {"kept": False, "over_pace": 3, "paced": 10, "worst_ratio": 1.4}}
+    assert "3 of 10" in stragglers.pace_note("b", over)
+    a = SimpleNamespace(ssp_lr=None, workers=3)
+    assert stragglers.ssp_lr(a) == 0.15  # the 3-worker setting, unchanged
+    a.workers = 7
+    assert stragglers.ssp_lr(a) == pytest.approx(0.15 * 3 / 7, abs=1e-4)
 
 
 def test_compute_pace_makes_a_step_take_its_pace_times_the_factor():

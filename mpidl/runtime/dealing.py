@@ -34,7 +34,7 @@ from time import perf_counter
 
 from mpidl.errors import ConfigError
 from mpidl.options import Option
-from mpidl.runtime.schedule import MicroBatches, slow_down
+from mpidl.runtime.schedule import MicroBatches
 
 DEAL_MODES = ("batches", "portions")
 
@@ -166,7 +166,7 @@ class DealtPortions(MicroBatches):
             value, f_s, b_s = portion_gradient(model, loss, x, y, lo, hi, measure)
             fwd += f_s
             bwd += b_s
-            straggle += slow_down(f_s + b_s, hi - lo, slow, self.pace)
+            straggle += self.slow_down(f_s + b_s, hi - lo, slow)
             total += value * (hi - lo)
             samples += hi - lo
             self.portions_done += 1

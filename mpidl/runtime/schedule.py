@@ -21,7 +21,10 @@ generator seeded by (SEED, rank), so a run's slow steps are the same every time
 takes ``pace * samples * straggler factor`` whatever its real compute took (it sleeps
 the rest; a real compute already longer is not cut), so timings on a machine with fewer
 cores than ranks model ranks that truly run in parallel. The gradients are still computed
-for real.
+for real. A compute that took longer than its paced time ran slower than the emulation
+claims, so the schedule counts those (``over_pace`` of ``paced``) and keeps the largest
+real compute over ``pace * samples`` (``worst_pace_ratio``): a benchmark reports them, so
+a run that could not keep its pace is marked, not quoted as emulated.
 
 Pipeline schedules (GPipe, 1F1B, ...) will be other classes with the same ``run``.
 """
@@ -146,6 +149,10 @@ class MicroBatches:
         # this rank's share of the global batch over the mean share (set by the trainer
         # when a run keeps its global batch on a number of ranks that does not divide it)
         self.grad_weight = 1.0
+        # with a pace: computations paced, those whose real compute exceeded their paced
+        # time, and the largest real compute / (pace * samples) (module doc)
+        self.paced = self.over_pace = 0
+        self.worst_pace_ratio = 0.0
 
     def step_factor(self):
         """How many times slower than its compute this step runs on this rank (the
@@ -155,6 +162,15 @@ class MicroBatches:
             slow = max(slow, self.transient.factor)
             self.slowed_steps += 1
         return slow
+
+    def slow_down(self, computed, samples, factor):
+        """``slow_down`` with this schedule's pace, counting a compute that overran it."""
+        if self.pace is not None:
+            self.paced += 1
+            self.over_pace += computed > factor * self.pace * samples
+            self.worst_pace_ratio = max(self.worst_pace_ratio,
+                                        computed / (self.pace * samples))
+        return slow_down(computed, samples, factor, self.pace)
 
     def describe_transient(self):
         if self.transient is None:
@@ -202,7 +218,7 @@ class MicroBatches:
             fwd += t1 - t0
             bwd += t2 - t1
         self.forward_s, self.backward_s = fwd, bwd
-        self.straggle_s = slow_down(fwd + bwd, n, self.step_factor(), self.pace)
+        self.straggle_s = self.slow_down(fwd + bwd, n, self.step_factor())
         return total / k
 
     def describe(self):
