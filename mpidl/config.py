@@ -128,10 +128,11 @@ OPTIONS = [
            "copies the model and optimizer state, about a tenth of a step's time for the "
            "mlp)", "parallelism", metavar="K",
            check=lambda k: None if k >= 1 else "must be at least 1"),
-    Option("server_replicas", int, 1, "--elastic with --strategy ps: how many workers "
-           "keep the servers' state of the last epoch's end in memory, so that a server's "
-           "death loses only the epoch in progress (0: none kept; a death then goes back "
-           "to the last checkpoint on disk, --checkpoint-dir)", "parallelism",
+    Option("server_replicas", int, 2, "--elastic with --strategy ps: how many workers "
+           "keep the servers' state of the last epoch's end in memory, so that a death "
+           "loses only the epoch in progress (default 2: no single death, the first "
+           "worker's included, loses it; 0: none kept, a death then goes back to the last "
+           "checkpoint on disk, --checkpoint-dir)", "parallelism",
            metavar="R", check=lambda r: None if r >= 0 else "must be at least 0"),
     Option("out_dir", str, None, "folder for this run's outputs (default "
            "runs/<name or date-time>)", "outputs", metavar="DIR"),

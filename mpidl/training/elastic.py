@@ -79,7 +79,7 @@ class Commits:
     of every epoch like its checkpoints, on the root, and handed to every worker; the
     last one kept) is the whole checkpoint state."""
 
-    def __init__(self, every=10, replicas=1):
+    def __init__(self, every=10, replicas=2):
         self.every = int(every)
         self.replicas = int(replicas)  # workers keeping an epoch commit (--server-replicas)
         self.kept = []  # [(step, state, whole)]
@@ -189,7 +189,7 @@ class ElasticRun:
     trainer over a ``World`` (the model and optimizer anew for every ``later``
     generation) and makes it begin from ``state`` (None: from scratch, or from disk)."""
 
-    def __init__(self, world, start, every=10, replicas=1):
+    def __init__(self, world, start, every=10, replicas=2):
         self.world = world
         self.start = start
         self.commits = Commits(every, replicas)
@@ -249,8 +249,9 @@ class ElasticRun:
             what = str(error).split("\n")[0]
             if state is None:
                 where = ("from the last checkpoint on disk, if any, else from the start (no "
-                         "commit in memory: it died before the first one, or the parameter "
-                         "server keeps none, --server-replicas 0)")
+                         "commit in memory: it died before the first one, every worker "
+                         "that kept the parameter server's died, or it keeps none, "
+                         "--server-replicas 0)")
             else:
                 p = state["progress"]
                 where = (f"from step {step} (epoch {int(p['epoch']) + 1}, "

@@ -477,11 +477,7 @@ class Trainer:
         state = {
             "run": self.run_id,
             "config": self.resume_config(),
-            "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
-                         "position": self.position,
-                         "global_batch": self.loader.global_batch_size,
-                         "elapsed": self.elapsed(),
-                         "last": self.last},
+            "progress": self.position_state(),
             "model": parts.model,
             "optimizer": parts.optimizer,
             "ranks": per_rank,
@@ -491,6 +487,12 @@ class Trainer:
             state["shards"] = dict(parts.shards, files=[
                 ckpt.shard_name(self.step, i, parts.count) for i in range(parts.count)])
         return state, parts
+
+    def position_state(self):
+        """Where the run is: a checkpoint's or an elastic commit's ``progress`` entry."""
+        return {"step": self.step, "epoch": self.epoch, "batch": self.batch,
+                "position": self.position, "global_batch": self.loader.global_batch_size,
+                "elapsed": self.elapsed(), "last": dict(self.last)}
 
     def save_checkpoint(self):
         """Collective: gather every rank's RNG state, then the root writes atomically."""
@@ -527,11 +529,7 @@ class Trainer:
         return {
             "run": self.run_id,
             "config": self.resume_config(),
-            "progress": {"step": self.step, "epoch": self.epoch, "batch": self.batch,
-                         "position": self.position,
-                         "global_batch": self.loader.global_batch_size,
-                         "elapsed": self.elapsed(),
-                         "last": dict(self.last)},
+            "progress": self.position_state(),
             "model": dict(self.model.state_dict()),
             "optimizer": self.optimizer.state_dict(copy=False),
             "ranks": [{"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}],
