@@ -277,6 +277,20 @@ def test_parameter_server_without_replicas_goes_back_to_the_checkpoint(tmp_path,
 
 
 @pytest.mark.ulfm
+def test_a_death_is_learned_without_an_error_of_ones_own(ulfm):
+    """A collective that a death broke can return on some ranks with bytes the dead rank
+    never sent and no MPI error (bench/elastic.py --strategy ps saw the unpickling of an
+    allgather fail); elastic runs then ask ``ft.died_meanwhile``, which must say no
+    before a death and learn of one while the survivors communicate with nobody
+    (``tests/ranks/died_meanwhile.py``: rank 2 of 3 is SIGKILLed)."""
+    script = os.path.join(HERE, "ranks", "died_meanwhile.py")
+    run = run_command([*ulfm, "-n", "3", sys.executable, script], timeout=120)
+    run.check()
+    for rank in (0, 1):
+        assert f"rank {rank}: before False after True" in run.output, run.output
+
+
+@pytest.mark.ulfm
 def test_a_loop_of_ones_own_goes_back_to_its_last_commit(tmp_path, ulfm):
     """``mpidl.training.elastic.run`` and ``State`` (Horovod's elastic state for a loop of
     one's own, ``tests/ranks/elastic_loop.py``): rank 1 of 3 dies at step 12, the others

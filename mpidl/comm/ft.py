@@ -19,6 +19,7 @@ rank dies, as it always did: ``ulfm`` says which case a run is in.
 
 import ctypes
 import os
+import time
 
 from mpi4py import MPI
 
@@ -100,6 +101,25 @@ def _unrecovered_failures():
     n = failed.Get_size()
     failed.Free()
     return n > len(_failures)
+
+
+def died_meanwhile(wait=2.0):
+    """Whether a rank has died that this process has not recovered from yet, waiting up
+    to ``wait`` seconds for ULFM to learn of it. For an error that is not an MPI failure
+    error: a collective that a death broke can return on some ranks without an error but
+    with bytes the dead rank never sent (seen with Open MPI 5's pickled ``allgather``, whose
+    unpickling then failed), and the death is known a moment later. A real error is
+    raised this much later."""
+    deadline = time.monotonic() + wait
+    while not _unrecovered_failures():
+        if time.monotonic() >= deadline:
+            return False
+        try:  # MPI's progress engine is where the news of a death is taken in
+            MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+        except MPI.Exception:
+            pass
+        time.sleep(0.01)
+    return True
 
 
 def is_failure(exc):

@@ -47,7 +47,7 @@ import zlib
 import numpy as np
 
 from mpidl.comm import ft
-from mpidl.errors import AgreedUserError, ConfigError
+from mpidl.errors import AgreedUserError, ConfigError, UserError
 from mpidl.training.log import get_logger
 
 #: generations after which the run gives up (every one of them lost a rank)
@@ -213,7 +213,8 @@ class ElasticRun:
                     e.report = world.rank == 0
                 raise
             except Exception as e:
-                if not ft.is_failure(e):
+                if not (ft.is_failure(e)
+                        or (not isinstance(e, UserError) and ft.died_meanwhile())):
                     raise
                 at = (trainer.step if trainer is not None and trainer.runtime.trains_on_data
                       else -1)
@@ -364,7 +365,7 @@ def run(fn, state, comm=None):
         try:
             return fn(state)
         except Exception as e:
-            if not ft.is_failure(e):
+            if not (ft.is_failure(e) or ft.died_meanwhile()):
                 raise
             detected, dead = time.time(), []
             while True:
