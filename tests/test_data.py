@@ -148,6 +148,21 @@ def test_fashion_mnist_default_location():
     d = load_dataset("fashion-mnist")
     assert len(d.train_y) == 60000 and len(d.test_y) == 10000
     assert np.bincount(d.test_y).tolist() == [1000] * 10
+    # limits given to the loader convert only the rows kept, with the whole training
+    # set's statistics: the same arrays as cutting the whole data set
+    for limits in ((1200, 1000), (5, None), (None, 7), (0, 0)):
+        cut = load_dataset("fashion-mnist", limit_train=limits[0], limit_test=limits[1])
+        whole = d.limit(*limits)
+        for k in ("train_x", "train_y", "test_x", "test_y"):
+            a, b = getattr(cut, k), getattr(whole, k)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (limits, k)
+
+
+def test_limits_given_to_a_float_data_set_cut_after_standardizing():
+    d = load_dataset("synthetic", n_train=64, n_test=16)
+    cut = load_dataset("synthetic", limit_train=10, limit_test=3, n_train=64, n_test=16)
+    assert np.array_equal(cut.train_x, d.train_x[:10])
+    assert np.array_equal(cut.test_y, d.test_y[:3])
 
 
 # -- CIFAR-10

@@ -146,9 +146,8 @@ def prepare(args, world):
             float("inf"):
         raise ConfigError(f"--compute-s-per-sample must be a number >= 0, got "
                           f"{args.compute_s_per_sample}")
-    dataset = load_dataset(cfg.dataset, cfg.data_dir, **dataset_options(cfg))
-    if cfg.limit_train or cfg.limit_test:
-        dataset = dataset.limit(cfg.limit_train, cfg.limit_test)
+    dataset = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit_train, cfg.limit_test,
+                           **dataset_options(cfg))
     model, optimizer = build_model_and_optimizer(
         cfg, dataset, steps=planned_steps(cfg, dataset, max(ranks)))
 

@@ -177,9 +177,8 @@ def prepare(args, world):
     except backend.BackendError as e:
         raise ConfigError(f"--device {cfg.device}: {e}") from None
 
-    dataset = load_dataset(cfg.dataset, cfg.data_dir, **dataset_options(cfg))
-    if cfg.limit_train or cfg.limit_test:
-        dataset = dataset.limit(cfg.limit_train, cfg.limit_test)
+    dataset = load_dataset(cfg.dataset, cfg.data_dir, cfg.limit_train, cfg.limit_test,
+                           **dataset_options(cfg))
 
     model, optimizer = build_model_and_optimizer(cfg, dataset, init,
                                                  planned_steps(cfg, dataset, world.size))

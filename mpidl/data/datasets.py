@@ -57,8 +57,7 @@ class Dataset:
 
     def limit(self, n_train=None, n_test=None):
         """A copy keeping the first ``n_train`` training and ``n_test`` test samples."""
-        def cut(a, n):
-            return a if n is None or n <= 0 else a[:n]
+        cut = _first
         return Dataset(self.name, cut(self.train_x, n_train), cut(self.train_y, n_train),
                        cut(self.test_x, n_test), cut(self.test_y, n_test), self.num_classes,
                        self.classes, self.source, self.task, self.vocab)
@@ -68,11 +67,20 @@ class Dataset:
                 f"input_shape={self.input_shape}, classes={self.num_classes})")
 
 
-def standardize(train_x, test_x):
-    """Float32 images scaled by the training set's per-channel mean and std."""
+def standardize(train_x, test_x, keep=(None, None)):
+    """Float32 images scaled by the training set's per-channel mean and std. ``keep``:
+    (n_train, n_test), the rows to return (``Dataset.limit``'s meaning); the statistics
+    are still the whole training set's, and byte images convert only the kept rows (a
+    run on a few thousand images of Fashion-MNIST then starts half a second sooner)."""
     if train_x.dtype == np.uint8 and test_x.dtype == np.uint8:
-        return _standardize_bytes(train_x, test_x)
-    return _standardize_floats(train_x, test_x)
+        return _standardize_bytes(train_x, test_x, keep)
+    tx, vx = _standardize_floats(train_x, test_x)
+    return _first(tx, keep[0]), _first(vx, keep[1])
+
+
+def _first(a, n):
+    """The first ``n`` rows of ``a``; all of them when ``n`` is None or not positive."""
+    return a if n is None or n <= 0 else a[:n]
 
 
 def _standardize_floats(train_x, test_x):
@@ -85,7 +93,7 @@ def _standardize_floats(train_x, test_x):
     return (train_x - mean) / std, (test_x - mean) / std
 
 
-def _standardize_bytes(train_x, test_x):
+def _standardize_bytes(train_x, test_x, keep=(None, None)):
     """``standardize`` for byte images (MNIST, Fashion-MNIST, CIFAR-10) at a fraction of the
     cost: each channel's mean and std come from exact integer sums of the values and their
     squares, and every image maps through a 256-entry table of the float32 results. The
@@ -104,7 +112,7 @@ def _standardize_bytes(train_x, test_x):
             std = np.float32(1.0)
         tables.append((np.arange(256, dtype=np.float32) - mean) / std)
     out = []
-    for x in (train_x, test_x):
+    for x in (_first(train_x, keep[0]), _first(test_x, keep[1])):
         y = np.empty(x.shape, np.float32)
         for c, table in enumerate(tables):
             y[:, c] = table[x[:, c]]
@@ -146,7 +154,7 @@ def _default_dirs(name):
     return dirs
 
 
-def _idx_dataset(name, data_dir, classes):
+def _idx_dataset(name, data_dir, classes, keep=(None, None)):
     if data_dir is None:
         candidates = _default_dirs(name)
         found = [d for d in candidates if _find_idx_file(d, IDX_FILES["test_y"])]
@@ -177,21 +185,21 @@ def _idx_dataset(name, data_dir, classes):
     if arrays["train_x"].shape[1:] != arrays["test_x"].shape[1:]:
         raise DataError(f"{paths['train_x']} has images of {arrays['train_x'].shape[1:]} "
                         f"but {paths['test_x']} of {arrays['test_x'].shape[1:]}")
-    tx, vx = standardize(arrays["train_x"][:, None], arrays["test_x"][:, None])
-    return Dataset(name, tx, arrays["train_y"].astype(np.int64), vx,
-                   arrays["test_y"].astype(np.int64), len(classes), list(classes),
-                   os.path.abspath(data_dir))
+    tx, vx = standardize(arrays["train_x"][:, None], arrays["test_x"][:, None], keep)
+    return Dataset(name, tx, _first(arrays["train_y"], keep[0]).astype(np.int64), vx,
+                   _first(arrays["test_y"], keep[1]).astype(np.int64), len(classes),
+                   list(classes), os.path.abspath(data_dir))
 
 
-def fashion_mnist(data_dir=None):
-    return _idx_dataset("fashion-mnist", data_dir, FASHION_CLASSES)
+def fashion_mnist(data_dir=None, keep=(None, None)):
+    return _idx_dataset("fashion-mnist", data_dir, FASHION_CLASSES, keep)
 
 
-def mnist(data_dir=None):
-    return _idx_dataset("mnist", data_dir, [str(i) for i in range(10)])
+def mnist(data_dir=None, keep=(None, None)):
+    return _idx_dataset("mnist", data_dir, [str(i) for i in range(10)], keep)
 
 
-def cifar10(data_dir=None):
+def cifar10(data_dir=None, keep=(None, None)):
     if data_dir is None:
         candidates = _default_dirs("cifar10")
         found = [d for d in candidates if os.path.isdir(d)]
@@ -201,7 +209,8 @@ def cifar10(data_dir=None):
                         "cifar-10-binary.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, "
                         "unpack it into DIR and pass --data-dir DIR")
     tx, ty, vx, vy = read_cifar10(data_dir)
-    tx, vx = standardize(tx, vx)
+    tx, vx = standardize(tx, vx, keep)
+    ty, vy = _first(ty, keep[0]), _first(vy, keep[1])
     return Dataset("cifar10", tx, ty, vx, vy, 10, list(CIFAR_CLASSES), os.path.abspath(data_dir))
 
 
@@ -269,11 +278,22 @@ _ALIASES = {"fashion_mnist": "fashion-mnist", "fashionmnist": "fashion-mnist",
             "cifar-10": "cifar10", "cifar": "cifar10"}
 
 
-def load_dataset(name="fashion-mnist", data_dir=None, **options):
-    """Load the dataset ``name`` (see ``DATASETS``) from ``data_dir`` or its usual place."""
+#: the loaders that convert only the rows kept (byte images; ``standardize``)
+_CUT_WHILE_LOADING = ("fashion-mnist", "mnist", "cifar10")
+
+
+def load_dataset(name="fashion-mnist", data_dir=None, limit_train=None, limit_test=None,
+                 **options):
+    """Load the dataset ``name`` (see ``DATASETS``) from ``data_dir`` or its usual place;
+    ``limit_train``/``limit_test``: keep only the first N samples of each split
+    (``Dataset.limit``; images are still standardized with the whole training set's
+    statistics)."""
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in DATASETS:
         raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if data_dir is not None:
         data_dir = os.path.expanduser(str(data_dir))
-    return DATASETS[key](data_dir, **options)
+    if key in _CUT_WHILE_LOADING:
+        options = dict(options, keep=(limit_train, limit_test))
+    data = DATASETS[key](data_dir, **options)
+    return data.limit(limit_train, limit_test) if limit_train or limit_test else data
