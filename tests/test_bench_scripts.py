@@ -33,6 +33,7 @@ def load_bench_module(name):
     return module
 
 
+@pytest.mark.slow  # 35 s; the PS itself is tested in test_parameter_server_mpi.py
 @pytest.mark.skipif(not fashion_available(), reason="needs Fashion-MNIST "
                     "(apt-get install dataset-fashion-mnist)")
 def test_ps_speed_bench_writes_curves_counts_and_plot(tmp_path):
@@ -237,6 +238,7 @@ def test_recalibrated_batchnorm_statistics_are_those_of_the_calibration_images()
     assert not model.training
 
 
+@pytest.mark.slow  # 33 s; the kernels themselves are tested in test_kernels.py
 def test_kernels_bench_runs_and_writes_json(tmp_path):
     out = tmp_path / "kernels.json"
     bench("kernels.py", "--n", 4096, "--rounds", 1, "--no-plot", "--out", out)
