@@ -291,6 +291,7 @@ def test_engine_bench_runs_and_writes_json(tmp_path):
     assert report["machine"]["cpu"]
 
 
+@pytest.mark.slow  # 9 s; delayed gradients are tested in test_parameter_server*.py
 @pytest.mark.skipif(not fashion_available(), reason="needs Fashion-MNIST "
                     "(apt-get install dataset-fashion-mnist)")
 def test_staleness_bench_trains_with_delayed_gradients(tmp_path):
@@ -317,6 +318,7 @@ def test_images_to_target_is_the_first_crossing():
     assert staleness.images_to(curve, 0.9) is None
 
 
+@pytest.mark.slow  # 20 s; the identities and byte counts are test_local_sgd.py's
 def test_local_sgd_bench_quick_writes_exact_byte_fractions_and_plot(tmp_path):
     """bench/local_sgd.py --quick (synthetic data, 2 ranks, 32 steps): local SGD and DiLoCo
     send exactly 1/H of all-reduce's bytes (the communicator's counters), H = 1 trains

@@ -19,7 +19,8 @@ MATRIX = pytest.mark.mpi_matrix  # p = 2 and 3 run again under each other MPI
 
 
 @pytest.mark.parametrize("p", [1, pytest.param(2, marks=MATRIX), pytest.param(3, marks=MATRIX),
-                               4, pytest.param(5, marks=pytest.mark.slow), 8])
+                               4, pytest.param(5, marks=pytest.mark.slow),
+                               pytest.param(8, marks=pytest.mark.slow)])
 def test_every_algorithm_equals_native(p):
     launch = run_ranks(p, [SCRIPT], timeout=300).check()
     assert f"EQUIVALENCE OK p={p}" in launch.output, launch.output

@@ -60,7 +60,7 @@ def test_info_memory_bad_model_is_one_line():
     assert "--model nope" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("ranks", [1, 2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_the_ledger_equals_the_formula_on_real_ranks(ranks):
     """Every stage, SGD with momentum and Adam, uneven buckets: each rank's ledger of
     parameters, gradients and optimizer state is the formula's to the byte."""

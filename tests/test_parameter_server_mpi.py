@@ -292,8 +292,9 @@ def _model_arrays(path):
 
 
 @pytest.mark.skipif(not _cli_ready(), reason="needs the engine's models and the communicator")
-@pytest.mark.parametrize("extra", [[], ["--servers", "2", "--compression", "topk",
-                                        "--ratio", "0.05"]], ids=["1-server", "2-servers-topk"])
+@pytest.mark.parametrize("extra", [[], pytest.param(
+    ["--servers", "2", "--compression", "topk", "--ratio", "0.05"], marks=pytest.mark.slow)],
+    ids=["1-server", "2-servers-topk"])
 def test_cli_ps_checkpoint_after_rank_failure_then_resume_is_bitwise_equal(tmp_path, extra):
     """Sync PS writes a checkpoint at every epoch end (servers' optimizer state and counts
     included); a worker that fails in epoch 3 and a --resume give the uninterrupted run's

@@ -107,7 +107,9 @@ def stop_line(output):
 @pytest.mark.parametrize("sig, n", [(signal.SIGTERM, 2),
                                     pytest.param(signal.SIGUSR1, 2,
                                                  marks=pytest.mark.mpi_matrix_extra),
-                                    (signal.SIGINT, 2), (signal.SIGTERM, None)],
+                                    pytest.param(signal.SIGINT, 2, marks=pytest.mark.slow),
+                                    pytest.param(signal.SIGTERM, None,
+                                                 marks=pytest.mark.slow)],
                          ids=["SIGTERM-mpiexec-2", "SIGUSR1-mpiexec-2", "SIGINT-mpiexec-2",
                               "SIGTERM-one-process"])
 def test_signal_mid_epoch_checkpoints_and_resume_is_bitwise_equal(tmp_path, uninterrupted,

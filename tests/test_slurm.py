@@ -228,6 +228,7 @@ def test_train_sbatch_rank_failure_ends_job(cluster, tmp_path):
 SCALING_TEST_ARGS = "--quick --no-torch --repeats 1 --steps 5 --warmup 2"
 
 
+@pytest.mark.slow  # 20 s; CI's Slurm runs train.sbatch (several ways) and the requeue
 def test_scaling_sbatch_collects_json(cluster, tmp_path):
     """scaling.sbatch on 2 tasks: world-size checks for 1 and 2 ranks, then the benchmark's
     JSON with results for both rank counts, and the job's record, in one folder."""
