@@ -73,8 +73,8 @@ def main(argv=None):
         with Agreement(world):  # local set-up only; ranks agree on user errors at its end
             args = build_parser().parse_args(argv)
             if not getattr(args, "command", None):
-                raise UserError("no command given; use one of: train, rl, sample, info, simulate, bench "
-                                "(mpidl --help)")
+                raise UserError("no command given; use one of: train, rl, sample, info, "
+                                "simulate, bench (mpidl --help)")
             job = args.prepare(args, world) if hasattr(args, "prepare") else None
         if job is not None:
             return job()

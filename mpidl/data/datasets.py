@@ -57,10 +57,9 @@ class Dataset:
 
     def limit(self, n_train=None, n_test=None):
         """A copy keeping the first ``n_train`` training and ``n_test`` test samples."""
-        cut = _first
-        return Dataset(self.name, cut(self.train_x, n_train), cut(self.train_y, n_train),
-                       cut(self.test_x, n_test), cut(self.test_y, n_test), self.num_classes,
-                       self.classes, self.source, self.task, self.vocab)
+        return Dataset(self.name, _first(self.train_x, n_train), _first(self.train_y, n_train),
+                       _first(self.test_x, n_test), _first(self.test_y, n_test),
+                       self.num_classes, self.classes, self.source, self.task, self.vocab)
 
     def __repr__(self):
         return (f"Dataset({self.name!r}, train={len(self.train_y)}, test={len(self.test_y)}, "

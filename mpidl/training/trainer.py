@@ -180,7 +180,7 @@ class Trainer:
         G = self.loader.global_batch_size
         weight = self.loader.batch_size * self.count / G if global_batch else 1.0
         if hasattr(runtime.schedule, "grad_weight"):
-            runtime.schedule.grad_weight = 1.0 if weight == 1.0 else weight
+            runtime.schedule.grad_weight = weight
         ranks = G // per_rank if global_batch else self.count  # what --scale-lr scales by
         self.steps_per_epoch = len(self.loader)
         self.total_steps = cfg.epochs * self.steps_per_epoch
