@@ -322,6 +322,19 @@ def test_elastic_needs_an_mpi_that_survives_a_death(tmp_path):
     assert_one_line_error(launch, "--elastic:", "--with-ft ulfm")
 
 
+@pytest.mark.parametrize("args,needles", [
+    (("--keep-batch", "global", "--accumulate", "2"), ("--keep-batch global", "--accumulate")),
+    (("--keep-batch", "all"), ("--keep-batch",)),
+    (("--server-replicas", "-1"), ("--server-replicas", "at least 0")),
+    (("--elastic-commit-every", "0"), ("--elastic-commit-every", "at least 1")),
+])
+def test_bad_elastic_settings_are_one_line(tmp_path, args, needles):
+    """Two ranks (any MPI): a setting no run can use is one line, on every rank alike."""
+    needs_fashion()
+    launch = run_command(train_cmd(2, tmp_path, "--limit-train", "256", *args), timeout=120)
+    assert_one_line_error(launch, *needles)
+
+
 @pytest.mark.ulfm
 def test_elastic_refuses_a_layout_whose_ranks_hold_pieces(tmp_path, ulfm):
     launch = run_command([*ulfm, "-n", "2", sys.executable, "-m", "mpidl.cli.main", "train",
