@@ -145,8 +145,9 @@ class Commits:
             self.kept = [(step, state, True)]
             return step, state
         if len(holders) != comm.Get_size():
-            raise RuntimeError(f"elastic: ranks {sorted(set(range(comm.Get_size())) - set(holders))} "
-                               f"hold no commit of step {step} (they kept {kept}); cannot go on")
+            missing = sorted(set(range(comm.Get_size())) - set(holders))
+            raise RuntimeError(f"elastic: ranks {missing} hold no commit of step {step} "
+                               f"(they kept {kept}); cannot go on")
         mine = found[0][0]
         digests = comm.allgather(_digest(mine["model"]))
         if len(set(digests)) != 1:
@@ -183,6 +184,27 @@ def _digest(model_state):
     return crc
 
 
+def _death_explains(error):
+    """Whether ``error`` comes of a rank's death: an MPI failure error, or any error but
+    the user's raised while a death is known (``ft.died_meanwhile``)."""
+    return ft.is_failure(error) or (not isinstance(error, UserError) and ft.died_meanwhile())
+
+
+def _survive(mpi_comm, agree):
+    """Revoke, shrink to the survivors and call ``agree(comm)`` over them; all again if a
+    rank dies meanwhile. Returns (the survivors' communicator, the dead world ranks,
+    what ``agree`` returned)."""
+    dead = []
+    while True:
+        mpi_comm, lost = ft.survivors(mpi_comm)
+        dead += lost
+        try:
+            return mpi_comm, dead, agree(mpi_comm)
+        except Exception as e:
+            if not ft.is_failure(e):
+                raise
+
+
 class ElasticRun:
     """Runs ``start(world, state, later) -> Trainer`` generation after generation (see the
     module doc). ``world``: the command line's ``World``; ``start`` builds a generation's
@@ -213,8 +235,7 @@ class ElasticRun:
                     e.report = world.rank == 0
                 raise
             except Exception as e:
-                if not (ft.is_failure(e)
-                        or (not isinstance(e, UserError) and ft.died_meanwhile())):
+                if not _death_explains(e):
                     raise
                 at = (trainer.step if trainer is not None and trainer.runtime.trains_on_data
                       else -1)
@@ -227,17 +248,8 @@ class ElasticRun:
         ``at``: the step this rank was in (-1: none, a server). Returns (the survivors'
         communicator, the state to go on from)."""
         detected = time.time()
-        dead = []
-        while True:
-            mpi_world, lost = ft.survivors(mpi_world)
-            dead += lost
-            try:
-                step, state = self.commits.agree(mpi_world)
-                furthest = max(mpi_world.allgather(at))
-                break
-            except Exception as e:
-                if not ft.is_failure(e):
-                    raise
+        mpi_world, dead, ((step, state), furthest) = _survive(
+            mpi_world, lambda c: (self.commits.agree(c), max(c.allgather(at))))
         self.from_disk = state is None
         event = {"failed_ranks": sorted(dead), "step": step, "ranks": mpi_world.Get_size(),
                  # (when no commit survived: the steps done; the first step says from where)
@@ -365,18 +377,10 @@ def run(fn, state, comm=None):
         try:
             return fn(state)
         except Exception as e:
-            if not (ft.is_failure(e) or ft.died_meanwhile()):
+            if not _death_explains(e):
                 raise
-            detected, dead = time.time(), []
-            while True:
-                mpi, lost = ft.survivors(mpi)
-                dead += lost
-                try:
-                    back_to = state._go_back(mpi)
-                    break
-                except Exception as again:
-                    if not ft.is_failure(again):
-                        raise
+            detected = time.time()
+            mpi, dead, back_to = _survive(mpi, state._go_back)
             state.failures.append({"failed_ranks": sorted(dead), "commit": back_to,
                                    "ranks": mpi.Get_size(),
                                    "recovered_s": round(time.time() - detected, 4)})
