@@ -98,3 +98,9 @@ def flag(name):
 def set_variables():
     """{name: value} of the variables set in this process's environment."""
     return {k: os.environ[k] for k in VARIABLES if k in os.environ}
+
+
+def cache_dir():
+    """mpidl's cache folder: ``$XDG_CACHE_HOME/mpidl`` (``~/.cache/mpidl``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "mpidl")

@@ -8,7 +8,7 @@ import pytest
 
 from mpidl.data import BatchLoader, epoch_permutation, eval_batches, load_dataset, shard_range
 from mpidl.data.cifar import read_cifar_batch, write_cifar_batch
-from mpidl.data.idx import parse_idx, read_idx, write_idx
+from mpidl.data.idx import parse_idx, read_idx, read_idx_head, write_idx
 from mpidl.errors import ConfigError, DataError
 
 FASHION_DIR = "/usr/share/datasets/fashion-mnist"
@@ -120,6 +120,64 @@ def test_idx_dataset_bad_labels(tmp_path):
     write_idx(str(tmp_path / "t10k-labels-idx1-ubyte.gz"), np.full(10, 12, np.uint8))
     with pytest.raises(DataError, match="labels must be 0-9"):
         load_dataset("fashion-mnist", str(tmp_path))
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_idx_head_reads_the_first_rows(tmp_path, gz):
+    x = np.arange(7 * 3 * 2, dtype=np.uint8).reshape(7, 3, 2)
+    path = str(tmp_path / ("x.idx" + (".gz" if gz else "")))
+    write_idx(path, x)
+    for rows in (1, 4, 7, 9):
+        head, total = read_idx_head(path, rows, ndim=3)
+        assert total == 7 and np.array_equal(head, x[:rows]), rows
+    labels = str(tmp_path / "y.idx")
+    write_idx(labels, np.zeros(4, np.uint8))
+    with pytest.raises(DataError, match="expected 3"):
+        read_idx_head(labels, 2, ndim=3)
+
+
+def test_limited_loads_read_only_their_rows_once_the_sums_are_cached(tmp_path, monkeypatch):
+    """The first load reads every file whole and caches the images' byte sums; later
+    limited loads decompress only the rows they keep: the same arrays, bitwise, as
+    cutting the whole data set. A changed file or a damaged entry is read whole again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    make_idx_dataset(str(data), n_train=50, n_test=20)
+    whole = load_dataset("fashion-mnist", str(data))
+    entries = tmp_path / "cache" / "mpidl" / "idx-sums"
+    assert len(os.listdir(entries)) == 2  # the two image files
+
+    def same(a, b):
+        for k in ("train_x", "train_y", "test_x", "test_y"):
+            x, y = getattr(a, k), getattr(b, k)
+            assert x.dtype == y.dtype and np.array_equal(x, y), k
+
+    for limits in ((10, 5), (50, 20), (60, None), (None, 3)):
+        same(load_dataset("fashion-mnist", str(data), *limits), whole.limit(*limits))
+    # a changed training set: its sums are computed again (not the cached ones)
+    make_idx_dataset(str(data), n_train=50, n_test=20, seed=1)
+    fresh = load_dataset("fashion-mnist", str(data), 10, 5)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    same(fresh, load_dataset("fashion-mnist", str(data)).limit(10, 5))
+    assert not np.array_equal(fresh.train_x, whole.train_x[:10])
+    # a damaged entry is ignored; an entry that cannot be written costs nothing
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for name in os.listdir(entries):
+        (entries / name).write_text("{not json")
+    same(load_dataset("fashion-mnist", str(data), 10, 5), fresh)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    same(load_dataset("fashion-mnist", str(data), 10, 5), fresh)
+
+
+def test_a_truncated_training_set_is_found_on_a_limited_first_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    make_idx_dataset(str(tmp_path))
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    raw = gzip.decompress(path.read_bytes())
+    path.write_bytes(gzip.compress(raw[:-100]))
+    with pytest.raises(DataError, match="truncated"):
+        load_dataset("fashion-mnist", str(tmp_path), limit_train=2)
 
 
 def test_missing_data_dir_says_how_to_get_it(tmp_path):

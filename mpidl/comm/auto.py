@@ -59,8 +59,7 @@ def tuning_path():
     explicit = env.get("MPIDL_TUNING")
     if explicit:
         return explicit
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "mpidl", "tuning.json")
+    return os.path.join(env.cache_dir(), "tuning.json")
 
 
 def load(path=None):

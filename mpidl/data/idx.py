@@ -84,6 +84,40 @@ def read_idx(path, ndim=None):
     return parse_idx(_read_bytes(path), path=path, ndim=ndim)
 
 
+def read_idx_head(path, rows, ndim=None):
+    """The first ``rows`` entries of an IDX file (``.gz`` or raw) and the number the
+    header declares, decompressing only those: for a file read whole before (mpidl's
+    data cache records that), so the bytes after them are not checked here."""
+    try:
+        opener = gzip.open if _is_gzip(path) else open
+        with opener(path, "rb") as f:
+            head = f.read(4)
+            nd = head[3] if len(head) == 4 else 0
+            data = head + f.read(4 * nd)
+            if len(data) == 4 + 4 * nd and nd:
+                dims = struct.unpack(f">{nd}I", data[4:])
+                rows = min(rows, dims[0])
+                per_row = int(np.prod(dims[1:], dtype=np.int64))
+                itemsize = IDX_TYPES.get(data[2], np.dtype("u1")).itemsize
+                data += f.read(rows * per_row * itemsize)
+    except OSError as e:  # unreadable, or a damaged gzip stream (BadGzipFile is one)
+        raise DataError(f"cannot read IDX file {path}: {e.strerror or e}") from None
+    except (EOFError, zlib.error) as e:
+        raise DataError(f"IDX file {path} is a damaged gzip file ({e}); "
+                        "download it again") from None
+    if len(data) < 8:
+        return parse_idx(data, path=path, ndim=ndim), 0  # raises the header's error
+    total = struct.unpack(">I", data[4:8])[0]
+    head = bytearray(data)
+    head[4:8] = struct.pack(">I", rows)  # parse the rows read as a file of that many
+    return parse_idx(bytes(head), path=path, ndim=ndim), total
+
+
+def _is_gzip(path):
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
 def write_idx(path, array):
     """Write ``array`` as an IDX file (gzip-compressed when ``path`` ends in ``.gz``).
 
