@@ -10,6 +10,7 @@ points the whole suite at a site's launcher; ``mpi_env()`` lets Open MPI run as 
 with more ranks than cores, as MPICH's Hydra does without being asked.
 """
 
+import functools
 import os
 import shlex
 import shutil
@@ -115,8 +116,10 @@ def _run_once(cmd, timeout, env, cwd):
         return Launch(proc.returncode, out, timed_out=True)
 
 
+@functools.lru_cache(maxsize=None)
 def fashion_available():
-    """Whether Fashion-MNIST is installed (Debian's dataset-fashion-mnist package)."""
+    """Whether Fashion-MNIST is installed (Debian's dataset-fashion-mnist package); asked
+    by many test modules at import, answered once per process."""
     from mpidl.data import load_dataset  # noqa: PLC0415
     from mpidl.errors import DataError  # noqa: PLC0415
 
