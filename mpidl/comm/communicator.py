@@ -119,6 +119,7 @@ class _Channel:
         self.size = comm.Get_size()
         self.seen = set()
         self.seen_allreduce = set()
+        self.native_nbytes = {}  # tensor name -> byte counts passed to MPI's own calls
         # What this channel waits for now (a signature key or a stall.Wait), how many
         # calls it has started, and the inspector's memory of it (stall.py).
         self.busy = None
@@ -497,6 +498,26 @@ class Communicator(PointToPoint):
             if kind == "allreduce" and name is not None:
                 ch.seen_allreduce.add(name)  # the allreduce fast path's lookup
 
+    def _check_new_size(self, ch, kind, name, nbytes, shape, dtype, op, alg, root=None):
+        """Compare a named tensor's call in full before MPI's own collective gets a byte
+        count this tensor has not had: given different sizes on different ranks, MPI can
+        end the job inside the call (MPICH aborts, whatever the error handler) before any
+        digest comparison could name it. The comparison runs on the stall inspector's
+        duplicate: if every rank changed the size alike they meet there at once; if some
+        did not, those wait in MPI's call, and the stall inspector finds the two
+        signatures at the same call number within ``stall.MISMATCH_AFTER`` seconds and
+        ends the job naming both. Blocking calls only (the caller's thread); without an
+        inspector MPI's own error stands."""
+        if name is None or ch is not self._main:
+            return
+        sizes = ch.native_nbytes.setdefault(name, set())
+        if nbytes not in sizes:
+            if sizes and self.size > 1 and stall.available():
+                _consistency_check(self._inspect, kind, name,
+                                   describe(kind, name, shape, dtype, op, alg, root),
+                                   blocking=True)
+            sizes.add(nbytes)
+
     def _digest(self, ch, key):
         """Remember the signature of the call about to run (as its digest: an int, which
         the garbage collector does not track; keeping the key tuples would make it run);
@@ -563,6 +584,10 @@ class Communicator(PointToPoint):
         try:
             if c.verify and self._check:
                 self._verify(ch, kind, c.name, c.x.shape, c.x.dtype, c.op, c.alg, c.root)
+            if c.alg == "mpi" and self._check == _DIGEST and kind != "allgatherv" \
+                    and key not in ch.digests:
+                self._check_new_size(ch, kind, c.name, c.x.nbytes, c.x.shape, c.x.dtype,
+                                     c.op, c.alg, c.root)
             if self._check == _DIGEST and ch.seq >= ch.due:
                 self._compare(ch)
             tl = self._timeline
@@ -637,6 +662,9 @@ class Communicator(PointToPoint):
                     if d is None:
                         if name is None or name not in ch.seen_allreduce:
                             self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
+                        if alg == "mpi":
+                            self._check_new_size(ch, "allreduce", name, x.nbytes, x.shape,
+                                                 x.dtype, op, alg)
                         d = digest(key, ch.digests)
                     if seq >= ch.due:
                         self._compare(ch)
