@@ -74,3 +74,22 @@ def test_tune_writes_thresholds_that_auto_uses(tmp_path):
     assert entries[-1][0] is None
     assert all(alg in ("ring", "tree", "recursive_doubling", "mpi") for _, alg in entries)
     assert "bcast" in tables
+
+
+def test_check_cost_writes_both_measurements(tmp_path):
+    """``--check-cost``: the end-to-end overhead with its A/A floor, and the check's own
+    work per call (calls through an algorithm that moves nothing), which it removes from
+    the registry again."""
+    path = tmp_path / "cc.json"
+    launch = run_command([sys.executable, os.path.join(ROOT, "bench", "collectives.py"),
+                          "--check-cost", "--sizes", "4,64KiB", "--repeats", "3",
+                          "--json", path], timeout=300).check()
+    goals = [ln for ln in launch.output.splitlines() if ln.startswith("goal ")]
+    assert len(goals) == 2 and "at 4 B" in goals[0] and "at 64 KiB" in goals[1], goals
+    records = json.loads(path.read_text())["check_cost"]
+    assert [r["bytes"] for r in records] == [4, 65536]
+    for r in records:
+        for k in ("overhead_digest", "overhead_off-again", "check_us_digest",
+                  "check_us_off-again", "cost_digest"):
+            assert isinstance(r[k], float) and abs(r[k]) < 1e3, (k, r[k])
+        assert r["cost_digest"] == pytest.approx(r["check_us_digest"] / r["lat_us_off"])
