@@ -29,35 +29,42 @@ def pytest_configure(config):
 
 # Files whose tests read the clock against the job (stall and mismatch timeouts, signals
 # sent mid-epoch, "ends within N s") or hold a machine-wide resource (the Slurm cluster,
-# network namespaces). Under pytest-xdist (CI: -n 2 --dist loadgroup) every file is one
-# group, so a file's tests and its module fixtures stay on one worker, and these files
-# form a single group together: never two of them at once. They are put first, so that
-# their group, the longest, is not the run's tail.
+# network namespaces). Under pytest-xdist (CI: -n 2) each test file is one unit of work
+# (its module fixtures stay on one worker), and these files are one unit together: they
+# never meet each other, and they go first, so that the longest unit is not the tail.
 SERIAL_FILES = {
     "test_comm_later_mismatch.py", "test_data_parallel_cli.py", "test_elastic.py",
     "test_preempt.py", "test_slurm.py", "test_stall.py", "test_vcluster.py",
 }
 
 
-def _group_by_file(items):
-    serial, other = [], []
-    for item in items:
-        name = os.path.basename(str(item.fspath))
-        if name in SERIAL_FILES:
-            item.add_marker(pytest.mark.serial)
-            item.add_marker(pytest.mark.xdist_group("serial"))
-            serial.append(item)
-        else:
-            item.add_marker(pytest.mark.xdist_group(name))
-            other.append(item)
-    items[:] = serial + other
+def _serial(path):
+    return os.path.basename(str(path)) in SERIAL_FILES
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's file-by-file scheduling, with SERIAL_FILES as one unit (xdist's own
+    ``xdist_group`` marks do nothing under pytest 9.2, whose node ids xdist 3.8 cannot
+    extend)."""
+    from xdist.scheduler import LoadFileScheduling  # noqa: PLC0415
+
+    class FilesAndSerialFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return "serial files" if _serial(path) else path
+
+    return FilesAndSerialFiles(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """``slow`` tests (exhaustive grids, long training runs) run only when asked for:
-    ``pytest -m slow ...`` or ``MPIDL_SLOW=1``; CI runs their representative slices."""
-    _group_by_file(items)
+    ``pytest -m slow ...`` or ``MPIDL_SLOW=1``; CI runs their representative slices.
+    The serial files go first (see SERIAL_FILES)."""
+    for item in items:
+        if _serial(item.fspath):
+            item.add_marker(pytest.mark.serial)
+    items.sort(key=lambda item: "serial" not in item.keywords)  # stable
     if "slow" in (config.getoption("markexpr") or "") or os.environ.get("MPIDL_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: run with pytest -m slow (or MPIDL_SLOW=1)")
