@@ -23,7 +23,7 @@ import os
 import cupy as cp
 import numpy as np
 
-from . import cpu, reference, wire
+from . import cpu, wire
 
 _CUDA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda")
 _THREADS = 256
