@@ -127,13 +127,13 @@ class _Channel:
         self.track = None
         # Digests of the calls since the last comparison (check="digest"), and the digest
         # of each signature key seen (consistency.digest). Per channel: each channel's
-        # calls are in the same order on every rank, the two channels' are not.
+        # calls are in the same order on every rank, the two channels' are not. The
+        # window is a list of ``period`` slots, call ``seq``'s at ``seq - window_start``:
+        # one store per call, and the store past its end is the call that compares.
         self.window = []
-        self.push = self.window.append
         self.window_start = 1  # the call number of the window's first call
         self.period = self.due = None  # calls per window now; the call that compares
         self.digests = {}
-        self.digest_of = self.digests.get
         self.stats = counters.new_table()
         self.allreduce_stats = self.stats["allreduce"]
         self._staging = staging
@@ -404,7 +404,6 @@ class Communicator(PointToPoint):
             self.check_signatures()
         if mode == "digest" and self._check != _DIGEST:
             for ch in (self._main, self._bg):  # windows as long as they had grown
-                ch.window.clear()
                 _open_window(ch, ch.seq + 1, ch.period)
         self.check = mode
         self._check = _MODES[mode]
@@ -524,7 +523,7 @@ class Communicator(PointToPoint):
         before it, compare the window's digests if this call is the one due."""
         if ch.seq >= ch.due:
             self._compare(ch)
-        ch.push(digest(key, ch.digests))
+        ch.window[ch.seq - ch.window_start] = digest(key, ch.digests)
 
     def _compare(self, ch, before_call=True):
         """Digest comparison of ``ch``'s calls since the last one (consistency.py);
@@ -534,10 +533,10 @@ class Communicator(PointToPoint):
         number: the first window is 64 calls, each next one twice as long up to
         ``check_period``, so a mismatch early in a run is found early and a long run
         compares rarely."""
-        window = ch.window[:]
-        ch.window.clear()  # the same list: ch.push stays bound to it
         first = ch.window_start
         last = ch.seq - 1 if before_call else ch.seq
+        window = ch.window if last - first + 1 == len(ch.window) else \
+            ch.window[:last - first + 1]
         _open_window(ch, last + 1, min(ch.period * 2, self.check_period))
         busy = ch.busy
         calls = f"calls {first}-{last}" if last >= first else f"no calls since call {last}"
@@ -603,7 +602,7 @@ class Communicator(PointToPoint):
         if self._check == _DIGEST:
             # after the call: one that raised on every rank (a mismatch found by its own
             # exchange, as allgatherv's) is not counted anywhere
-            ch.push(digest(key, ch.digests))
+            ch.window[ch.seq - ch.window_start] = digest(key, ch.digests)
         if c.op == "mean" and c.dst is not None:
             c.xp.divide(c.dst, self.size, out=c.dst)
         if c.back is not None:
@@ -657,18 +656,22 @@ class Communicator(PointToPoint):
             ch.busy = key
             try:
                 if check == _DIGEST:
-                    # A known key means a known name: no full check, one lookup per call.
-                    d = ch.digest_of(key)
-                    if d is None:
+                    # A known key means a known name: no full check, one lookup and one
+                    # store per call (try: free in Python 3.11+ when nothing is raised).
+                    try:
+                        d = ch.digests[key]
+                    except KeyError:
                         if name is None or name not in ch.seen_allreduce:
                             self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
                         if alg == "mpi":
                             self._check_new_size(ch, "allreduce", name, x.nbytes, x.shape,
                                                  x.dtype, op, alg)
                         d = digest(key, ch.digests)
-                    if seq >= ch.due:
+                    try:
+                        ch.window[seq - ch.window_start] = d
+                    except IndexError:  # the window is full: this call compares it
                         self._compare(ch)
-                    ch.push(d)
+                        ch.window[0] = d
                 elif check and (name is None or check == _ALWAYS
                                 or name not in ch.seen_allreduce):
                     self._verify(ch, "allreduce", name, x.shape, x.dtype, op, alg)
@@ -1023,6 +1026,7 @@ def _exchange_counts(comm, n, desc, kind, name):
 
 def _open_window(ch, start, period):
     """A digest window from call ``start``, compared before call ``start + period``."""
+    ch.window = [0] * period
     ch.window_start = start
     ch.period = period
     ch.due = start + period

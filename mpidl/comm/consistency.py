@@ -13,7 +13,7 @@ the call, the tensor and which ranks passed what, instead of a hang or silent ga
 - The digest comparison (``compare_windows``, ``check="digest"``, the default): every
   call's signature key (a tuple) is looked up once in a dictionary of digests and the
   digest (an int) remembered; after windows of 64, 128, ... calls, up to
-  ``check_period`` (4096 by default), and at ``close()`` ranks all-gather 24 bytes: the
+  ``check_period`` (4096 by default), and at ``close()`` ranks all-gather 16 bytes: the
   number of calls and a digest of their digests. So a later call with another dtype, op,
   size or name, or a rank that skipped a call, is caught by the end of its window, at
   the cost of one small all-gather per window (all-reduce keys hold the element count,
@@ -23,7 +23,6 @@ the call, the tensor and which ranks passed what, instead of a hang or silent ga
   the ranks are stuck in.
 """
 
-import array
 import hashlib
 import time
 
@@ -156,8 +155,9 @@ def digest(key, cache):
     d = cache.get(key)
     if d is None:
         text = describe(*full_key(key))
+        # 60 bits: an int of two 30-bit digits whose hash is itself (compare_windows)
         d = cache[key] = int.from_bytes(
-            hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+            hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 4
         cache[("text", d)] = text
     return d
 
@@ -168,26 +168,30 @@ def compare_windows(comm, window, cache, first, group, blocking=True):
     ``first``. ``blocking=False``: wait by polling (for a progress thread, which must
     not be inside MPI when the process finalizes).
 
-    One all-gather of 24 bytes per rank (the number of calls and a 16-byte digest of their
+    One all-gather of 16 bytes per rank (the number of calls and a digest of their
     signatures) when all agree; when they do not, two more find the first call that
     differs and every rank raises CollectiveMismatchError naming it, the ranks, and what
-    each passed."""
+    each passed.
+
+    The window's digest is Python's hash of the tuple of its digests: for ints and tuples
+    of ints it is the same in every process (string hashing is what PYTHONHASHSEED
+    randomizes), order-sensitive, and about five times cheaper than packing the window
+    into bytes for a cryptographic hash; with the calls' digests below 2**61 - 1 (60 bits,
+    ``digest``) no two of them hash alike."""
     p = comm.Get_size()
     if p == 1:
         return
-    # Plain bytes, no NumPy, on the path taken every period: it is the cost.
-    packed = array.array("Q", window)
     mine = (len(window).to_bytes(8, "little")
-            + hashlib.blake2b(packed, digest_size=16).digest())
+            + hash(tuple(window)).to_bytes(8, "little", signed=True))
     gathered = bytearray(p * len(mine))
     _allgather(comm, [mine, MPI.BYTE], [gathered, MPI.BYTE], blocking)
     if gathered == mine * p:
         return
     # Somebody differs: find the first call that does (windows may differ in length).
-    table = np.frombuffer(gathered, dtype=np.uint64).reshape(p, 3)
+    table = np.frombuffer(gathered, dtype=np.uint64).reshape(p, 2)
     longest = int(table[:, 0].max())
     padded = np.zeros(longest, dtype=np.uint64)
-    padded[:len(window)] = np.frombuffer(packed, dtype=np.uint64)
+    padded[:len(window)] = window
     every = np.empty((p, longest), dtype=np.uint64)
     _allgather(comm, padded, every, blocking)
     lengths = table[:, 0].astype(np.int64)
