@@ -92,4 +92,8 @@ def test_check_cost_writes_both_measurements(tmp_path):
         for k in ("overhead_digest", "overhead_off-again", "check_us_digest",
                   "check_us_off-again", "cost_digest"):
             assert isinstance(r[k], float) and abs(r[k]) < 1e3, (k, r[k])
-        assert r["cost_digest"] == pytest.approx(r["check_us_digest"] / r["lat_us_off"])
+        # a share of the unchecked call timed beside it: the same order as over the
+        # median latency of the separate end-to-end runs (noise moves both)
+        if r["check_us_digest"] > 0.02:
+            ratio = r["cost_digest"] / (r["check_us_digest"] / r["lat_us_off"])
+            assert 0.2 < ratio < 5, (r["cost_digest"], r["check_us_digest"], r["lat_us_off"])
