@@ -97,14 +97,27 @@ def actor_main(cfg, roles, comm, obs_shape, n_actions):
     learner = roles.learners[0]
     each, rounds = schedule(cfg, len(roles.actors))
     fails = fail_steps(rank)
+    # Asynchronously, as in Ape-X, the actor asks for the next round's parameters before
+    # it acts, so the learner's answer travels while it acts instead of stopping it
+    # (each round then acts with parameters one round older). The lockstep mode asks and
+    # waits at the start of each round: its schedule answers all of a round's pulls
+    # before that round's updates.
+    ahead = not cfg.deterministic
     pulls = []
-    for j in range(rounds):
-        check_fail(rank, fails, j)
+
+    def pull():
         box.send(learner, TAG_REQ, kind="pull", returns=actor.returns, frames=actor.frames)
         actor.returns = []
+
+    for j in range(rounds):
+        check_fail(rank, fails, j)
+        if j == 0 or not ahead:
+            pull()
         msg, _ = box.recv(learner, TAG_REP, "parameters from the learner")
         load_arrays(dqn.online, msg["arrays"])
         pulls.append(msg["version"])
+        if ahead and j + 1 < rounds:
+            pull()
         batch = actor.run(dqn.online, min(cfg.actor_steps, each - actor.frames))
         box.send(roles.shard_for(rank, j), TAG_REQ, kind="insert", actor=i, seq=j,
                  batch=batch, priorities=initial_priorities(cfg, dqn, batch))
