@@ -33,6 +33,32 @@ def test_sumtree_total_find_and_update():
         t.update([5], [1.0])
 
 
+def test_sumtree_runs_of_leaves_hold_the_bits_of_leaf_by_leaf_updates():
+    """A run of consecutive leaves (a replay insert) takes the slice path; the same leaves
+    in another order take the generic one: every node of the two trees is bitwise equal,
+    on trees of odd, power-of-two and replay-sized capacities, runs wrapping the end
+    through ReplayShard.insert included."""
+    rng = np.random.default_rng(3)
+    for cap in (1, 2, 3, 7, 64, 1000):
+        runs, generic = SumTree(cap), SumTree(cap)
+        for _ in range(200):
+            n = int(rng.integers(1, min(cap, 40) + 1))
+            first = int(rng.integers(0, cap - n + 1))
+            pr = rng.exponential(1.0, n) * rng.choice([1e-8, 1.0, 1e6], n)
+            runs.update(np.arange(first, first + n), pr)
+            order = rng.permutation(n)  # not a run (unless n == 1): the generic path
+            generic.update(first + order, pr[order])
+            assert np.array_equal(runs.tree, generic.tree), (cap, first, n)
+    a, b = ReplayShard(10, (3,), alpha=0.6), ReplayShard(10, (3,), alpha=0.6)
+    for start in (0, 7, 14, 19):  # 7 + 7 wraps at 10, so do the later ones
+        p = rng.exponential(1.0, 7)
+        slots = a.insert(transitions(range(start, start + 7)), priorities=p)
+        b.data = {k: v.copy() for k, v in a.data.items()}
+        order = rng.permutation(7)
+        b.tree.update(slots[order], b._to_tree(p)[order])
+        assert np.array_equal(a.tree.tree, b.tree.tree)
+
+
 def test_fifo_eviction_keeps_the_newest():
     sh = ReplayShard(4, (3,), alpha=0.0)
     sh.insert(transitions([0, 1, 2]))

@@ -98,7 +98,10 @@ class ReplayShard:
         slots = (self.next + np.arange(n)) % self.capacity
         for k in FIELDS:
             self.data[k][slots] = batch[k]
-        self.tree.update(slots, self._to_tree(priorities))
+        values = self._to_tree(priorities)
+        wrap = self.capacity - self.next  # the slots before the end: one run, then another
+        self.tree.update(slots[:wrap], values[:wrap])
+        self.tree.update(slots[wrap:], values[wrap:])
         self.next = int((self.next + n) % self.capacity)
         self.size = min(self.size + n, self.capacity)
         self.inserted += n
