@@ -20,12 +20,15 @@ import time
 import numpy as np
 
 from mpidl.comm import ANY_SOURCE
+from mpidl.ps.protocol import Poller
 from mpidl.rl.actor import Actor
 from mpidl.rl.dqn import DQN, apex_epsilon, load_arrays, param_arrays
 from mpidl.rl.learner import Learner, updates_due
 from mpidl.rl.metrics import Tracker
 from mpidl.rl.protocol import TAG_REP, TAG_REQ, Mailbox
 from mpidl.rl.replay import ReplayShard, importance_weights, plan, take
+
+PULL_NAP_S = 250e-6  # the idle async learner's first nap between probes for pulls
 
 
 def schedule(cfg, n_actors):
@@ -97,30 +100,49 @@ def actor_main(cfg, roles, comm, obs_shape, n_actions):
     learner = roles.learners[0]
     each, rounds = schedule(cfg, len(roles.actors))
     fails = fail_steps(rank)
-    # Asynchronously, as in Ape-X, the actor asks for the next round's parameters before
-    # it acts, so the learner's answer travels while it acts instead of stopping it
-    # (each round then acts with parameters one round older). The lockstep mode asks and
-    # waits at the start of each round: its schedule answers all of a round's pulls
-    # before that round's updates.
+    # Asynchronously, as in Ape-X, the actor does not stop for the learner: it asks for
+    # parameters a round ahead and takes the answer when it has come, acting meanwhile
+    # with those it has; it waits only while two asks are unanswered (the learner holds
+    # pulls back while it owes updates: back-pressure). The lockstep mode asks and waits
+    # at the start of each round: its schedule answers all of a round's pulls before that
+    # round's updates.
     ahead = not cfg.deterministic
     pulls = []
+    asked = 0  # pulls the learner has not answered yet
+    version = None
 
     def pull():
+        nonlocal asked
         box.send(learner, TAG_REQ, kind="pull", returns=actor.returns, frames=actor.frames)
         actor.returns = []
+        asked += 1
+
+    def take(wait):
+        """Load the learner's next answer (waiting for it, or only if it has come)."""
+        nonlocal asked, version
+        got = (box.recv(learner, TAG_REP, "parameters from the learner") if wait
+               else box.poll(learner, TAG_REP))
+        if got is None:
+            return False
+        load_arrays(dqn.online, got[0]["arrays"])
+        version = got[0]["version"]
+        asked -= 1
+        return True
 
     for j in range(rounds):
         check_fail(rank, fails, j)
         if j == 0 or not ahead:
             pull()
-        msg, _ = box.recv(learner, TAG_REP, "parameters from the learner")
-        load_arrays(dqn.online, msg["arrays"])
-        pulls.append(msg["version"])
+        while asked and take(wait=not ahead or j == 0 or asked > 1):
+            pass
+        pulls.append(version)
         if ahead and j + 1 < rounds:
             pull()
         batch = actor.run(dqn.online, min(cfg.actor_steps, each - actor.frames))
         box.send(roles.shard_for(rank, j), TAG_REQ, kind="insert", actor=i, seq=j,
                  batch=batch, priorities=initial_priorities(cfg, dqn, batch))
+    while asked:  # every answer received: none left in flight when the learner finishes
+        take(wait=True)
     for s in roles.shards:
         box.send(s, TAG_REQ, kind="done")
     box.send(learner, TAG_REQ, kind="done", returns=actor.returns, frames=actor.frames)
@@ -197,6 +219,11 @@ class ApexLearner:
         self.cfg, self.roles, self.comm = cfg, roles, comm
         self.learner = Learner(cfg, obs_shape, n_actions)
         self.box = Mailbox(comm, f"apex learner, rank {comm.rank}")
+        # Idle, the asynchronous learner waits for the actors' pulls, which ask for the
+        # parameters a round ahead: an answer a little later costs them nothing, and
+        # longer naps leave the cores to them (the mailbox's own poller, which starts at
+        # 20 us, serves the replay shards' answers, on which an update waits).
+        self.pull_poller = Poller(comm, first=PULL_NAP_S, who=f"apex learner, rank {comm.rank}")
         self.tracker = Tracker(cfg, self.learner.net, out=out)
         self.version = 0
         self.frames = {a: 0 for a in roles.actors}
@@ -307,7 +334,8 @@ class ApexLearner:
                 elif len(self.done) == A:
                     break
                 else:
-                    held.append(self.box.recv(ANY_SOURCE, TAG_REQ, "pulls from the actors"))
+                    held.append(self.box.recv(ANY_SOURCE, TAG_REQ, "pulls from the actors",
+                                              poller=self.pull_poller))
         frames = self.total_frames
         stats = []
         for s in roles.shards:

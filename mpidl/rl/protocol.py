@@ -35,9 +35,10 @@ class Mailbox:
     def send(self, dest, tag, **msg):
         self.sends.append(self.comm.isend_obj(msg, dest, tag))
 
-    def recv(self, source, tag, what):
-        """Wait for and receive one message; returns ``(msg, source)``."""
-        src = self.poller.wait(source, tag, what=what, idle=self.idle)
+    def recv(self, source, tag, what, poller=None):
+        """Wait for and receive one message; returns ``(msg, source)``. ``poller``: one
+        with other naps than the mailbox's (``mpidl.ps.protocol.Poller``)."""
+        src = (poller or self.poller).wait(source, tag, what=what, idle=self.idle)
         msg, src, _ = self.comm.recv_obj(src, tag)
         return msg, src
 
