@@ -28,7 +28,7 @@ from mpidl.rl.metrics import Tracker
 from mpidl.rl.protocol import TAG_REP, TAG_REQ, Mailbox
 from mpidl.rl.replay import ReplayShard, importance_weights, plan, take
 
-PULL_NAP_S = 250e-6  # the idle async learner's first nap between probes for pulls
+PULL_NAP_S = 250e-6  # first nap between probes of an idle async learner or shard
 
 
 def schedule(cfg, n_actors):
@@ -200,8 +200,16 @@ def shard_main(cfg, roles, comm, obs_shape):
         while handle(*box.recv(learner, TAG_REQ, "the learner's stop")) != "stop":
             pass
     else:
-        while handle(*box.recv(ANY_SOURCE, TAG_REQ, "inserts and learner requests")) != "stop":
-            pass
+        # Asynchronously the learner's totals and sample requests are the first of an
+        # update's three exchanges: the next one follows at once and the learner waits
+        # for its answer, so after those the shard probes from 20 us. After an insert (no
+        # one waits for it) or an update's priorities it naps longer between probes:
+        # each wake-up of an idle shard takes a core from an actor for a moment.
+        idle = Poller(comm, first=PULL_NAP_S, who=f"replay shard {index}, rank {rank}")
+        kind = None
+        while kind != "stop":
+            kind = handle(*box.recv(ANY_SOURCE, TAG_REQ, "inserts and learner requests",
+                                    poller=None if kind in ("totals", "sample") else idle))
     while len(done) < len(roles.actors):  # every actor's last message is in
         handle(*box.recv(ANY_SOURCE, TAG_REQ, "the actors' done"))
     stats = {"shard": index, "rank": rank, "size": shard.size, "inserted": shard.inserted,
