@@ -28,7 +28,8 @@ from mpidl.rl.metrics import Tracker
 from mpidl.rl.protocol import TAG_REP, TAG_REQ, Mailbox
 from mpidl.rl.replay import ReplayShard, importance_weights, plan, take
 
-PULL_NAP_S = 250e-6  # first nap between probes of an idle async learner or shard
+IDLE_NAP_S = 1e-3  # nap between probes of an idle async learner or shard
+LEARNER_BUSY_S = 0.02  # a shard's learner is updating if it asked this recently
 
 
 def schedule(cfg, n_actors):
@@ -200,16 +201,19 @@ def shard_main(cfg, roles, comm, obs_shape):
         while handle(*box.recv(learner, TAG_REQ, "the learner's stop")) != "stop":
             pass
     else:
-        # Asynchronously the learner's totals and sample requests are the first of an
-        # update's three exchanges: the next one follows at once and the learner waits
-        # for its answer, so after those the shard probes from 20 us. After an insert (no
-        # one waits for it) or an update's priorities it naps longer between probes:
-        # each wake-up of an idle shard takes a core from an actor for a moment.
-        idle = Poller(comm, first=PULL_NAP_S, who=f"replay shard {index}, rank {rank}")
-        kind = None
+        # Asynchronously: while the learner is updating (a request from it in the last
+        # LEARNER_BUSY_S), it waits for each answer, so the shard probes from 20 us;
+        # otherwise only inserts come, which no one waits for, and the shard naps longer
+        # between probes: each wake-up of an idle rank takes a core from an actor.
+        idle = Poller(comm, first=IDLE_NAP_S, who=f"replay shard {index}, rank {rank}")
+        kind, heard = None, -math.inf
         while kind != "stop":
-            kind = handle(*box.recv(ANY_SOURCE, TAG_REQ, "inserts and learner requests",
-                                    poller=None if kind in ("totals", "sample") else idle))
+            busy = time.perf_counter() - heard < LEARNER_BUSY_S
+            msg, src = box.recv(ANY_SOURCE, TAG_REQ, "inserts and learner requests",
+                                poller=None if busy else idle)
+            if src == learner:
+                heard = time.perf_counter()
+            kind = handle(msg, src)
     while len(done) < len(roles.actors):  # every actor's last message is in
         handle(*box.recv(ANY_SOURCE, TAG_REQ, "the actors' done"))
     stats = {"shard": index, "rank": rank, "size": shard.size, "inserted": shard.inserted,
@@ -231,7 +235,7 @@ class ApexLearner:
         # parameters a round ahead: an answer a little later costs them nothing, and
         # longer naps leave the cores to them (the mailbox's own poller, which starts at
         # 20 us, serves the replay shards' answers, on which an update waits).
-        self.pull_poller = Poller(comm, first=PULL_NAP_S, who=f"apex learner, rank {comm.rank}")
+        self.pull_poller = Poller(comm, first=IDLE_NAP_S, who=f"apex learner, rank {comm.rank}")
         self.tracker = Tracker(cfg, self.learner.net, out=out)
         self.version = 0
         self.frames = {a: 0 for a in roles.actors}
