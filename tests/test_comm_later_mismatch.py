@@ -97,3 +97,15 @@ def test_a_known_tensor_at_a_new_size_on_every_rank_is_no_mismatch(algorithm):
     out = run_ranks(2, [SCRIPT, "resize", algorithm], timeout=60, env=STALL)
     out.check()
     assert out.output.count("FINISHED") == 2, out.output
+
+
+def test_a_call_that_raised_on_one_rank_is_named():
+    """Rank 1's call 301 raises inside the algorithm and rank 1 carries on: it has no
+    signature of that call, rank 0 has one, and the next comparison names the call and
+    says what happened on rank 1 (not a lookup error while the error is being written)."""
+    output, _ = launch("raised", "ignored")
+    assert "CAUGHT raised on purpose at call 301" in output, output
+    assert output.count("RAISED CollectiveMismatchError: ranks disagree on call 301 on "
+                        "group world [ranks 0, 1]") == 2, output
+    assert "rank 0: allreduce tensor='w' size=10 dtype=float32 op=max" in output, output
+    assert "rank 1: a call that raised on this rank" in output, output

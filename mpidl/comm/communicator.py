@@ -600,8 +600,8 @@ class Communicator(PointToPoint):
         finally:
             ch.busy = None
         if self._check == _DIGEST:
-            # after the call: one that raised on every rank (a mismatch found by its own
-            # exchange, as allgatherv's) is not counted anywhere
+            # after the call: one that raised (a mismatch found by its own exchange, as
+            # allgatherv's, raises on every rank) leaves its slot 0
             ch.window[ch.seq - ch.window_start] = digest(key, ch.digests)
         if c.op == "mean" and c.dst is not None:
             c.xp.divide(c.dst, self.size, out=c.dst)

@@ -201,8 +201,10 @@ def compare_windows(comm, window, cache, first, group, blocking=True):
             break
     else:  # equal digests, different digest of digests: cannot happen; say so plainly
         i = longest - 1
-    desc = (cache[("text", window[i])] if i < len(window)
-            else "no call (this rank made fewer calls)")
+    if i >= len(window):
+        desc = "no call (this rank made fewer calls)"
+    else:  # a slot left 0: the call raised on this rank before it was recorded
+        desc = cache.get(("text", window[i]), "a call that raised on this rank")
     descs = np.empty((p, DESC_BYTES), dtype=np.uint8)
     _allgather(comm, encode(desc), descs, blocking)
     raise_mismatch(descs, "call", None, where=f"call {first + i} on group {group}")

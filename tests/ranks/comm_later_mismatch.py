@@ -13,6 +13,9 @@ something else:
 - skip-last: rank 1 skips the very last call and goes on to close()
 - resize: no mismatch: every rank passes 12 elements for 'w' from call AT on (a known
   tensor at a new size, compared in full before MPI's own call gets it); must finish
+- raised: ALGORITHM is ignored; every call is a max through an algorithm that moves
+  nothing (the generic path, which records a call once it has run), and on rank 1 call AT
+  raises; rank 1 catches it and goes on, so its window has no signature for that call
 
 Each rank prints "RAISED <type>: <message>" when it gets an error, "FINISHED" when it
 got none. The test runs this under MPIDL_STALL_WARNING/TIMEOUT of a few seconds, so a
@@ -29,7 +32,24 @@ CASE, ALG = sys.argv[1], sys.argv[2]
 CALLS, AT = 1500, 300
 
 
+class _RaisesOnRank1:
+    """An allreduce that moves nothing, and raises on rank 1 at call AT (case "raised")."""
+    calls = 0
+
+    @classmethod
+    def allreduce(cls, t, src, dst, op, ctx):
+        cls.calls += 1
+        if cls.calls == AT + 1 and t.comm.Get_rank() == 1:
+            raise RuntimeError("raised on purpose")
+
+
 def main():
+    global ALG
+    if CASE == "raised":
+        from mpidl.comm import algorithms
+
+        algorithms.register("raises-on-rank-1", _RaisesOnRank1)
+        ALG = "raises-on-rank-1"
     comm = Communicator()
     assert comm.check == "digest"
     odd = comm.rank == 1
@@ -52,6 +72,14 @@ def main():
             if odd and CASE == "skip-last" and i == last:
                 continue
             x = np.ones(n, dtype)
+            if CASE == "raised":
+                try:
+                    comm.allreduce(x, out=x, op="max", algorithm=ALG, name=name)
+                except RuntimeError as e:
+                    if str(e) != "raised on purpose":
+                        raise
+                    print(f"CAUGHT {e} at call {i + 1}", flush=True)
+                continue
             comm.allreduce(x, out=x, op=op, algorithm=ALG, name=name)
         comm.close()
     except Exception as e:  # noqa: BLE001 - the test reads what was raised
