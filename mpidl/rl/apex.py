@@ -4,11 +4,12 @@ over all shards by priority, updates, sends the new priorities back to the ownin
 actors pull the learner's parameters every ``actor_steps`` steps.
 
 Two schedules, one code path: *async* (the real thing: every rank as fast as it can,
-the learner answering pulls between updates) and *lockstep* (``--deterministic``: in
+the learner answering pulls between updates, actors asking a round ahead and acting on
+with the parameters they have until the answer comes) and *lockstep* (``--deterministic``: in
 round r every actor pulls, steps ``actor_steps`` frames and inserts, the shards take the
 round's inserts in actor order before any learner request, then the learner makes the
 updates the replay ratio owes). Both log every event where it happens (shards: inserts,
-totals, samples, priority updates; actors: the version of each pull; learner: beta of
+totals, samples, priority updates; actors: the version each batch acted with; learner: beta of
 each update), and ``replay_check`` replays those logs in one process.
 """
 
