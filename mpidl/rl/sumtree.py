@@ -54,12 +54,12 @@ class SumTree:
         """``update`` of the consecutive leaves ``first, first + 1, ...`` (a replay insert):
         the parents of a run of nodes are a run too, so each level is two strided slices
         instead of a sort; the same sums of the same children, so the same bits."""
+        t = self.tree
         lo = first + self.leaves
         hi = lo + pr.size  # one past the last
-        self.tree[lo:hi] = pr
+        t[lo:hi] = pr
         for _ in range(self.depth):
             lo, hi = lo >> 1, ((hi - 1) >> 1) + 1
-            t = self.tree
             np.add(t[2 * lo:2 * hi:2], t[2 * lo + 1:2 * hi:2], out=t[lo:hi])
 
     def find(self, values):
