@@ -13,13 +13,15 @@
 #                  against PyTorch, eager and CUDA-graph replay
 #   kernels        bench/kernels.py --device gpu: every CuPy kernel against a device copy
 #   ranks          the data-parallel MLP step (mpidl.benchmarks.scaling) on the GPU with 1
-#                  rank and with 2 ranks sharing it, under both MPIs, with timelines
+#                  rank and with 2 ranks sharing it, under both MPIs, per algorithm (staged
+#                  through pinned host memory, or "shared": CUDA IPC), with timelines
 #   train          mpidl train --device gpu on Fashion-MNIST: mlp and cnn on 1 rank, eager
 #                  and --cuda-graph, and mlp on 2 ranks sharing the GPU (the data from
 #                  .gpudata/fashion-mnist or the Debian package)
 #
 # Needs python3 with CuPy, mpi4py, Numba and pytest (PyTorch for the engine's anchor).
-# No network is needed. Knobs: PYTHON (python3), MPIDL_GPU_TEST_ARGS (extra pytest args).
+# No network is needed. Knobs: PYTHON (python3), MPIDL_GPU_TEST_ARGS (extra pytest args),
+# MPIDL_GPU_RANK_SPECS (the ranks step's RANKS:ALGORITHM runs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash bench/gpu_machine.sh OUTDIR [STEP...]}
@@ -80,7 +82,7 @@ for step in $STEPS; do
       runs=()
       for mpi in openmpi mpich; do
         if [ $mpi = mpich ]; then [ -x /tmp/mpich/bin/mpiexec ] || continue; launch=mpich_env; else launch=env; fi
-        for spec in 1:auto 2:auto 2:ring 2:recursive_doubling 2:mpi; do
+        for spec in ${MPIDL_GPU_RANK_SPECS:-1:auto 2:auto 2:shared 2:mpi 2:ring 2:recursive_doubling}; do
           n=${spec%%:*} alg=${spec#*:} tag=${mpi}_${n}_${alg}
           extra=()
           [ $alg = auto ] && extra=(--timeline "$OUT/timeline_${tag}_{rank}.json")
@@ -96,11 +98,11 @@ runs = {}
 for path in sorted(glob.glob(os.path.join(out, "ranks_*.json"))):
     r = json.load(open(path))
     tag = os.path.basename(path)[6:-5]
-    keep = ("ranks", "algorithm", "images_per_sec", "step_ms_median", "compute_ms", "wait_ms",
+    keep = ("ranks", "algorithm", "auto_resolves_to", "images_per_sec", "step_ms_median", "compute_ms", "wait_ms",
             "forward_ms", "backward_ms", "update_ms", "timeline_comm_ms", "hidden",
             "staged_copy_ms", "staged_wire_ms", "copies_under_transfers")
     runs[tag] = {k: r[k] for k in keep if k in r}
-    print(f"{tag:34s} {r['images_per_sec']:9,.0f} images/s  step {r['step_ms_median']:6.2f} ms "
+    print(f"{tag:34s} ({r.get('auto_resolves_to') or '-':>8s}) {r['images_per_sec']:9,.0f} images/s  step {r['step_ms_median']:6.2f} ms "
           f"(compute {r.get('compute_ms', 0):.2f}, wait {r.get('wait_ms', 0):.2f})")
 json.dump({"benchmark": "gpu_ranks", "model": "MLP 784-1024-1024-10, batch 128 per rank",
            "command": "mpiexec -n N python -m mpidl.benchmarks.scaling mpidl --device gpu "

@@ -128,6 +128,7 @@ def test_calibrate_then_predict(tmp_path):
     (["--ranks", "0"], ["--ranks '0'", "rank count >= 1"]),
     (["--algorithm", "fast"], ["--algorithm", "fast"]),
     (["--strategy", "ps"], ["--strategy ps is not modelled yet"]),
+    (["--algorithm", "shared"], ["--algorithm shared is not modelled yet"]),
     (["--compression", "topk"], ["--compression topk is not modelled yet"]),
     (["--calibrate"], ["--calibrate", "--machine FILE"]),
     (["--calibrate", "--machine", "m.json"], ["mpiexec -n 2"]),

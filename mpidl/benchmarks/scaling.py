@@ -141,6 +141,10 @@ def run_mpidl(args):
     mine = {"rank": rank, "times": timer.times, "stats": timer.stats,
             "t_first": timer.t_first, "t_last": timer.t_last}
     describe = runtime.describe()
+    # what algorithm="auto" takes for a 4 MiB all-reduce of these arrays
+    resolves = (comm.selector.choose("allreduce", 1 << 22,
+                                     staged=args.device == "gpu" and not comm.cuda_aware)
+                if comm is not None else None)
     bucket_mb = next((s.bucket_mb for _, s in runtime.syncs if hasattr(s, "bucket_mb")),
                      None)
     if comm is not None:
@@ -154,8 +158,8 @@ def run_mpidl(args):
     result = {"framework": "mpidl", "ranks": size, "batch_per_rank": args.batch,
               "global_batch": args.batch * size,
               "strategy": "local" if local else runtime.name,
-              "algorithm": args.algorithm, "overlap": not args.no_overlap,
-              "device": args.device,
+              "algorithm": args.algorithm, "auto_resolves_to": resolves,
+              "overlap": not args.no_overlap, "device": args.device,
               "progress_wait": env.get("MPIDL_PROGRESS_WAIT"),
               "overlap_auto": {"on": auto_choice[0], "why": auto_choice[1]},
               "bucket_mb": bucket_mb, "steps": n, "layout": describe}

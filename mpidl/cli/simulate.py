@@ -123,6 +123,11 @@ def prepare(args, world):
     cfg = resolve(given_flags(args), args.config)
     _refuse_unmodelled(cfg)
     check_algorithm(cfg.algorithm)
+    from mpidl.simulate.collectives import ALGORITHMS  # noqa: PLC0415
+
+    if cfg.algorithm not in (None, "auto") + ALGORITHMS:
+        raise ConfigError(f"mpidl simulate: --algorithm {cfg.algorithm} is not modelled yet "
+                          f"(modelled: auto, {', '.join(ALGORITHMS)})")
     if args.calibrate:
         if not args.machine:
             raise ConfigError("--calibrate writes the measurements to --machine FILE: give "

@@ -5,7 +5,8 @@ algorithms, tagged point-to-point messages (p2p.py) and traffic counters (counte
 ``Mesh`` (mesh.py) splits the world into named groups (dp, pp, tp axes and roles such
 as parameter servers), each a full ``Communicator``.
 
-One module per idea: ring.py, tree.py, recursive_doubling.py, native.py (the algorithms,
+One module per idea: ring.py, tree.py, recursive_doubling.py, hierarchical.py, shared.py
+(memory the ranks of a node share), native.py (the algorithms,
 one signature per collective kind, registered in algorithms.py: adding one is a module
 plus a registry line), auto.py (choosing one by size and p, tuning file), progress.py
 (handles, lazily started progress thread), consistency.py (ranks agree on what they

@@ -25,7 +25,7 @@ e.g. from a test), and ``algorithm="auto"``'s tables may name it. A module that 
 kind raises a clear error when it is chosen for that kind.
 """
 
-from . import hierarchical, native, recursive_doubling, ring, tree
+from . import hierarchical, native, recursive_doubling, ring, shared, tree
 
 KINDS = ("allreduce", "reduce_scatter", "reduce", "bcast", "allgatherv")
 
@@ -34,6 +34,7 @@ REGISTRY = {
     "tree": tree,
     "recursive_doubling": recursive_doubling,
     "hierarchical": hierarchical,
+    "shared": shared,
     "mpi": native,
 }
 

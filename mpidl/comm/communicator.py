@@ -167,7 +167,8 @@ class _Channel:
             self._device.free()
 
     def close(self):
-        self.free_buffers()
+        for t in self.transports():
+            t.close()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
@@ -422,10 +423,12 @@ class Communicator(PointToPoint):
     def buffer_nbytes(self):
         """Bytes of the persistent scratch the algorithms keep (ring chunks, reduce-scatter
         work memory), over this communicator's channels: the memory ledger's mem_comm."""
-        return sum(t.scratch.nbytes() for ch in self._channels for t in ch.transports())
+        return sum(t.scratch.nbytes() + (t.node_memory.nbytes if t.node_memory else 0)
+                   for ch in self._channels for t in ch.transports())
 
     def free_buffers(self):
-        """Give the persistent scratch and staging memory back (they regrow on demand)."""
+        """Give the persistent scratch and staging memory back (they regrow on demand;
+        not collective, so the "shared" algorithm's node memory stays until close)."""
         for ch in self._channels:
             ch.free_buffers()
 

@@ -61,6 +61,7 @@ class HostTransport:
         self.left = (self.rank - 1) % self.size
         self.scratch = Scratch(xp)
         self.count = new_count()
+        self.node_memory = None  # the "shared" algorithm's slots (shared.NodeMemory)
 
     # -- point to point -------------------------------------------------------------------
     def sendrecv(self, sbuf, dest, rbuf, source, stag=TAG, rtag=TAG, status=None):
@@ -115,6 +116,13 @@ class HostTransport:
 
     def free(self):
         self.scratch.free()
+
+    def close(self):
+        """Free everything, the memory shared with the other ranks too (collective)."""
+        self.free()
+        if self.node_memory is not None:
+            self.node_memory.close()
+            self.node_memory = None
 
 
 class PoliteHostTransport(HostTransport):

@@ -35,7 +35,7 @@ from mpi4py import MPI
 from mpidl.comm import Communicator, even_split
 from mpidl.comm.communicator import DEFAULT_SEGMENT_BYTES
 
-ALGS = ("ring", "tree", "recursive_doubling", "mpi", "auto")
+ALGS = ("ring", "tree", "recursive_doubling", "shared", "mpi", "auto")
 DTYPES = (np.float16, np.float32, np.float64, np.int32, np.int64)
 W = MPI.COMM_WORLD
 P, RANK = W.Get_size(), W.Get_rank()

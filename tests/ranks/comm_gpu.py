@@ -13,7 +13,7 @@ from mpidl.comm import Communicator, even_split
 
 W = MPI.COMM_WORLD
 RANK, P = W.Get_rank(), W.Get_size()
-ALGS = ("ring", "tree", "recursive_doubling", "mpi", "auto")
+ALGS = ("ring", "tree", "recursive_doubling", "shared", "mpi", "auto")
 
 
 def main():
@@ -53,9 +53,34 @@ def main():
             assert counts == [r % 3 for r in range(P)]
             assert np.array_equal(v.get(), np.concatenate(
                 [np.full(r % 3, r, np.float32) for r in range(P)]))
+            x = rng.uniform(-1, 1, n).astype(np.float32)
+            r = comm.reduce(cp.asarray(x), root=P - 1, algorithm=alg, name=f"r{n}{alg}")
+            ref, s = x.astype(np.float64), np.abs(x.astype(np.float64))
+            W.Allreduce(MPI.IN_PLACE, ref, MPI.SUM)
+            W.Allreduce(MPI.IN_PLACE, s, MPI.SUM)
+            if RANK == P - 1:
+                tol = 2 * P * np.finfo(np.float32).eps * s
+                assert np.all(np.abs(r.get() - ref) <= tol), (alg, n)
+    ipc = shared_on_device(comm, cp, rng)
     comm.close()
     if RANK == 0:
-        print(f"GPU OK p={P} cuda_aware={backend.cuda_aware_mpi()}", flush=True)
+        print(f"GPU OK p={P} cuda_aware={backend.cuda_aware_mpi()} ipc={ipc}", flush=True)
+
+
+def shared_on_device(comm, cp, rng):
+    """The "shared" all-reduce of device arrays (CUDA IPC) gives the bits of the same
+    algorithm on host arrays (an MPI shared window): the same sums in the same order,
+    the same on every rank. Returns "yes" when the device path mapped the other ranks'
+    memory, else the reason it fell back to MPI."""
+    x = rng.standard_normal(3_000_017).astype(np.float32)
+    host = comm.allreduce(x, algorithm="shared", name="host-shared")
+    dev = comm.allreduce(cp.asarray(x), algorithm="shared", name="dev-shared").get()
+    mem = comm._main.transport(True).node_memory
+    if mem is not None and mem.failed is None:
+        assert np.array_equal(dev.view(np.uint32), host.view(np.uint32)), "device != host"
+    everyone = W.allgather(int(np.bitwise_xor.reduce(dev.view(np.uint32))))
+    assert len(set(everyone)) == 1, everyone
+    return "yes" if mem is not None and mem.failed is None else f"no ({mem and mem.failed})"
 
 
 if __name__ == "__main__":
