@@ -225,12 +225,37 @@ def _fallback(kind, dtype=None):
     return getattr(native, kind)
 
 
-def _reduce_chunk(t, slots, lo, hi, out, op):
+def _reduce_chunk(slots, lo, hi, out, op):
     """``out`` = slots[0][lo:hi] op slots[1][lo:hi] op ... in rank order."""
     fn = op.fn
     fn(slots[0][lo:hi], slots[1][lo:hi], out=out)
     for s in slots[2:]:
         fn(out, s[lo:hi], out=out)
+
+
+def _reduce_and_publish(t, mem, slots, src, op, dst):
+    """Steps 1-2 of the module doc: ``src`` into this rank's slot, this rank's chunk of
+    the reduction into ``dst`` (scratch when ``dst`` is None) and back into its slot for
+    the others to read. Returns the chunks' (counts, displs)."""
+    me = t.rank
+    counts, displs = even_split(src.size, t.size)
+    mine = slots[me]
+    mine[...] = src
+    mem.fence()
+    lo, hi = displs[me], displs[me] + counts[me]
+    if hi > lo:
+        out = dst[lo:hi] if dst is not None else t.scratch.get("shared", hi - lo, src.dtype)
+        _reduce_chunk(slots, lo, hi, out, op)
+        mine[lo:hi] = out
+    mem.fence()
+    return counts, displs
+
+
+def _read_others(t, slots, buf, counts, displs):
+    """Every other rank's block of ``buf`` from its slot."""
+    for r in range(t.size):
+        if r != t.rank and counts[r]:
+            buf[displs[r]:displs[r] + counts[r]] = slots[r][displs[r]:displs[r] + counts[r]]
 
 
 def _count(t, nbytes):
@@ -241,21 +266,10 @@ def allreduce(t, src, dst, op, ctx=None):
     mem, slots = _slots(t, src.nbytes, src.dtype, src.size)
     if slots is None:
         return _fallback("allreduce", src.dtype)(t, src, dst, op, ctx)
-    me, p = t.rank, t.size
-    counts, displs = even_split(src.size, p)
-    mine = slots[me]
-    mine[...] = src
-    mem.fence()
-    lo, hi = displs[me], displs[me] + counts[me]
-    if hi > lo:
-        _reduce_chunk(t, slots, lo, hi, dst[lo:hi], op)
-        mine[lo:hi] = dst[lo:hi]
-    mem.fence()
-    for r in range(p):
-        if r != me and counts[r]:
-            dst[displs[r]:displs[r] + counts[r]] = slots[r][displs[r]:displs[r] + counts[r]]
-    item = src.itemsize
-    _count(t, (src.size - counts[me]) * item + (p - 1) * counts[me] * item)
+    counts, displs = _reduce_and_publish(t, mem, slots, src, op, dst)
+    _read_others(t, slots, dst, counts, displs)
+    mine = counts[t.rank]
+    _count(t, (src.size - mine + (t.size - 1) * mine) * src.itemsize)
     _done(t, mem)
 
 
@@ -267,7 +281,7 @@ def reduce_scatter(t, src, out, op, counts, displs, ctx=None):
     slots[me][...] = src
     mem.fence()
     if counts[me]:
-        _reduce_chunk(t, slots, displs[me], displs[me] + counts[me], out, op)
+        _reduce_chunk(slots, displs[me], displs[me] + counts[me], out, op)
     _count(t, (src.size - counts[me]) * src.itemsize)
     _done(t, mem)
 
@@ -276,24 +290,12 @@ def reduce(t, src, dst, root, op, ctx=None):
     mem, slots = _slots(t, src.nbytes, src.dtype, src.size)
     if slots is None:
         return _fallback("reduce", src.dtype)(t, src, dst, root, op, ctx)
-    me, p = t.rank, t.size
-    counts, displs = even_split(src.size, p)
-    mine = slots[me]
-    mine[...] = src
-    mem.fence()
-    lo, hi = displs[me], displs[me] + counts[me]
-    if hi > lo:
-        work = dst[lo:hi] if me == root else t.scratch.get("shared", hi - lo, src.dtype)
-        _reduce_chunk(t, slots, lo, hi, work, op)
-        if me != root:
-            mine[lo:hi] = work
-    mem.fence()
-    if me == root:
-        for r in range(p):
-            if r != me and counts[r]:
-                dst[displs[r]:displs[r] + counts[r]] = slots[r][displs[r]:displs[r] + counts[r]]
+    counts, displs = _reduce_and_publish(t, mem, slots, src, op,
+                                         dst if t.rank == root else None)
+    if t.rank == root:
+        _read_others(t, slots, dst, counts, displs)
     else:
-        _count(t, (src.size - counts[me]) * src.itemsize + counts[me] * src.itemsize)
+        _count(t, src.size * src.itemsize)  # its part of src, then its reduced chunk
     _done(t, mem)
 
 
@@ -305,9 +307,7 @@ def allgatherv(t, buf, counts, displs, ctx=None):
     lo, hi = displs[me], displs[me] + counts[me]
     slots[me][lo:hi] = buf[lo:hi]
     mem.fence()
-    for r in range(t.size):
-        if r != me and counts[r]:
-            buf[displs[r]:displs[r] + counts[r]] = slots[r][displs[r]:displs[r] + counts[r]]
+    _read_others(t, slots, buf, counts, displs)
     _count(t, (t.size - 1) * counts[me] * buf.itemsize)
     _done(t, mem)
 
