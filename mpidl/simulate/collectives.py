@@ -33,7 +33,9 @@ A round whose messages leave a node on several flows at once shares the node's l
 (``beta`` times the flows). The ring's segments are sent one after another on one link,
 so a ring step costs ``segments x alpha + bytes x beta``. MPI's own all-reduce is taken
 to be MPICH's (recursive doubling up to 2 KiB, else reduce-scatter by recursive halving
-+ all-gather by recursive doubling); its all-gather a ring.
++ all-gather by recursive doubling, ``_mpich_allreduce_time``); its all-gather a ring.
+``bench/simgrid.py`` checks these times against SimGrid SMPI on platforms of hundreds of
+hosts described from the same machine.
 """
 
 from dataclasses import dataclass
@@ -324,14 +326,15 @@ def time_allreduce(algorithm, links, n, itemsize, seg_bytes):
 
 def _hier_time(links, n, itemsize, seg_bytes):
     """Pieces through three pipelined stages: members -> leader (the leader receives
-    ``members`` pieces and sums them), the leaders' ring, leader -> members."""
+    ``members`` pieces at once, which share its link, and sums them), the leaders' ring,
+    leader -> members (sent at once, sharing the link again)."""
     topo, m = links.topo, links.m
     members = min(topo.per_node, topo.p) - 1
     nodes = topo.nodes
     pieces = hier_pieces(n, itemsize, seg_bytes)
     width = max(hi - lo for lo, hi in pieces) * itemsize
-    gather = members * (m.alpha_intra + width * m.beta_intra) + members * links.gamma(width)
-    out = members * (m.alpha_intra + width * m.beta_intra)
+    gather = m.alpha_intra + members * width * m.beta_intra + members * links.gamma(width)
+    out = m.alpha_intra + members * width * m.beta_intra
     if nodes > 1:
         wide = Links(m, Topology(nodes, 1))
         wide.multi = True
@@ -343,16 +346,30 @@ def _hier_time(links, n, itemsize, seg_bytes):
 
 
 def _mpich_allreduce_time(links, n, itemsize):
+    """MPICH's all-reduce: recursive doubling up to 2 KiB (``time_allreduce``'s), else
+    Rabenseifner's: after the fold of a non-power of two, a reduce-scatter by recursive
+    halving whose round k exchanges half of what is left with the rank 2^k away (the
+    largest halves travel the shortest distances, inside a node), then an all-gather by
+    recursive doubling through the same rounds backwards. A round leaves the nodes or
+    not as the recursive doubling's rounds do (``Links.crosses``), all of a node's ranks
+    sharing its link when it does. Checked against SimGrid SMPI's own MPICH algorithm
+    (``bench/simgrid.py``)."""
     p = links.topo.p
     nbytes = n * itemsize
-    lg = _log2ceil(p)
-    inter = links.multi
-    flows = links.topo.per_node if inter else 1
     if nbytes <= 2048 or n < p:
-        return lg * (links.cost(inter, nbytes, flows=flows) + links.gamma(nbytes))
-    share = (p - 1) / p * nbytes
-    return (2 * lg * links.cost(inter, 0) + 2 * share * (links.cost(inter, 1, 0, flows))
-            + links.gamma(share))
+        return time_allreduce("recursive_doubling", links, n, itemsize, 1 << 20)
+    q = 1 << (p.bit_length() - 1)
+    t = 0.0
+    if p > q:  # fold and unfold
+        t += 2 * links.cost(links.crosses(1), nbytes) + links.gamma(nbytes)
+    R = links.topo.per_node
+    part, mask = nbytes, 1
+    while mask < q:
+        part /= 2
+        inter = links.crosses(mask)
+        t += 2 * links.cost(inter, part, flows=R if inter else 1) + links.gamma(part)
+        mask <<= 1
+    return t
 
 
 def time_allgatherv(algorithm, links, counts, itemsize, seg_bytes):
