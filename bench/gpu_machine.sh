@@ -4,11 +4,18 @@
 #
 #   bash bench/gpu_machine.sh OUTDIR [STEP...]
 #
-# Steps (default: all, in this order):
+# Steps (default: all but smoke, tests and bound, in this order):
 #   setup          pip install -e . without build isolation (works offline), the MPICH wheel
 #                  from .whl/ into /tmp/mpich when it is there
+#   smoke          the GPU collectives on 2 staged ranks (tests/ranks/comm_gpu.py, the CUDA
+#                  IPC path of algorithm "shared" included); exits 1 if they fail, so that
+#                  a short lease is not spent on the rest
 #   test-openmpi   pytest -m gpu with the system MPI mpi4py was built for (Open MPI here)
 #   test-mpich     pytest -m gpu with the MPICH wheel (MPI4PY_MPIABI=mpich)
+#   tests          test-openmpi and test-mpich at the same time (16 cores, one GPU)
+#   bound          issue 13: 2 ranks bound to 8 cores each (Open MPI --map-by slot:PE=8,
+#                  MPICH -bind-to core:8) each get 8 BLAS threads; tests/test_any_mpi.py's
+#                  BLAS-share tests under the system MPI
 #   engine         bench/engine.py --device gpu: mlp, cnn, resnet-tiny at batch 128 and 1024
 #                  against PyTorch, eager and CUDA-graph replay
 #   kernels        bench/kernels.py --device gpu: every CuPy kernel against a device copy
@@ -18,6 +25,11 @@
 #   train          mpidl train --device gpu on Fashion-MNIST: mlp and cnn on 1 rank, eager
 #                  and --cuda-graph, and mlp on 2 ranks sharing the GPU (the data from
 #                  .gpudata/fashion-mnist or the Debian package)
+#
+# On a short lease (minutes of device time), one call that stops early if the GPU
+# collectives are broken:  bash bench/gpu_machine.sh OUT setup smoke tests ranks bound
+# with the MPICH wheel in .whl/ and Fashion-MNIST in .gpudata/fashion-mnist/ (both ignored
+# by git: list them in .git/info/exclude and carry them).
 #
 # Needs python3 with CuPy, mpi4py, Numba and pytest (PyTorch for the engine's anchor).
 # No network is needed. Knobs: PYTHON (python3), MPIDL_GPU_TEST_ARGS (extra pytest args),
@@ -53,6 +65,36 @@ for step in $STEPS; do
         [ -x /tmp/mpich/bin/mpiexec ] || say "MPICH wheel: no /tmp/mpich/bin/mpiexec"
       fi
       $PY -c "import cupy, mpi4py, numba; from mpi4py import MPI; print('cupy', cupy.__version__, 'mpi4py', mpi4py.__version__, MPI.Get_library_version().splitlines()[0])" 2>&1 | tee -a "$OUT/setup.log"
+      ;;
+    smoke)
+      [ -x /tmp/mpich/bin/mpiexec ] && launch=mpich_env || launch=env
+      say "smoke: the GPU collectives on 2 staged ranks"
+      if ! $launch MPIDL_CUDA_AWARE=0 timeout 100 mpiexec -n 2 $PY tests/ranks/comm_gpu.py \
+          >"$OUT/smoke.log" 2>&1; then
+        say "SMOKE FAILED:"; tail -30 "$OUT/smoke.log"; exit 1
+      fi
+      say "smoke: $(tail -1 "$OUT/smoke.log")"
+      ;;
+    tests)
+      bash bench/gpu_machine.sh "$OUT" test-openmpi >"$OUT/step_test_openmpi.txt" 2>&1 &
+      bash bench/gpu_machine.sh "$OUT" test-mpich
+      wait
+      cat "$OUT/step_test_openmpi.txt"
+      grep -hE "^(FAILED|ERROR)" "$OUT"/test_*.log | head -30
+      ;;
+    bound)
+      say "ranks bound to 8 cores: the BLAS threads each gets (first line of mpidl train)"
+      train=(-m mpidl train --model mlp --dataset synthetic --epochs 1 --limit-train 512
+             --limit-test 64 --no-progress)
+      timeout 120 mpiexec --bind-to core --map-by slot:PE=8 -n 2 $PY "${train[@]}" \
+        --out-dir /tmp/mpidl-runs/bound-ompi 2>&1 | grep -o "BLAS threads[^|]*" | sed 's/^/  system MPI: /'
+      if [ -x /tmp/mpich/bin/mpiexec ]; then
+        mpich_env timeout 120 mpiexec -bind-to core:8 -n 2 $PY "${train[@]}" \
+          --out-dir /tmp/mpidl-runs/bound-mpich 2>&1 | grep -o "BLAS threads[^|]*" | sed 's/^/  MPICH: /'
+      fi
+      timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_any_mpi.py tests/test_threads.py \
+        -k "blas or share" >"$OUT/bound.log" 2>&1
+      say "BLAS-share tests, system MPI: $(tail -1 "$OUT/bound.log")"
       ;;
     test-openmpi)
       say "pytest -m gpu, system MPI"
