@@ -23,8 +23,10 @@ prefetched gathers overlap compute (``param_prefetched`` of ``param_gathers``).
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,7 +49,7 @@ def rank_main(a):
     from mpidl.engine.optim import make_optimizer
     from mpidl.runtime import build, memory
 
-    comm = Communicator()
+    comm = Communicator(timeline=a.timeline)
     r, n = comm.rank, comm.size
     # compile the optimizer's fast kernels first (Numba's compiler keeps tens of MiB of
     # Python objects): what is traced from here on is the training's own memory
@@ -92,16 +94,41 @@ def rank_main(a):
     comm.close()
 
 
-def launch(n, stage, a, steps, batch):
+def launch(n, stage, a, steps, batch, timeline=None):
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", __file__, "--rank",
            "--stage", str(stage), "--hidden", a.hidden, "--steps", str(steps),
-           "--batch", str(batch)]
+           "--batch", str(batch)] + (["--timeline", timeline] if timeline else [])
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=launch_env(ROOT), timeout=3600)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout}")
     line = next(x for x in out.stdout.splitlines() if x.startswith("MEMORY "))
     return json.loads(line[len("MEMORY "):])
+
+
+def gathers_under_compute(path, pid=0):
+    """Stage 3's parameter gathers on rank ``pid``'s timeline, per step: the prefetched
+    ones (the progress thread) and how much of them ran while forward or backward was
+    computing; the exposed ones (blocking gathers and waits for a prefetch)."""
+    from mpidl.benchmarks.scaling import _merge, _overlap
+
+    with open(path, encoding="utf-8") as f:
+        events = [e for e in json.load(f)["traceEvents"]
+                  if e.get("ph") == "X" and e.get("pid") == pid]
+    compute = [e for e in events if e["name"] in ("compute forward", "compute backward")]
+    steps = max(1, sum(e["name"] == "compute forward" for e in compute))
+    gathers = [e for e in events if e.get("cat") == "allgather"
+               and str(e["name"]).endswith(".params")]
+    prefetched = [(e["ts"], e["ts"] + e["dur"]) for e in gathers if e["tid"] == 1]
+    blocking = sum(e["dur"] for e in gathers if e["tid"] == 0)
+    waits = sum(e["dur"] for e in events if e.get("cat") == "wait"
+                and str(e["name"]).endswith(".params"))
+    total = sum(b - a for a, b in prefetched)
+    under = _overlap(prefetched, _merge([(e["ts"], e["ts"] + e["dur"]) for e in compute]))
+    return {"prefetched_ms": total / steps / 1e3,
+            "prefetched_under_compute": under / total if total else 0.0,
+            "exposed_ms": (blocking + waits) / steps / 1e3,
+            "blocking_ms": blocking / steps / 1e3, "wait_ms": waits / steps / 1e3}
 
 
 def plot(result, path):
@@ -151,6 +178,9 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ranks", default="1,2,4,8")
     ap.add_argument("--time-steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timing rounds, the four stages in turn in each (default 3)")
+    ap.add_argument("--timeline", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--time-only", action="store_true")
     ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--quick", action="store_true")
@@ -178,22 +208,39 @@ def main():
                       f"({r0['tracemalloc_peak'] / bound:.3f} of mem_peak)", flush=True)
     if a.memory_only:
         return finish(result, a)
+    medians = {stage: [] for stage in range(4)}
+    runs = {}
+    for _ in range(a.rounds):  # the stages in turn, so the machine's drift hits them alike
+        for stage in range(4):
+            run = launch(2, stage, a, a.time_steps, a.batch)
+            step = sorted(run["per_rank"][0]["step_s"])
+            medians[stage].append(step[len(step) // 2])
+            runs[stage] = run
+            result.setdefault("parameters", run["parameters"])
     rows = []
     for stage in range(4):
-        run = launch(2, stage, a, a.time_steps, a.batch)
-        step = sorted(run["per_rank"][0]["step_s"])
-        median = step[len(step) // 2]
-        rows.append({"stage": stage, "median_step_s": median,
-                     "param_gathers": run["per_rank"][0]["param_gathers"],
-                     "param_prefetched": run["per_rank"][0]["param_prefetched"]})
-        result.setdefault("parameters", run["parameters"])
+        rows.append({"stage": stage, "median_step_s": statistics.median(medians[stage]),
+                     "round_medians_s": medians[stage],
+                     "param_gathers": runs[stage]["per_rank"][0]["param_gathers"],
+                     "param_prefetched": runs[stage]["per_rank"][0]["param_prefetched"]})
     for row in rows:
         row["ratio_to_stage0"] = row["median_step_s"] / rows[0]["median_step_s"]
         print(f"p=2 stage {row['stage']}: median step {1e3 * row['median_step_s']:.1f} ms, "
               f"{row['ratio_to_stage0']:.3f}x stage 0", flush=True)
-    result["time"] = {"stages": rows,
-                      "stage3_over_stage1": rows[3]["median_step_s"] / rows[1]["median_step_s"]}
-    print(f"stage 3 / stage 1 at p=2: {result['time']['stage3_over_stage1']:.3f}x")
+    per_round = [s3 / s1 for s1, s3 in zip(medians[1], medians[3])]
+    result["time"] = {"stages": rows, "rounds": a.rounds,
+                      "stage3_over_stage1": rows[3]["median_step_s"] / rows[1]["median_step_s"],
+                      "stage3_over_stage1_per_round": per_round}
+    print(f"stage 3 / stage 1 at p=2: {result['time']['stage3_over_stage1']:.3f}x "
+          f"(rounds: {', '.join(f'{x:.3f}' for x in per_round)})")
+    with tempfile.TemporaryDirectory() as d:  # stage 3 once more, its timeline recorded
+        path = os.path.join(d, "timeline.json")
+        launch(2, 3, a, a.time_steps, a.batch, timeline=path)
+        result["time"]["stage3_timeline"] = gathers_under_compute(path)
+    t = result["time"]["stage3_timeline"]
+    print(f"stage 3 timeline, rank 0: prefetched gathers {t['prefetched_ms']:.1f} ms a step, "
+          f"{100 * t['prefetched_under_compute']:.0f} % of it under forward/backward; "
+          f"gathers waited for {t['exposed_ms']:.1f} ms a step")
     if a.time_only and os.path.exists(a.out):  # keep the memory part of an earlier run
         with open(a.out) as f:
             result["memory"] = json.load(f).get("memory", [])
