@@ -534,10 +534,11 @@ class ParamGathers:
 
     A pre-forward / pre-backward hook on every layer that holds parameters gathers the
     buckets that layer needs (waiting for a prefetch when one is in flight) and starts
-    the non-blocking gather of the next bucket in the pass's order (forward walks the
-    buckets from the last index down, backward up), then frees the buckets the pass has
-    left behind. A change of pass (forward to backward, or the next micro-batch) frees
-    everything, so each bucket is gathered once per forward and once per backward. While
+    the non-blocking gathers of the buckets the next layer of the pass needs (or, when it
+    needs none more, of the pass's next bucket: forward walks the buckets from the last
+    index down, backward up), then frees the buckets the pass has left behind. A change
+    of pass (forward to backward, or the next micro-batch) frees everything, so each
+    bucket is gathered once per forward and once per backward. While
     *pinned* (after set-up, for evaluation and checkpoints) every bucket is gathered and
     the hooks do nothing; the next step takes each rank's chunk back and frees them.
     """
@@ -555,6 +556,10 @@ class ParamGathers:
             if own and id(m) not in self.needs:
                 self.needs[id(m)] = own
                 m.add_pre_hook(self._before)
+        # the layers with parameters in the order forward meets them (backward: reversed)
+        order = list(self.needs)
+        self.after = {"forward": dict(zip(order, order[1:])),
+                      "backward": dict(zip(order[1:], order))}
         # set-up leaves every bucket gathered: Shard built the full buffers
         self.gathered = {sh.bucket.index: [sh.params, None] for sh in self.shards}
         self.pinned = True
@@ -577,9 +582,17 @@ class ParamGathers:
                 self.release(i)
         for i in need:
             self.ensure(i)
-        nxt = lo - 1 if phase == "forward" else hi + 1
-        if 0 <= nxt < len(self.shards) and nxt not in self.gathered:
-            self._start(nxt, blocking=False)
+        # prefetch the buckets of the next layer this pass meets (all of them: a layer
+        # whose weight and bias sit in two buckets would otherwise wait for one), or,
+        # when it needs none that are not here, the pass's next bucket
+        nxt = self.after[phase].get(id(layer))
+        ahead = [i for i in (self.needs[nxt] if nxt is not None else ())
+                 if i not in self.gathered]
+        if not ahead:
+            i = lo - 1 if phase == "forward" else hi + 1
+            ahead = [i] if 0 <= i < len(self.shards) and i not in self.gathered else []
+        for i in ahead:
+            self._start(i, blocking=False)
 
     # -- gather and free
     def _start(self, i, blocking):
