@@ -78,6 +78,17 @@ def platform(nodes, per_node, m):
     return "\n".join(out) + "\n"
 
 
+def write_platform(work, p, per_node, m):
+    """The platform and host files of ``p`` ranks, ``per_node`` per node, in ``work``
+    (the names ``simulate`` reads)."""
+    nodes = -(-p // per_node)
+    with open(os.path.join(work, f"platform_{nodes}x{per_node}.xml"), "w") as f:
+        f.write(platform(nodes, per_node, m))
+    with open(os.path.join(work, f"hosts_{nodes}x{per_node}.txt"), "w") as f:
+        f.writelines(f"n{i}-h{k}\n" for i in range(nodes) for k in range(per_node))
+    return nodes
+
+
 def predict(m, p, per_node, algorithm, nbytes):
     """(model seconds with gamma = 0, share of them that is alpha terms)."""
     net = copy.copy(m)
@@ -142,11 +153,7 @@ def main(argv=None):
         version = subprocess.run(["smpirun", "-version"], capture_output=True, text=True,
                                  cwd=work).stdout.strip().splitlines()
         for p in ranks:
-            nodes = -(-p // per_node)
-            with open(os.path.join(work, f"platform_{nodes}x{per_node}.xml"), "w") as f:
-                f.write(platform(nodes, per_node, m))
-            with open(os.path.join(work, f"hosts_{nodes}x{per_node}.txt"), "w") as f:
-                f.writelines(f"n{i}-h{k}\n" for i in range(nodes) for k in range(per_node))
+            nodes = write_platform(work, p, per_node, m)
             for algorithm in algorithms:
                 for nbytes in sizes:
                     t0 = time.perf_counter()
@@ -179,12 +186,10 @@ def main(argv=None):
 
 
 def plot(result, path):
-    try:
-        import matplotlib  # noqa: PLC0415
+    from mpidl.benchmarks.plotting import pyplot  # noqa: PLC0415
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     rows = result["rows"]
     ranks = sorted({r["ranks"] for r in rows})

@@ -50,11 +50,7 @@ def test_model_equals_simgrid(work, p, algorithm):
     simgrid = _bench()
     m = machines.load(os.path.join(ROOT, "bench", "machines", "gpu_cluster.json"))
     per_node = m.ranks_per_node
-    nodes = p // per_node
-    with open(os.path.join(d, f"platform_{nodes}x{per_node}.xml"), "w") as f:
-        f.write(simgrid.platform(nodes, per_node, m))
-    with open(os.path.join(d, f"hosts_{nodes}x{per_node}.txt"), "w") as f:
-        f.writelines(f"n{i}-h{k}\n" for i in range(nodes) for k in range(per_node))
+    simgrid.write_platform(d, p, per_node, m)
     for nbytes in (1024, 1 << 20):
         sim = simgrid.simulate(d, binary, p, per_node, algorithm, nbytes, 1)
         model, _ = simgrid.predict(m, p, per_node, algorithm, nbytes)
