@@ -1,11 +1,12 @@
-"""``mpidl simulate``: the cost model of data parallelism (issue 18, points 3 and 5).
+"""``mpidl simulate``: the cost model of a training step (issue 18, points 3 and 5).
 
 * exact structure: on real ranks (``tests/ranks/simulate_check.py``), the messages and
   bytes the model predicts per rank per step equal the communicator's counters, field by
   field and kind by kind, on every rank: the mlp and gpt-tiny (row gathers), every
   algorithm (``mpi``: calls only, as the counters count), small and large buckets, ring
   segments of 64 KiB (several per chunk), odd p, nodes of 2 ranks for the hierarchical
-  all-reduce. A representative slice here; the grid for p = 2, 3, 4, 8 is ``slow``.
+  all-reduce; ZeRO stages 1-3, model averaging (local SGD, DiLoCo) and mixed precision's
+  2-byte buckets. A representative slice here; the grid for p = 2, 3, 4, 8 is ``slow``.
 * the command: ``--json`` is one object whose ``bytes_per_step`` is what the epoch
   line's ``bytes_sent_per_step`` reports for the ring; ``--ranks 1-4096`` is fast;
   ``--calibrate`` writes a machine file the next run reads.
@@ -27,11 +28,16 @@ ENV = {"MPIDL_RING_SEGMENT": "65536", "MPIDL_TUNING": os.path.join(HERE, "no-tun
 ALL = "ring,tree,recursive_doubling,hierarchical,mpi,auto"
 
 
-def check_ranks(n, algs, buckets, models="mlp,gpt", per_node=None, timeout=240):
+LAYOUTS = "zero1,zero2,zero3,local-sgd,diloco,bf16,fp16"
+COMPRESSORS = "c-fp16,c-onebit,c-topk,c-randomk,c-qsgd,c-terngrad,c-powersgd,c-dgc,c-threshold"
+
+
+def check_ranks(n, algs, buckets, models="mlp,gpt", per_node=None, timeout=240, layouts="dp"):
     env = dict(ENV)
     if per_node:
         env["MPIDL_RANKS_PER_NODE"] = str(per_node)
-    launch = run_ranks(n, [SCRIPT, algs, buckets, models], timeout=timeout, env=env).check()
+    launch = run_ranks(n, [SCRIPT, algs, buckets, models, layouts], timeout=timeout,
+                       env=env).check()
     assert f"cases exact on {n} ranks" in launch.output, launch.output
     return launch
 
@@ -43,6 +49,27 @@ def check_ranks(n, algs, buckets, models="mlp,gpt", per_node=None, timeout=240):
 ])
 def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     check_ranks(n, algs, buckets, per_node=per_node)
+
+
+@pytest.mark.parametrize("n, algs, buckets, models, layouts, per_node", [
+    (3, "ring,tree,recursive_doubling", "0.001", "mlp,gpt", "zero1,zero3,local-sgd", None),
+    (2, "recursive_doubling,auto", "4", "mlp", "zero2,diloco,bf16", None),
+    (4, "hierarchical,ring", "4", "mlp", "zero2,fp16,c-topk", 2),
+    (3, "ring,auto", "0.001", "mlp", "c-onebit,c-randomk,c-powersgd,c-dgc", None),
+    (2, "ring", "4", "mlp,gpt", "c-fp16,c-qsgd,c-threshold", None),
+])
+def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts, per_node):
+    """ZeRO stages 1-3 (reduce-scatter or all-reduce per bucket, all-gathers of shards
+    after the update or before every pass), model averaging (one all-reduce of the
+    parameters per period), 2-byte mixed-precision buckets and compression (all-reduced
+    or all-gathered payloads, PowerSGD's rounds), counted exactly."""
+    check_ranks(n, algs, buckets, models, per_node=per_node, layouts=layouts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_other_layouts_grid(n):
+    check_ranks(n, ALL, "0.001,4", layouts=LAYOUTS + "," + COMPRESSORS, timeout=2400)
 
 
 @pytest.mark.slow
@@ -84,6 +111,31 @@ def test_json_bytes_mean_what_the_metrics_mean():
         assert len(row["per_rank"]["bytes"]) == p
         assert row["counters"]["allreduce"]["bytes"] == row["per_rank"]["bytes"][0]
         assert row["steps_per_epoch"] == -(-512 // (out["batch_size"] * p))
+
+
+@pytest.mark.parametrize("flags, factor", [
+    (["--zero", "1"], 2), (["--zero", "2"], 2), (["--zero", "3"], 3),
+    (["--sync", "local-sgd", "--period", "8"], 2 / 8),
+    (["--sync", "diloco", "--period", "4", "--warmup-steps", "10"], 2 / 4),
+    (["--precision", "bf16"], 2),
+])
+def test_json_bytes_of_other_layouts(flags, factor):
+    """With the ring, a rank's bytes per step averaged over the ranks follow the
+    formulas: ZeRO stages 0-2 2(p - 1)/p of the parameters' bytes, stage 3 3(p - 1)/p
+    (issue 15 point 3); model averaging the all-reduce's over its period; bfloat16
+    buckets half of float32's (2(p - 1)/p of 2-byte words)."""
+    from mpidl.engine.models import build_model
+
+    out = json_of(simulate("--model", "mlp", "--ranks", "2,3,5", "--algorithm", "ring",
+                           "--limit-train", "512", "--json", *flags).check())
+    dense = sum(q.data.nbytes for _, q in build_model("mlp").named_parameters())
+    if "--precision" in flags:
+        dense //= 2
+    for row in out["predictions"]:
+        p = row["ranks"]
+        assert row["bytes_per_step"] == pytest.approx(dense * factor * (p - 1) / p,
+                                                      rel=1e-12), (flags, p)
+    assert out["layout"] != "data parallelism"
 
 
 def test_scaling_to_4096_ranks(tmp_path):
@@ -129,7 +181,11 @@ def test_calibrate_then_predict(tmp_path):
     (["--algorithm", "fast"], ["--algorithm", "fast"]),
     (["--strategy", "ps"], ["--strategy ps is not modelled yet"]),
     (["--algorithm", "shared"], ["--algorithm shared is not modelled yet"]),
-    (["--compression", "topk"], ["--compression topk is not modelled yet"]),
+    (["--tensor-parallel", "2"], ["--tensor-parallel 2 is not modelled yet"]),
+    (["--zero", "2", "--precision", "bf16"], ["--precision bf16 cannot be used with --zero 2"]),
+    (["--zero", "1", "--compression", "topk"], ["--zero 1 cannot serve --compression topk"]),
+    (["--zero", "1", "--model", "gpt-tiny", "--dataset", "text"],
+     ["--zero 1", "row-sparse", "--sparse-grads dense"]),
     (["--calibrate"], ["--calibrate", "--machine FILE"]),
     (["--calibrate", "--machine", "m.json"], ["mpiexec -n 2"]),
     (["--ranks", "2", "--ranks-per-node", "0"], ["--ranks-per-node must be >= 1"]),

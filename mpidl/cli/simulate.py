@@ -11,8 +11,12 @@ compute, overlapped total) and per epoch, and the scaling efficiency.
 ``mpidl simulate --calibrate --machine FILE`` (under ``mpiexec -n 2`` or more) measures
 the machine instead (``mpidl.simulate.calibrate``) and writes FILE for later runs.
 
-Data parallelism only: other strategies, compression, ZeRO, tensor and pipeline
-parallelism are refused with one line until they are modelled.
+Modelled: data parallelism (``--strategy allreduce``) with its fused all-reduce and
+row-sparse gathers, ZeRO (``--zero 1|2|3``), model averaging (``--sync
+local-sgd|diloco``, the steps after its warm-up), mixed precision's 2-byte buckets
+(``--precision bf16|fp16``) and compression (``--compression``, the compressor run on
+a real gradient). Other strategies, tensor and pipeline parallelism are refused with one
+line until they are modelled.
 """
 
 import argparse
@@ -24,7 +28,9 @@ from mpidl.errors import ConfigError, UserError
 
 #: the parallelism settings the cost model follows; any other one set is refused
 MODELLED = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
-            "sparse_grads")
+            "sparse_grads", "zero", "sync", "period", "warmup_steps", "outer_lr",
+            "outer_momentum", "precision", "loss_scale", "loss_scale_window",
+            "compression", "ratio")
 MAX_PER_RANK = 1024  # per-rank lists in --json up to this many ranks
 
 
@@ -35,7 +41,8 @@ def register(subparsers):
     base = train.register(holder)  # mpidl train's flags, declared once
     p = subparsers.add_parser(
         "simulate", parents=[base], conflict_handler="resolve",
-        help="predict messages, bytes and time per step of a data-parallel run",
+        help="predict messages, bytes and time per step of a data-parallel run (ZeRO, "
+        "model averaging and mixed precision included)",
         description="Predict what mpidl train with the same arguments would send and how "
         "long its steps would take on a described machine, for one or many rank counts: "
         "messages and bytes per rank per step (exactly what the communicator's counters "
@@ -43,7 +50,7 @@ def register(subparsers):
         "and the scaling efficiency. With --calibrate (under mpiexec -n 2 or more), "
         "measure this machine's alpha, beta, reduction speed and per-layer compute "
         "instead and write them to --machine FILE. Data parallelism (--strategy "
-        "allreduce) only.",
+        "allreduce), with --zero, --sync local-sgd|diloco and --precision.",
         epilog="examples:\n"
         "  mpiexec -n 2 mpidl simulate --calibrate --model mlp --machine here.json\n"
         "  mpidl simulate --model mlp --machine here.json --ranks 2 --algorithm ring\n"
@@ -88,8 +95,24 @@ def _refuse_unmodelled(cfg):
         if name not in MODELLED and value not in (None, False, "none", "allreduce", "fp32"):
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"mpidl simulate: {flag} {value} is not modelled yet (data "
-                              "parallelism with fused all-reduce and row-sparse gathers "
-                              f"only: {', '.join('--' + m.replace('_', '-') for m in MODELLED)})")
+                              "parallelism with fused all-reduce and row-sparse gathers, "
+                              "ZeRO, model averaging, mixed precision and compression only: "
+                              f"{', '.join('--' + m.replace('_', '-') for m in MODELLED)})")
+    from mpidl.runtime import build  # noqa: PLC0415
+
+    build(strategy, None, **strategy_kwargs(cfg))  # mpidl train's refusals, word for word
+
+
+def _check_model(cfg, model, optimizer):
+    """The runtime's own refusals at set-up, before any prediction: ZeRO's (an optimizer
+    that is not elementwise, row-sparse gradients) and mixed precision's (a layer with
+    no low-precision path)."""
+    from mpidl.runtime import precision, zero  # noqa: PLC0415
+    from mpidl.runtime.sync.rowsparse import check_sparse_mode  # noqa: PLC0415
+
+    zero.check_setup(zero.check_stage(cfg.zero or 0), model, optimizer,
+                     check_sparse_mode(cfg.sparse_grads))
+    precision.check_model(model, cfg.precision)
 
 
 def machine_of(args):
@@ -155,6 +178,7 @@ def prepare(args, world):
                            **dataset_options(cfg))
     model, optimizer = build_model_and_optimizer(
         cfg, dataset, steps=planned_steps(cfg, dataset, max(ranks)))
+    _check_model(cfg, model, optimizer)
 
     if args.calibrate:
         return lambda: calibrate_job(args, cfg, world, model, optimizer, dataset)
@@ -236,11 +260,14 @@ def predict(args, cfg, model, dataset, machine, ranks):
     seg = st.segment_bytes()
     named = model.named_parameters()
     per_node = machine.ranks_per_node
+    grads = sample_grads(model, dataset, cfg.batch_size * accumulate, cfg.seed) \
+        if cfg.compression not in (None, "none") else None
+    shape = layout_options(cfg, accumulate, grads)
     base = None
     out = []
     for p in sorted(set(ranks) | {1}):
         lay = st.layout(named, p, algorithm, bucket_mb, sparse,
-                        {n: [r] * p for n, r in rows.items()})
+                        {n: [r] * p for n, r in rows.items()}, **shape)
         topo = col.Topology(p, min(per_node, p))
         links = col.Links(machine, topo)
         t = st.step_time(lay, compute, cfg.batch_size, accumulate, links, overlap, seg)
@@ -254,11 +281,13 @@ def predict(args, cfg, model, dataset, machine, ranks):
         nbytes = [c["total"]["bytes"] for c in counted.values()]
         steps = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size * accumulate,
                             shard=(0, p), drop_last=cfg.drop_last).steps_per_epoch
+        every = lay.every
         row = {"ranks": p, "nodes": topo.nodes,
                "calls": [{"kind": c.kind, "name": c.name, "algorithm": c.algorithm,
-                          "bytes": c.nbytes()} for c in lay.calls],
-               "messages_per_step": sum(msgs) / len(msgs),
-               "bytes_per_step": sum(nbytes) / len(nbytes),
+                          "bytes": c.nbytes(), "phase": c.phase} for c in lay.calls],
+               "steps_per_layout": every,
+               "messages_per_step": sum(msgs) / len(msgs) / every,
+               "bytes_per_step": sum(nbytes) / len(nbytes) / every,
                "time_s": t, "step_s": t["total"], "steps_per_epoch": steps,
                "epoch_s": steps * t["total"],
                "efficiency": st.efficiency(base, t["total"]) if base else None}
@@ -272,6 +301,7 @@ def predict(args, cfg, model, dataset, machine, ranks):
                   and r["efficiency"] < 0.5), None)
     result = {"model": cfg.model, "dataset": dataset.name, "batch_size": cfg.batch_size,
             "accumulate": accumulate, "dtype": cfg.dtype, "algorithm": algorithm,
+            "layout": describe_layout(cfg),
             "bucket_mb": bucket_mb, "overlap": "on" if overlap else "off",
             "sparse_grads": sparse, "rows_per_rank": rows, "segment_bytes": seg,
             "compute": compute.source, "machine": {k: v for k, v in machine.to_dict().items()
@@ -284,10 +314,79 @@ def predict(args, cfg, model, dataset, machine, ranks):
     return result
 
 
+def layout_options(cfg, accumulate, grads=None):
+    """``mpidl.simulate.step.layout``'s settings for ``--zero``, ``--sync``,
+    ``--precision`` and ``--compression`` (``grads``: ``sample_grads``)."""
+    from mpidl.runtime.precision import Wire  # noqa: PLC0415
+    from mpidl.runtime.sync.fused import check_overlap  # noqa: PLC0415
+
+    out = {}
+    if cfg.compression not in (None, "none"):
+        from mpidl.compress import build_compression  # noqa: PLC0415
+
+        tensorwise = build_compression(cfg.compression, cfg.ratio).granularity == "tensor"
+        # (the per-tensor exchange overlaps backward only when asked: --overlap on)
+        out["compression"] = {"spec": cfg.compression, "ratio": cfg.ratio, "grads": grads,
+                              "overlap": check_overlap(cfg.overlap) == "on"
+                              if tensorwise else True}
+    if cfg.zero:
+        out.update(zero=int(cfg.zero), micro=accumulate)
+    if (cfg.sync or "allreduce") != "allreduce":
+        out["period"] = int(cfg.period)
+    if (cfg.precision or "fp32") != "fp32":
+        out["wire"] = Wire(cfg.precision).dtype
+    return out
+
+
+def sample_grads(model, dataset, batch, seed):
+    """Every parameter's gradient (dense, host) for one batch of the training set under
+    the dataset's own loss: what a compressor is given to compress."""
+    import numpy as np  # noqa: PLC0415
+
+    from mpidl.backend import to_device, to_numpy  # noqa: PLC0415
+    from mpidl.data.loader import input_dtype  # noqa: PLC0415
+    from mpidl.engine.module import SparseGrad  # noqa: PLC0415
+    from mpidl.training.tasks import task_for  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    n = len(dataset.train_y)
+    idx = rng.choice(n, size=min(batch, n), replace=False)
+    x = dataset.train_x[idx]
+    x = to_device(x, dtype=input_dtype(x, str(model.named_parameters()[0][1].data.dtype)))
+    loss = task_for(dataset).loss
+    model.zero_grad()
+    loss.forward(model(x), to_device(dataset.train_y[idx]))
+    model.backward(loss.backward())
+    out = {}
+    for name, q in model.named_parameters():
+        g = q.grad
+        if isinstance(g, SparseGrad):
+            g = g.to_dense()
+        out[name] = to_numpy(g) if g is not None else np.zeros(q.data.shape, q.data.dtype)
+    model.zero_grad()
+    return out
+
+
+def describe_layout(cfg):
+    parts = []
+    if cfg.compression not in (None, "none"):
+        parts.append(f"compression {cfg.compression}"
+                     + (f" ratio {cfg.ratio:g}" if cfg.ratio else ""))
+    if cfg.zero:
+        parts.append(f"ZeRO stage {cfg.zero}")
+    if (cfg.sync or "allreduce") != "allreduce":
+        warm = f" (after {cfg.warmup_steps} all-reduce steps)" if cfg.warmup_steps else ""
+        parts.append(f"{cfg.sync} every {cfg.period} steps{warm}")
+    if (cfg.precision or "fp32") != "fp32":
+        parts.append(f"{cfg.precision} gradients")
+    return ", ".join(parts) or "data parallelism"
+
+
 def _table(result):
     lines = [f"mpidl simulate: {result['model']} on {result['dataset']}, batch "
              f"{result['batch_size']}/rank x accumulate {result['accumulate']}, "
-             f"{result['dtype']}, algorithm {result['algorithm']}, buckets of "
+             f"{result['dtype']}, {result['layout']}, algorithm {result['algorithm']}, "
+             f"buckets of "
              f"{result['bucket_mb']:g} MiB, overlap {result['overlap']}; machine "
              f"{result['machine']['name']} ({result['machine']['ranks_per_node']} ranks/node); "
              f"compute {result['compute']}",

@@ -47,7 +47,9 @@ from mpidl.comm.algorithms import Context
 from mpidl.comm.layout import displacements, even_split
 
 ALGORITHMS = ("ring", "tree", "recursive_doubling", "hierarchical", "mpi")
-KINDS = ("allreduce", "allgatherv")  # what data parallelism calls (others: not modelled yet)
+#: the collective kinds modelled (an "allgather" is counted and timed as an all-gather of
+#: its counts: ``allgather_shards`` runs the algorithms' ``allgatherv``)
+KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv")
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,68 @@ def rd_allgatherv(r, counts, itemsize, seg=None):
     return messages, nbytes * itemsize
 
 
+def ring_reduce_scatter(r, p, n, itemsize, seg):
+    """``ring.reduce_scatter`` over ``even_split(n, p)``: the all-reduce's first half,
+    every chunk but ``rank``."""
+    if p == 1 or n == 0:
+        return 0, 0
+    counts, _ = even_split(n, p)
+    segs = _ring_segments(counts, seg)
+    a = r % p
+    return segs[-1] - (segs[a + 1] - segs[a]), (n - counts[a]) * itemsize
+
+
+def tree_reduce_scatter(r, p, n, itemsize, seg=None):
+    """``tree.reduce_scatter``: the reduce to rank 0 (the whole buffer, once, from every
+    other rank), then the binomial scatter of the non-empty subtree spans."""
+    if p == 1 or n == 0:
+        return 0, 0
+    counts, _ = even_split(n, p)
+    messages, nbytes = (1, n) if r else (0, 0)
+    mask = 1
+    while mask < p and not r & mask:
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:
+        child = r + mask
+        if child < p:
+            span = sum(counts[child:min(child + mask, p)])
+            if span:
+                messages += 1
+                nbytes += span
+        mask >>= 1
+    return messages, nbytes * itemsize
+
+
+def rd_reduce_scatter(r, p, n, itemsize, seg=None):
+    """``recursive_doubling.reduce_scatter`` (recursive halving, the farthest partner
+    first): a folded-out rank sends its buffer once; an odd rank sends its neighbour's
+    chunk back at the end; each round sends the half given away (empty ones counted)."""
+    if p == 1 or n == 0:
+        return 0, 0
+    counts, displs = even_split(n, p)
+    role, v, partners, q, rem = _rd.plan(r, p)
+    if role == "out":
+        return 1, n * itemsize
+
+    def start(w):  # as the module's
+        return n if w >= q else displs[_rd._vfirst(w, rem)]
+
+    messages = nbytes = 0
+    lo, hi, mask = 0, q, q // 2
+    for _ in partners:
+        mid = lo + mask
+        keep, give = ((lo, mid), (mid, hi)) if v < mid else ((mid, hi), (lo, mid))
+        messages += 1
+        nbytes += start(give[1]) - start(give[0])
+        lo, hi = keep
+        mask >>= 1
+    if role == "odd":
+        messages += 1
+        nbytes += counts[r - 1]
+    return messages, nbytes * itemsize
+
+
 def _hier_groups(topo):
     return _hier.groups(topo.node_of())
 
@@ -230,24 +294,30 @@ def hier_allgatherv(r, topo, counts, itemsize, seg_bytes=None):
 
 def count(kind, algorithm, r, topo, n_or_counts, itemsize, seg_bytes):
     """(messages, bytes) rank ``r`` sends in one call of ``kind`` run by ``algorithm``:
-    ``n_or_counts`` is the all-reduce's element count or the all-gather's counts per
-    rank."""
+    ``n_or_counts`` is the all-reduce's or reduce-scatter's element count (chunks of
+    ``even_split``), or the all-gather's counts per rank."""
+    if kind not in KINDS:
+        raise ValueError(f"collective {kind!r} is not modelled (modelled: "
+                         f"{', '.join(KINDS)})")
     if algorithm == "mpi":
         return 0, 0
     seg = max(1, seg_bytes // itemsize)
-    if kind == "allreduce":
+    if kind == "allreduce" or (kind == "reduce_scatter" and algorithm == "hierarchical"):
+        # (the hierarchical reduce-scatter is its all-reduce, each rank keeping its chunk)
         if algorithm == "hierarchical":
             return hier_allreduce(r, topo, n_or_counts, itemsize, seg_bytes)
         fn = {"ring": ring_allreduce, "tree": tree_allreduce,
               "recursive_doubling": rd_allreduce}[algorithm]
         return fn(r, topo.p, n_or_counts, itemsize, seg)
-    if kind == "allgatherv":
-        if algorithm == "hierarchical":
-            return hier_allgatherv(r, topo, tuple(n_or_counts), itemsize, seg_bytes)
-        fn = {"ring": ring_allgatherv, "tree": tree_allgatherv,
-              "recursive_doubling": rd_allgatherv}[algorithm]
-        return fn(r, tuple(n_or_counts), itemsize, seg)
-    raise ValueError(f"collective {kind!r} is not modelled (modelled: {', '.join(KINDS)})")
+    if kind == "reduce_scatter":
+        fn = {"ring": ring_reduce_scatter, "tree": tree_reduce_scatter,
+              "recursive_doubling": rd_reduce_scatter}[algorithm]
+        return fn(r, topo.p, n_or_counts, itemsize, seg)
+    if algorithm == "hierarchical":
+        return hier_allgatherv(r, topo, tuple(n_or_counts), itemsize, seg_bytes)
+    fn = {"ring": ring_allgatherv, "tree": tree_allgatherv,
+          "recursive_doubling": rd_allgatherv}[algorithm]
+    return fn(r, tuple(n_or_counts), itemsize, seg)
 
 
 # ------------------------------------------------------------------ time
@@ -370,6 +440,45 @@ def _mpich_allreduce_time(links, n, itemsize):
         t += 2 * links.cost(inter, part, flows=R if inter else 1) + links.gamma(part)
         mask <<= 1
     return t
+
+
+def time_reduce_scatter(algorithm, links, n, itemsize, seg_bytes):
+    """Predicted seconds of one reduce-scatter of ``n`` elements: the ring's first
+    ``p - 1`` steps; the tree's reduce, then a scatter of halving spans; recursive
+    halving (the farthest partner first, halves shrinking); the hierarchical all-reduce;
+    MPI's own taken to be recursive halving too (MPICH's for commutative operations)."""
+    p = links.topo.p
+    if p == 1 or n == 0:
+        return 0.0
+    nbytes = n * itemsize
+    seg = max(1, seg_bytes // itemsize)
+    if algorithm == "ring":
+        chunk = -(-n // p)
+        return ring_time(links, p, chunk * itemsize, _nseg(chunk, seg), p - 1, p - 1)
+    if algorithm == "tree":
+        t = 0.0
+        for k in range(_log2ceil(p)):
+            inter = links.crosses(1 << k)
+            t += links.cost(inter, nbytes) + links.gamma(nbytes)
+            t += links.cost(inter, nbytes / (2 << k))
+        return t
+    if algorithm in ("recursive_doubling", "mpi"):
+        q = 1 << (p.bit_length() - 1)
+        R = links.topo.per_node
+        t = 0.0
+        if p > q:  # the fold, and the odd ranks' chunks sent back
+            t += links.cost(links.crosses(1), nbytes) + links.gamma(nbytes)
+            t += links.cost(links.crosses(1), nbytes / p)
+        part, mask = float(nbytes), q // 2
+        while mask >= 1:
+            part /= 2
+            inter = links.crosses(mask)
+            t += links.cost(inter, part, flows=R if inter else 1) + links.gamma(part)
+            mask >>= 1
+        return t
+    if algorithm == "hierarchical":
+        return _hier_time(links, n, itemsize, seg_bytes)
+    raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
 def time_allgatherv(algorithm, links, counts, itemsize, seg_bytes):

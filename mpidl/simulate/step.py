@@ -1,17 +1,28 @@
-"""One data-parallel step, replayed symbolically: its collectives, per rank, and its time.
+"""One training step, replayed symbolically: its collectives, per rank, and its time.
 
 The layout is the real one, computed by the functions the runtime itself uses:
 
 - the dense gradients' fused buckets: ``mpidl.runtime.fusion.plan`` over the parameters
   the fused all-reduce owns (every parameter, less the row-sparse ones when
   ``--sparse-grads allgather``), ``bucket_mb`` MiB each, one all-reduce per bucket in
-  bucket order;
+  bucket order; under ``--precision bf16|fp16`` the buckets hold 2-byte words (float16,
+  bfloat16) and are planned by those bytes;
 - the row-sparse (Embedding) gradients: per parameter, in parameter order, two
   ``allgatherv`` calls (the coalesced row indices as int64, then the rows' values), whose
   sizes are the rows each rank touched (data: given, or estimated from the dataset);
+- ZeRO (``--zero 1|2|3``, ``mpidl.runtime.zero``): per bucket a reduce-scatter (an
+  all-reduce where the algorithm's reduce-scatter would sum in another order than its
+  all-reduce: ``zero.exact_reduce_scatter``) and an all-gather of the updated shards
+  (stages 1-2), or of the parameters before every forward and backward (stage 3);
+- compression (``--compression``): the collectives of each tensor's (or bucket's)
+  compressed exchange, found by running the compressor (``compression``);
+- model averaging (``--sync local-sgd|diloco --period H``, after its warm-up): no
+  gradient sync; one all-reduce of the parameters per period in the fused buckets'
+  layout (the layout is then of H steps);
 - the algorithm of each call as the communicator resolves it: the one asked for, or
   ``auto``'s choice by size (``mpidl.comm.auto.Selector`` over the same tuning tables:
-  the row gathers always ask ``auto``); MPI's own reduction is never used for float16
+  the row gathers always ask ``auto``; ZeRO's calls take the all-reduce table's choice
+  for the bucket, as stage 0 would); MPI's own reduction is never used for float16
   or bfloat16 words (``ops.own_reduction``: the ring instead).
 
 ``traffic`` then counts, per rank, what ``Communicator.counters()`` counts for the step
@@ -19,7 +30,7 @@ The layout is the real one, computed by the functions the runtime itself uses:
 ``step_time`` predicts the time: forward, backward (per layer, so that overlapped
 buckets start when their last gradient is ready), the collectives one after another on
 the progress thread (overlap) or after backward (no overlap), the row gathers, the
-optimizer update.
+optimizer update (a 1/p share of it under ZeRO) and what runs with it.
 """
 
 from dataclasses import dataclass, field
@@ -29,6 +40,7 @@ import numpy as np
 from mpidl import env
 from mpidl.comm import auto
 from mpidl.comm.counters import FIELDS, KINDS
+from mpidl.comm.layout import even_split
 from mpidl.comm.ops import own_reduction
 from mpidl.runtime.fusion import MiB, plan
 
@@ -37,8 +49,9 @@ from . import collectives as col
 
 @dataclass
 class Call:
-    """One collective of the step: ``size`` is the all-reduce's element count, or the
-    all-gather's counts per rank."""
+    """One collective of the step: ``size`` is the all-reduce's or reduce-scatter's
+    element count, or the all-gather's counts per rank. ``phase``: where the step runs
+    it (``PHASES``)."""
 
     kind: str
     name: str
@@ -47,19 +60,38 @@ class Call:
     itemsize: int
     dtype: str
     params: tuple = ()
+    phase: str = "backward"
+    local_s: float = 0.0  # a compressor's own seconds around the call (compression.py)
 
     def nbytes(self):
-        n = self.size if self.kind == "allreduce" else sum(self.size)
+        n = self.size if self.kind in ("allreduce", "reduce_scatter") else sum(self.size)
         return n * self.itemsize
+
+
+#: where a call runs: ``backward`` (a gradient bucket, launched as its last gradient is
+#: ready when overlapping), ``after`` (once backward is done: the row gathers, ZeRO
+#: stage 2-3's buckets), ``update`` (with the optimizer update: ZeRO's all-gather of the
+#: updated shards, model averaging), ``forward-gather`` / ``backward-gather`` (ZeRO stage
+#: 3's parameter gathers before each layer, prefetched)
+PHASES = ("backward", "after", "update", "forward-gather", "backward-gather")
 
 
 @dataclass
 class StepLayout:
+    """The collectives of ``every`` steps (1; model averaging: a period of H steps, one
+    averaging) and what shapes their time: ``overlap`` (False: the buckets never overlap
+    backward: ZeRO stage 2-3), ``update_share`` (the fraction of the optimizer update a
+    rank computes: 1/p under ZeRO)."""
+
     p: int
     calls: list = field(default_factory=list)
     buckets: int = 0
     dense_bytes: int = 0
     sparse: tuple = ()
+    every: int = 1
+    overlap: bool = True
+    update_share: float = 1.0
+    what: str = "data parallelism"
 
 
 def segment_bytes():
@@ -70,30 +102,62 @@ def segment_bytes():
 def resolve(selector, kind, algorithm, nbytes, dtype):
     """The algorithm the communicator runs (``Communicator._resolve``)."""
     alg = selector.choose(kind, nbytes) if algorithm == "auto" else algorithm
-    if alg == "mpi" and kind == "allreduce" and own_reduction(np.dtype(dtype)):
+    if alg == "mpi" and kind in ("allreduce", "reduce_scatter") \
+            and own_reduction(np.dtype(dtype)):
         alg = "ring"
     return alg
 
 
+def _dtype_name(dtype):
+    from mpidl import bfloat16  # noqa: PLC0415
+
+    return "bfloat16" if dtype == bfloat16.BFLOAT16 else str(dtype)
+
+
 def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), rows=None,
-           tables=None):
+           tables=None, zero=0, micro=1, wire=None, period=None, compression=None):
     """The collectives of one step on ``p`` ranks (module doc). ``rows``: for each
-    row-sparse parameter name, the rows every rank sends (a list of ``p`` counts)."""
+    row-sparse parameter name, the rows every rank sends (a list of ``p`` counts).
+    ``zero``: the ZeRO stage (``mpidl.runtime.zero``), ``micro`` the micro-batches of a
+    step (stage 3 gathers every bucket once per forward and once per backward of each);
+    ``wire``: mixed precision's bucket dtype (float16, or bfloat16 words: 2 bytes);
+    ``period``: model averaging every H steps (``--sync local-sgd|diloco`` after its
+    warm-up): the layout is then of one period, its one averaging. ``compression``:
+    ``compression.layout``'s settings (spec, ratio, grads, frames, overlap) for
+    ``--compression``."""
     named_params = list(named_params)
     sparse_names = set(sparse_names)
     selector = auto.Selector(p, auto.load() if tables is None else tables)
     out = StepLayout(p)
     if p == 1:
         return out
+    if period:
+        return _averaging(out, named_params, selector, algorithm, bucket_mb, period)
+    if compression:
+        from .compression import layout as compressed  # noqa: PLC0415
+
+        return compressed(out, named_params, selector=selector, algorithm=algorithm,
+                          bucket_mb=bucket_mb, **compression)
     dense = [(n, q) for n, q in named_params if n not in sparse_names]
-    for index, group in enumerate(plan(dense, int(bucket_mb * MiB))):
+    itemsize = None if wire is None else np.dtype(wire).itemsize
+    for index, group in enumerate(plan(dense, int(bucket_mb * MiB), itemsize)):
         data = group[0][1].data
         n = sum(q.data.size for _, q in group)
-        alg = resolve(selector, "allreduce", algorithm, n * data.itemsize, data.dtype)
-        out.calls.append(Call("allreduce", f"bucket{index}", alg, n, data.itemsize,
-                              str(data.dtype), tuple(name for name, _ in group)))
-        out.dense_bytes += n * data.itemsize
-    out.buckets = len(out.calls)
+        dtype = data.dtype if wire is None else np.dtype(wire)
+        size = dtype.itemsize
+        names = tuple(name for name, _ in group)
+        if zero:
+            _zero_bucket(out, index, names, n, dtype, selector, algorithm, zero, micro)
+        else:
+            alg = resolve(selector, "allreduce", algorithm, n * size, dtype)
+            out.calls.append(Call("allreduce", f"bucket{index}", alg, n, size,
+                                  _dtype_name(dtype), names))
+        out.dense_bytes += n * size
+        out.buckets += 1
+    if zero:
+        out.overlap = zero == 1
+        out.update_share = 1.0 / p
+        out.what = f"ZeRO stage {zero}"
     sparse = [(n, q) for n, q in named_params if n in sparse_names]
     out.sparse = tuple(n for n, _ in sparse)
     for name, q in sparse:
@@ -108,7 +172,49 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
             sizes = [c * per_row for c in counts]
             alg = resolve(selector, "allgatherv", "auto", sum(sizes) * itemsize // p, dtype)
             out.calls.append(Call("allgatherv", f"{name} {what}", alg, sizes, itemsize,
-                                  dtype, (name,)))
+                                  dtype, (name,), phase="after"))
+    return out
+
+
+def _zero_bucket(out, index, names, n, dtype, selector, algorithm, stage, micro):
+    """ZeRO's calls for one bucket (``mpidl.runtime.zero``): the gradient reduce-scattered
+    (all-reduced where the algorithm's reduce-scatter would sum in another order), the
+    shards all-gathered after their update (stages 1-2) or before every forward and
+    backward (stage 3)."""
+    from mpidl.runtime.zero import exact_reduce_scatter  # noqa: PLC0415
+
+    p, size = out.p, dtype.itemsize
+    alg = algorithm if algorithm != "auto" else selector.choose("allreduce", n * size)
+    kind = "reduce_scatter" if exact_reduce_scatter(alg, p) else "allreduce"
+    alg = resolve(selector, kind, alg, n * size, dtype)
+    name = f"bucket{index}"
+    out.calls.append(Call(kind, name, alg, n, size, _dtype_name(dtype), names,
+                          phase="backward" if stage == 1 else "after"))
+    counts = tuple(even_split(n, p)[0])
+    gather = Call("allgather", f"{name}.params", alg, counts, size, _dtype_name(dtype), names)
+    if stage < 3:
+        gather.phase = "update"
+        out.calls.append(gather)
+        return
+    for phase in ("forward-gather", "backward-gather"):
+        for _ in range(micro):
+            out.calls.append(Call(**{**gather.__dict__, "phase": phase}))
+
+
+def _averaging(out, named_params, selector, algorithm, bucket_mb, period):
+    """Model averaging (``mpidl.runtime.averaging``): one all-reduce of the parameters per
+    period, in the fused buckets' layout over every parameter, after the update."""
+    for index, group in enumerate(plan(named_params, int(bucket_mb * MiB))):
+        data = group[0][1].data
+        n = sum(q.data.size for _, q in group)
+        alg = resolve(selector, "allreduce", algorithm, n * data.itemsize, data.dtype)
+        out.calls.append(Call("allreduce", f"average{index}", alg, n, data.itemsize,
+                              str(data.dtype), tuple(name for name, _ in group),
+                              phase="update"))
+        out.dense_bytes += n * data.itemsize
+    out.every = int(period)
+    out.overlap = False
+    out.what = f"model averaging every {period} steps"
     return out
 
 
@@ -146,6 +252,8 @@ def traffic(step, per_node=1, ranks=None, seg_bytes=None):
 def call_time(c, links, seg_bytes):
     if c.kind == "allreduce":
         return col.time_allreduce(c.algorithm, links, c.size, c.itemsize, seg_bytes)
+    if c.kind == "reduce_scatter":
+        return col.time_reduce_scatter(c.algorithm, links, c.size, c.itemsize, seg_bytes)
     return col.time_allgatherv(c.algorithm, links, c.size, c.itemsize, seg_bytes)
 
 
@@ -199,7 +307,10 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
     """Predicted seconds of one step: {forward, backward, comm, exposed_comm, update,
     skew, total} (module doc). Overlap hides communication only where the progress
     thread has a core (``Compute.on_cores``, ``Machine.spare_core``); the step waits for
-    the slowest rank's compute (``Compute.cv``)."""
+    the slowest rank's compute (``Compute.cv``). A layout of ``every`` steps (model
+    averaging) is spread over them: its calls' time divided by ``every``. ZeRO stage 3's
+    gathers run on the progress thread ahead of the pass that needs them: a pass takes
+    the longer of its compute and its gathers when overlapping, their sum when not."""
     seg_bytes = segment_bytes() if seg_bytes is None else seg_bytes
     machine, topo = links.m, links.topo
     overlap = overlap and (not compute.on_cores
@@ -207,11 +318,18 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
     micro = batch
     fwd = compute.forward(micro)
     bwd = compute.backward(micro)
-    before = (accumulate - 1) * (fwd + bwd) + fwd  # the hooks run in the last backward
-    times = [call_time(c, links, seg_bytes) for c in step.calls]
-    buckets = step.calls[:step.buckets]
-    comm = sum(times)
-    if overlap and buckets:
+    times = [call_time(c, links, seg_bytes) / step.every for c in step.calls]
+    by = {phase: [(c, t) for c, t in zip(step.calls, times) if c.phase == phase]
+          for phase in PHASES}
+
+    def passes(seconds, phase):  # ``accumulate`` passes, each with its gathers
+        gathers = sum(t for _, t in by[phase]) / max(accumulate, 1)
+        one = max(seconds, gathers) if overlap else seconds + gathers
+        return accumulate * one if gathers else accumulate * seconds
+
+    before = passes(fwd, "forward-gather") + passes(bwd, "backward-gather") - bwd
+    buckets = by["backward"]
+    if overlap and step.overlap and buckets:
         ready = {}
         t = before
         for key in reversed(list(compute.layers)):  # backward, last layer first
@@ -219,18 +337,21 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
             ready[key] = t
         end_bwd = before + bwd
         done = 0.0
-        for c, tc in zip(buckets, times):
+        for c, tc in buckets:
             when = max((ready.get(top_layer(n), end_bwd) for n in c.params), default=end_bwd)
             done = max(done, when) + tc
         after_bwd = max(done, end_bwd)
     else:
-        after_bwd = before + bwd + sum(times[:step.buckets])
+        after_bwd = before + bwd + sum(t for _, t in buckets)
     skew = compute.cv * accumulate * (fwd + bwd) * slowest_of(step.p)
-    total = after_bwd + sum(times[step.buckets:]) + compute.update_s + skew
-    compute_s = accumulate * (fwd + bwd) + compute.update_s
-    return {"forward": accumulate * fwd, "backward": accumulate * bwd, "comm": comm,
-            "exposed_comm": total - compute_s - skew, "update": compute.update_s,
-            "skew": skew, "total": total}
+    update = compute.update_s * step.update_share
+    local = sum(c.local_s for c in step.calls) / step.every  # compressors' own work
+    total = (after_bwd + local + sum(t for _, t in by["after"]) + update
+             + sum(t for _, t in by["update"]) + skew)
+    compute_s = accumulate * (fwd + bwd) + update + local
+    return {"forward": accumulate * fwd, "backward": accumulate * bwd, "comm": sum(times),
+            "exposed_comm": total - compute_s - skew, "update": update,
+            "compression": local, "skew": skew, "total": total}
 
 
 def efficiency(t_one, t_p):

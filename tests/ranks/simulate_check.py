@@ -11,9 +11,19 @@ rank's batch touches, exchanged here with mpi4py so every rank predicts every ra
 ``MPIDL_RANKS_PER_NODE=k`` (hierarchical) is read as the nodes' size; without it, all
 ranks share one node, as they do on this machine.
 
+Beside plain data parallelism, a fourth argument names the other layouts to check, each
+built as ``mpidl train`` builds it: ``zero1``, ``zero2``, ``zero3`` (with 2
+micro-batches: every bucket gathered once per forward and backward of each),
+``local-sgd`` and ``diloco`` (``--period 3``: three counted steps hold one averaging),
+``bf16`` and ``fp16`` (``--precision``: 2-byte buckets; the mlp only, which has a
+low-precision path), ``c-NAME`` (``--compression NAME``: the simulation runs its own
+compressor on made-up gradients; for ``topk``, ``threshold`` and ``dgc``, whose payload
+size depends on the values (delta-packed indices), each rank's real frame sizes are
+recorded during the counted step and given to it).
+
 Any failure raises; ``python -m mpi4py`` turns it into MPI_Abort for all ranks.
-Usage: mpiexec -n N python -m mpi4py tests/ranks/simulate_check.py ALGS BUCKETS [MODELS]
-  e.g. ring,tree 0.001,4 mlp,gpt
+Usage: mpiexec -n N python -m mpi4py tests/ranks/simulate_check.py ALGS BUCKETS [MODELS
+  [LAYOUTS]]   e.g. ring,tree 0.001,4 mlp,gpt zero1,local-sgd
 """
 
 import os
@@ -57,38 +67,126 @@ def gathers_by(algorithm):
     return None if algorithm == "auto" else {"allgather": {"1": [[None, algorithm]]}}
 
 
-def check(kind, algorithm, bucket_mb, overlap, per_node):
+PERIOD = 3
+#: what each layout adds to ``build("allreduce", ...)``, and to ``layout(...)``
+LAYOUTS = {
+    "dp": ({}, {}),
+    # (ZeRO shards the Embedding's gradient too: --sparse-grads dense)
+    "zero1": ({"zero": 1, "sparse_grads": "dense"}, {"zero": 1}),
+    "zero2": ({"zero": 2, "sparse_grads": "dense"}, {"zero": 2}),
+    "zero3": ({"zero": 3, "accumulate": 2, "sparse_grads": "dense"}, {"zero": 3, "micro": 2}),
+    "local-sgd": ({"sync": "local-sgd", "period": PERIOD}, {"period": PERIOD}),
+    "diloco": ({"sync": "diloco", "period": PERIOD}, {"period": PERIOD}),
+    "bf16": ({"precision": "bf16"}, {"wire": "bf16"}),
+    "fp16": ({"precision": "fp16"}, {"wire": "fp16"}),
+}
+
+
+#: compressors whose payload size depends on the gradient's values
+DATA_DEPENDENT = ("topk", "threshold", "dgc")
+
+
+class FrameSizes:
+    """Records the bytes of every frame this rank's exchanger packs, by tensor name (an
+    observation of the real exchange: the frames still travel)."""
+
+    def __init__(self):
+        from mpidl.compress import exchange, frame
+
+        self.sizes, self._last = {}, None
+        self._pack, self._start = frame.pack, exchange.Exchanger.start
+        rec = self
+
+        def pack(payload, like=None):
+            out = rec._pack(payload, like)
+            rec._last = int(out.nbytes)
+            return out
+
+        def start(ex, grad, name):
+            rec._last = None
+            pending = rec._start(ex, grad, name)
+            if rec._last is not None:
+                rec.sizes[name] = rec._last
+            return pending
+
+        frame.pack, exchange.Exchanger.start = pack, start
+
+    def close(self):
+        from mpidl.compress import exchange, frame
+
+        frame.pack, exchange.Exchanger.start = self._pack, self._start
+
+
+def made_up_grads(model):
+    rng = np.random.default_rng(7)
+    return {n: rng.standard_normal(q.data.shape).astype(q.data.dtype)
+            for n, q in model.named_parameters()}
+
+
+def wire_dtype(fmt):
+    from mpidl.runtime.precision import Wire
+
+    return Wire(fmt).dtype
+
+
+def check(kind, algorithm, bucket_mb, overlap, per_node, how="dp"):
     tables = gathers_by(algorithm)
     comm = Communicator(MPI.COMM_WORLD, _tables=tables)
     p, rank = comm.size, comm.rank
     model = make(kind)
     model.needs_input_grad = False
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
-    rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap)
+    if how.startswith("c-"):
+        options, shape = {"compression": how[2:]}, {}
+    else:
+        options, shape = LAYOUTS[how]
+    rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb,
+               overlap="off" if options.get("zero", 0) >= 2 else overlap, **options)
     rt.setup(model, opt, SoftmaxCrossEntropy() if kind == "mlp" else TokenCrossEntropy())
-    rt.train_step(*batch(kind, 0, rank))
+    def step_batch(k):  # (twice the batch with 2 micro-batches)
+        x, y = batch(kind, k, rank)
+        if options.get("accumulate"):
+            x, y = np.concatenate([x, x]), np.concatenate([y, y])
+        return x, y
+
+    rt.train_step(*step_batch(0))
     rt.group.reset_counters()
-    x, y = batch(kind, 1, rank)
-    rt.train_step(x, y)
+    sparse = sparse_param_names(model) \
+        if "sparse_grads" not in options and "compression" not in options else []
+    rows = {name: [0] * p for name in sparse}
+    frames = FrameSizes() if options.get("compression") in DATA_DEPENDENT else None
+    for k in range(shape.get("period", 1)):  # the steps the layout describes
+        x, y = step_batch(1 + k)
+        rt.train_step(x, y)
+        mine = touched_rows(make(kind), sparse, x)
+        everyone = MPI.COMM_WORLD.allgather(mine)  # (not through the counted communicator)
+        rows = {name: [r[name] for r in everyone] for name in sparse}
     counted = rt.group.counters()
-    sparse = sparse_param_names(model)
-    mine = touched_rows(make(kind), sparse, x)
-    everyone = MPI.COMM_WORLD.allgather(mine)  # (not through the counted communicator)
-    rows = {name: [r[name] for r in everyone] for name in sparse}
+    if "compression" in options:
+        given = None
+        if frames is not None:
+            frames.close()
+            everyone = MPI.COMM_WORLD.allgather(frames.sizes)
+            given = {name: [r[name] for r in everyone] for name in frames.sizes}
+        shape = {"compression": {"spec": options["compression"], "ratio": None,
+                                 "grads": made_up_grads(model), "frames": given}}
+    if "wire" in shape:
+        shape = {"wire": wire_dtype(shape["wire"])}
     step = layout(make(kind).named_parameters(), p, algorithm, bucket_mb, sparse, rows,
-                  tables=tables)
+                  tables=tables, **shape)
     predicted = traffic(step, per_node, ranks=[rank])[rank]
     if predicted != counted:
         diff = {k: (predicted[k], counted[k]) for k in counted if predicted.get(k) != counted[k]}
-        raise AssertionError(f"rank {rank} of {p}, {kind} {algorithm} bucket {bucket_mb} MiB "
-                             f"overlap {overlap} nodes of {per_node}: predicted != counted "
-                             f"{diff}; calls {[(c.name, c.algorithm, c.size) for c in step.calls]}")
+        raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket {bucket_mb} "
+                             f"MiB overlap {overlap} nodes of {per_node}: predicted != counted "
+                             f"{diff}; calls {[(c.kind, c.name, c.algorithm, c.size) for c in step.calls]}")
+    rt.mesh.close()  # (its groups' communicators: many cases would run out of them)
     comm.close()
     totals = MPI.COMM_WORLD.gather(counted["total"], root=0)
     if rank == 0:
         msgs = [t["messages"] for t in totals]
         nbytes = [t["bytes"] for t in totals]
-        print(f"exact p={p} {kind} {algorithm} bucket {bucket_mb} MiB overlap {overlap}: "
+        print(f"exact p={p} {kind} {how} {algorithm} bucket {bucket_mb} MiB overlap {overlap}: "
               f"{len(step.calls)} calls, messages per rank {msgs}, bytes per rank {nbytes}",
               flush=True)
     return counted
@@ -98,15 +196,19 @@ def main():
     algs = sys.argv[1].split(",")
     buckets = [float(b) for b in sys.argv[2].split(",")]
     kinds = sys.argv[3].split(",") if len(sys.argv) > 3 else ["mlp", "gpt"]
+    hows = sys.argv[4].split(",") if len(sys.argv) > 4 else ["dp"]
     p, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
     per = os.environ.get("MPIDL_RANKS_PER_NODE")
     per_node = int(per) if per else p
     i = 0
-    for kind in kinds:
-        for alg in algs:
-            for mb in buckets:
-                check(kind, alg, mb, ("on", "off")[i % 2], per_node)
-                i += 1
+    for how in hows:
+        for kind in kinds:
+            if how in ("bf16", "fp16", "c-fp16") and kind != "mlp":
+                continue  # (no low-precision path for the Embedding)
+            for alg in algs:
+                for mb in buckets:
+                    check(kind, alg, mb, ("on", "off")[i % 2], per_node, how)
+                    i += 1
     if rank == 0:
         print(f"simulate_check: {i} cases exact on {p} ranks", flush=True)
 
