@@ -6,7 +6,8 @@
   algorithm (``mpi``: calls only, as the counters count), small and large buckets, ring
   segments of 64 KiB (several per chunk), odd p, nodes of 2 ranks for the hierarchical
   all-reduce; ZeRO stages 1-3, model averaging (local SGD, DiLoCo) and mixed precision's
-  2-byte buckets. A representative slice here; the grid for p = 2, 3, 4, 8 is ``slow``.
+  2-byte buckets, compression, ``--sync-bn``. A representative slice here; the grid for
+  p = 2, 3, 4, 8 is ``slow``.
 * the command: ``--json`` is one object whose ``bytes_per_step`` is what the epoch
   line's ``bytes_sent_per_step`` reports for the ring; ``--ranks 1-4096`` is fast;
   ``--calibrate`` writes a machine file the next run reads.
@@ -57,12 +58,14 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (4, "hierarchical,ring", "4", "mlp", "zero2,fp16,c-topk", 2),
     (3, "ring,auto", "0.001", "mlp", "c-onebit,c-randomk,c-powersgd,c-dgc", None),
     (2, "ring", "4", "mlp,gpt", "c-fp16,c-qsgd,c-threshold", None),
+    (3, "ring,auto", "4", "cnn", "syncbn,syncbn+local-sgd", None),
 ])
 def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts, per_node):
     """ZeRO stages 1-3 (reduce-scatter or all-reduce per bucket, all-gathers of shards
     after the update or before every pass), model averaging (one all-reduce of the
-    parameters per period), 2-byte mixed-precision buckets and compression (all-reduced
-    or all-gathered payloads, PowerSGD's rounds), counted exactly."""
+    parameters per period), 2-byte mixed-precision buckets, compression (all-reduced
+    or all-gathered payloads, PowerSGD's rounds) and synchronized BatchNorm (the cnn's
+    statistics all-reduced in every pass), counted exactly."""
     check_ranks(n, algs, buckets, models, per_node=per_node, layouts=layouts)
 
 
@@ -70,6 +73,8 @@ def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_other_layouts_grid(n):
     check_ranks(n, ALL, "0.001,4", layouts=LAYOUTS + "," + COMPRESSORS, timeout=2400)
+    check_ranks(n, ALL, "4", "cnn", layouts="syncbn,syncbn+local-sgd,syncbn+zero3",
+                timeout=2400)
 
 
 @pytest.mark.slow

@@ -15,8 +15,8 @@ Modelled: data parallelism (``--strategy allreduce``) with its fused all-reduce 
 row-sparse gathers, ZeRO (``--zero 1|2|3``), model averaging (``--sync
 local-sgd|diloco``, the steps after its warm-up), mixed precision's 2-byte buckets
 (``--precision bf16|fp16``) and compression (``--compression``, the compressor run on
-a real gradient). Other strategies, tensor and pipeline parallelism are refused with one
-line until they are modelled.
+a real gradient), and ``--sync-bn``. Other strategies, tensor and pipeline parallelism
+are refused with one line until they are modelled.
 """
 
 import argparse
@@ -30,7 +30,7 @@ from mpidl.errors import ConfigError, UserError
 MODELLED = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
             "sparse_grads", "zero", "sync", "period", "warmup_steps", "outer_lr",
             "outer_momentum", "precision", "loss_scale", "loss_scale_window",
-            "compression", "ratio")
+            "compression", "ratio", "sync_bn")
 MAX_PER_RANK = 1024  # per-rank lists in --json up to this many ranks
 
 
@@ -96,7 +96,8 @@ def _refuse_unmodelled(cfg):
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"mpidl simulate: {flag} {value} is not modelled yet (data "
                               "parallelism with fused all-reduce and row-sparse gathers, "
-                              "ZeRO, model averaging, mixed precision and compression only: "
+                              "ZeRO, model averaging, mixed precision, compression and "
+                              "synchronized BatchNorm only: "
                               f"{', '.join('--' + m.replace('_', '-') for m in MODELLED)})")
     from mpidl.runtime import build  # noqa: PLC0415
 
@@ -262,7 +263,7 @@ def predict(args, cfg, model, dataset, machine, ranks):
     per_node = machine.ranks_per_node
     grads = sample_grads(model, dataset, cfg.batch_size * accumulate, cfg.seed) \
         if cfg.compression not in (None, "none") else None
-    shape = layout_options(cfg, accumulate, grads)
+    shape = layout_options(cfg, model, accumulate, grads)
     base = None
     out = []
     for p in sorted(set(ranks) | {1}):
@@ -314,13 +315,17 @@ def predict(args, cfg, model, dataset, machine, ranks):
     return result
 
 
-def layout_options(cfg, accumulate, grads=None):
+def layout_options(cfg, model, accumulate, grads=None):
     """``mpidl.simulate.step.layout``'s settings for ``--zero``, ``--sync``,
-    ``--precision`` and ``--compression`` (``grads``: ``sample_grads``)."""
+    ``--precision``, ``--compression`` (``grads``: ``sample_grads``) and ``--sync-bn``."""
     from mpidl.runtime.precision import Wire  # noqa: PLC0415
     from mpidl.runtime.sync.fused import check_overlap  # noqa: PLC0415
 
     out = {}
+    if getattr(cfg, "sync_bn", False):
+        from mpidl.simulate.step import sync_bn_layers  # noqa: PLC0415
+
+        out.update(sync_bn=sync_bn_layers(model), micro=accumulate)
     if cfg.compression not in (None, "none"):
         from mpidl.compress import build_compression  # noqa: PLC0415
 
@@ -379,6 +384,8 @@ def describe_layout(cfg):
         parts.append(f"{cfg.sync} every {cfg.period} steps{warm}")
     if (cfg.precision or "fp32") != "fp32":
         parts.append(f"{cfg.precision} gradients")
+    if getattr(cfg, "sync_bn", False):
+        parts.append("synchronized BatchNorm")
     return ", ".join(parts) or "data parallelism"
 
 

@@ -72,8 +72,10 @@ class Call:
 #: ready when overlapping), ``after`` (once backward is done: the row gathers, ZeRO
 #: stage 2-3's buckets), ``update`` (with the optimizer update: ZeRO's all-gather of the
 #: updated shards, model averaging), ``forward-gather`` / ``backward-gather`` (ZeRO stage
-#: 3's parameter gathers before each layer, prefetched)
-PHASES = ("backward", "after", "update", "forward-gather", "backward-gather")
+#: 3's parameter gathers before each layer, prefetched), ``forward-bn`` /
+#: ``backward-bn`` (``--sync-bn``'s blocking all-reduces inside the passes)
+PHASES = ("backward", "after", "update", "forward-gather", "backward-gather", "forward-bn",
+          "backward-bn")
 
 
 @dataclass
@@ -115,7 +117,8 @@ def _dtype_name(dtype):
 
 
 def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), rows=None,
-           tables=None, zero=0, micro=1, wire=None, period=None, compression=None):
+           tables=None, zero=0, micro=1, wire=None, period=None, compression=None,
+           sync_bn=()):
     """The collectives of one step on ``p`` ranks (module doc). ``rows``: for each
     row-sparse parameter name, the rows every rank sends (a list of ``p`` counts).
     ``zero``: the ZeRO stage (``mpidl.runtime.zero``), ``micro`` the micro-batches of a
@@ -124,13 +127,15 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
     ``period``: model averaging every H steps (``--sync local-sgd|diloco`` after its
     warm-up): the layout is then of one period, its one averaging. ``compression``:
     ``compression.layout``'s settings (spec, ratio, grads, frames, overlap) for
-    ``--compression``."""
+    ``--compression``. ``sync_bn``: ``sync_bn_layers(model)`` for ``--sync-bn`` (each
+    BatchNorm's all-reduces in every forward and backward of a micro-batch)."""
     named_params = list(named_params)
     sparse_names = set(sparse_names)
     selector = auto.Selector(p, auto.load() if tables is None else tables)
     out = StepLayout(p)
     if p == 1:
         return out
+    _sync_bn(out, sync_bn, selector, micro * (period or 1))  # (every step of a period)
     if period:
         return _averaging(out, named_params, selector, algorithm, bucket_mb, period)
     if compression:
@@ -199,6 +204,46 @@ def _zero_bucket(out, index, names, n, dtype, selector, algorithm, stage, micro)
     for phase in ("forward-gather", "backward-gather"):
         for _ in range(micro):
             out.calls.append(Call(**{**gather.__dict__, "phase": phase}))
+
+
+def sync_bn_layers(model):
+    """``(name, channels, dtype, needs_input_grad)`` of every BatchNorm, in forward order;
+    ``needs_input_grad`` as ``Sequential.forward`` sets it (the runtime starts the model
+    without an input gradient: only layers after a parameter compute one)."""
+    from mpidl.engine.module import Sequential  # noqa: PLC0415
+    from mpidl.engine.normalization import BatchNorm1d, BatchNorm2d  # noqa: PLC0415
+
+    out = []
+
+    def walk(layer, prefix, needs):
+        if isinstance(layer, (BatchNorm1d, BatchNorm2d)):
+            out.append((prefix.rstrip("."), layer.num_features, layer.dtype, needs))
+        children = layer.children()
+        inner = needs
+        for key, child in children:
+            walk(child, f"{prefix}{key}.", inner if isinstance(layer, Sequential) else True)
+            if isinstance(layer, Sequential):
+                inner = inner or child.has_params()
+
+    walk(model, "", False)
+    return out
+
+
+def _sync_bn(out, layers, selector, micro):
+    """``--sync-bn``: per BatchNorm and micro-batch, forward sums the channels' values
+    and the count (C + 1 words), then the squared deviations (C); backward, when the
+    layer computes an input gradient, the two gradient sums (2 C); each a blocking
+    all-reduce that ``auto`` resolves by size (``engine.normalization``)."""
+    for _ in range(micro):
+        for phase, sizes in (("forward-bn", lambda c, needs: (c + 1, c)),
+                             ("backward-bn", lambda c, needs: (2 * c,) if needs else ())):
+            order = layers if phase == "forward-bn" else list(reversed(layers))
+            for name, c, dtype, needs in order:
+                dtype = np.dtype(dtype)
+                for n in sizes(c, needs):
+                    alg = resolve(selector, "allreduce", "auto", n * dtype.itemsize, dtype)
+                    out.calls.append(Call("allreduce", f"{name} statistics", alg, n,
+                                          dtype.itemsize, str(dtype), (name,), phase=phase))
 
 
 def _averaging(out, named_params, selector, algorithm, bucket_mb, period):
@@ -316,8 +361,7 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
     overlap = overlap and (not compute.on_cores
                            or machine.spare_core(min(topo.per_node, topo.p)))
     micro = batch
-    fwd = compute.forward(micro)
-    bwd = compute.backward(micro)
+    fwd0, bwd0 = compute.forward(micro), compute.backward(micro)
     times = [call_time(c, links, seg_bytes) / step.every for c in step.calls]
     by = {phase: [(c, t) for c, t in zip(step.calls, times) if c.phase == phase]
           for phase in PHASES}
@@ -327,6 +371,10 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
         one = max(seconds, gathers) if overlap else seconds + gathers
         return accumulate * one if gathers else accumulate * seconds
 
+    in_pass = {phase: sum(t for _, t in by[phase]) / max(accumulate, 1)
+               for phase in ("forward-bn", "backward-bn")}
+    fwd = fwd0 + in_pass["forward-bn"]   # (sync BatchNorm waits inside the passes)
+    bwd = bwd0 + in_pass["backward-bn"]
     before = passes(fwd, "forward-gather") + passes(bwd, "backward-gather") - bwd
     buckets = by["backward"]
     if overlap and step.overlap and buckets:
@@ -343,13 +391,13 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
         after_bwd = max(done, end_bwd)
     else:
         after_bwd = before + bwd + sum(t for _, t in buckets)
-    skew = compute.cv * accumulate * (fwd + bwd) * slowest_of(step.p)
+    skew = compute.cv * accumulate * (fwd0 + bwd0) * slowest_of(step.p)
     update = compute.update_s * step.update_share
     local = sum(c.local_s for c in step.calls) / step.every  # compressors' own work
     total = (after_bwd + local + sum(t for _, t in by["after"]) + update
              + sum(t for _, t in by["update"]) + skew)
-    compute_s = accumulate * (fwd + bwd) + update + local
-    return {"forward": accumulate * fwd, "backward": accumulate * bwd, "comm": sum(times),
+    compute_s = accumulate * (fwd0 + bwd0) + update + local
+    return {"forward": accumulate * fwd0, "backward": accumulate * bwd0, "comm": sum(times),
             "exposed_comm": total - compute_s - skew, "update": update,
             "compression": local, "skew": skew, "total": total}
 

@@ -16,10 +16,11 @@ built as ``mpidl train`` builds it: ``zero1``, ``zero2``, ``zero3`` (with 2
 micro-batches: every bucket gathered once per forward and backward of each),
 ``local-sgd`` and ``diloco`` (``--period 3``: three counted steps hold one averaging),
 ``bf16`` and ``fp16`` (``--precision``: 2-byte buckets; the mlp only, which has a
-low-precision path), ``c-NAME`` (``--compression NAME``: the simulation runs its own
+low-precision path), ``syncbn`` (``--sync-bn``: the cnn's BatchNorms all-reduce their
+statistics in every pass; ``syncbn+local-sgd`` combines two), ``c-NAME`` (``--compression NAME``: the simulation runs its own
 compressor on made-up gradients; for ``topk``, ``threshold`` and ``dgc``, whose payload
 size depends on the values (delta-packed indices), each rank's real frame sizes are
-recorded during the counted step and given to it).
+recorded during the counted step and given to it). Models: ``mlp``, ``gpt``, ``cnn``.
 
 Any failure raises; ``python -m mpi4py`` turns it into MPI_Abort for all ranks.
 Usage: mpiexec -n N python -m mpi4py tests/ranks/simulate_check.py ALGS BUCKETS [MODELS
@@ -38,22 +39,22 @@ from mpidl.engine.losses import TokenCrossEntropy
 from mpidl.engine.models import build_model
 from mpidl.runtime import build
 from mpidl.runtime.sync.rowsparse import sparse_param_names
-from mpidl.simulate.step import layout, touched_rows, traffic
+from mpidl.simulate.step import layout, sync_bn_layers, touched_rows, traffic
 
 B = 3
 VOCAB, CONTEXT = 23, 12
 
 
 def make(kind):
-    if kind == "mlp":
-        return build_model("mlp", input_shape=(1, 28, 28), num_classes=10, seed=1)
+    if kind in ("mlp", "cnn"):
+        return build_model(kind, input_shape=(1, 28, 28), num_classes=10, seed=1)
     return build_model("gpt-tiny", input_shape=(CONTEXT,), num_classes=VOCAB, seed=1,
                        layers=1, heads=2, width=16)
 
 
 def batch(kind, step, rank):
     rng = np.random.default_rng(100 * step + rank)
-    if kind == "mlp":
+    if kind in ("mlp", "cnn"):
         return (rng.standard_normal((B, 1, 28, 28)).astype("float32"),
                 rng.integers(0, 10, size=B))
     # few distinct ids per rank (and a rank-dependent number): uneven row counts
@@ -79,6 +80,7 @@ LAYOUTS = {
     "diloco": ({"sync": "diloco", "period": PERIOD}, {"period": PERIOD}),
     "bf16": ({"precision": "bf16"}, {"wire": "bf16"}),
     "fp16": ({"precision": "fp16"}, {"wire": "fp16"}),
+    "syncbn": ({"sync_bn": True}, {"sync_bn": True}),  # (the cnn: its BatchNorms)
 }
 
 
@@ -136,13 +138,15 @@ def check(kind, algorithm, bucket_mb, overlap, per_node, how="dp"):
     model = make(kind)
     model.needs_input_grad = False
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
-    if how.startswith("c-"):
-        options, shape = {"compression": how[2:]}, {}
-    else:
-        options, shape = LAYOUTS[how]
+    options, shape = {}, {}
+    for part in how.split("+"):  # (layouts combined: syncbn+local-sgd)
+        if part.startswith("c-"):
+            options = {**options, "compression": part[2:]}
+        else:
+            options, shape = {**options, **LAYOUTS[part][0]}, {**shape, **LAYOUTS[part][1]}
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb,
                overlap="off" if options.get("zero", 0) >= 2 else overlap, **options)
-    rt.setup(model, opt, SoftmaxCrossEntropy() if kind == "mlp" else TokenCrossEntropy())
+    rt.setup(model, opt, TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy())
     def step_batch(k):  # (twice the batch with 2 micro-batches)
         x, y = batch(kind, k, rank)
         if options.get("accumulate"):
@@ -168,10 +172,12 @@ def check(kind, algorithm, bucket_mb, overlap, per_node, how="dp"):
             frames.close()
             everyone = MPI.COMM_WORLD.allgather(frames.sizes)
             given = {name: [r[name] for r in everyone] for name in frames.sizes}
-        shape = {"compression": {"spec": options["compression"], "ratio": None,
-                                 "grads": made_up_grads(model), "frames": given}}
+        shape["compression"] = {"spec": options["compression"], "ratio": None,
+                                "grads": made_up_grads(model), "frames": given}
     if "wire" in shape:
-        shape = {"wire": wire_dtype(shape["wire"])}
+        shape["wire"] = wire_dtype(shape["wire"])
+    if shape.get("sync_bn"):
+        shape["sync_bn"] = sync_bn_layers(make(kind))
     step = layout(make(kind).named_parameters(), p, algorithm, bucket_mb, sparse, rows,
                   tables=tables, **shape)
     predicted = traffic(step, per_node, ranks=[rank])[rank]
@@ -203,7 +209,7 @@ def main():
     i = 0
     for how in hows:
         for kind in kinds:
-            if how in ("bf16", "fp16", "c-fp16") and kind != "mlp":
+            if how in ("bf16", "fp16", "c-fp16") and kind == "gpt":
                 continue  # (no low-precision path for the Embedding)
             for alg in algs:
                 for mb in buckets:
