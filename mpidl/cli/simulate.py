@@ -333,7 +333,7 @@ def layout_options(cfg, model, accumulate, grads=None):
         # (the per-tensor exchange overlaps backward only when asked: --overlap on)
         out["compression"] = {"spec": cfg.compression, "ratio": cfg.ratio, "grads": grads,
                               "overlap": check_overlap(cfg.overlap) == "on"
-                              if tensorwise else True}
+                              if tensorwise else True, "on_gpu": cfg.device == "gpu"}
     if cfg.zero:
         out.update(zero=int(cfg.zero), micro=accumulate)
     if (cfg.sync or "allreduce") != "allreduce":

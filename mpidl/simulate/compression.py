@@ -86,10 +86,11 @@ def tensor_calls(compressor, grad, name, p, selector, algorithm, params, frames=
 
 
 def layout(step, named_params, grads, spec, ratio, selector, algorithm, bucket_mb,
-           frames=None, overlap=True):
+           frames=None, overlap=True, on_gpu=False):
     """Fill ``step`` (a ``StepLayout`` for ``p`` ranks) with the compressed exchange of
     ``grads`` (name -> a gradient of each parameter, dense). ``frames``: per tensor (or
-    bucket) name, each rank's frame bytes, where known."""
+    bucket) name, each rank's frame bytes, where known; ``on_gpu``: the gradients are
+    device arrays in the run (float16 payloads are then all-reduced at p = 2 too)."""
     from mpidl.runtime.fusion import MiB, plan  # noqa: PLC0415
 
     p = step.p
@@ -112,7 +113,7 @@ def layout(step, named_params, grads, spec, ratio, selector, algorithm, bucket_m
         compressor.bind(0, p)
         for name, g, params in tensors:
             calls = tensor_calls(compressor, g, name, p, selector, algorithm, params,
-                                 frames.get(name))
+                                 frames.get(name), on_gpu)
             if keep:
                 step.calls += calls
                 step.dense_bytes += g.nbytes
