@@ -60,12 +60,9 @@ def gbit(rate):
 
 
 def env():
-    from mpidl.benchmarks.machine import launch_env, mpiexec
+    from mpidl.benchmarks.machine import bench_env
 
-    e = launch_env(ROOT)
-    e.setdefault("MPIEXEC", mpiexec())
-    e["MPIDL_TUNING"] = os.path.join(tempfile.gettempdir(), "mpidl-bench-no-tuning")
-    return e
+    return bench_env(ROOT, "mpidl-bench-no-tuning")
 
 
 def run(cmd, timeout=1800):

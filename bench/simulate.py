@@ -137,12 +137,9 @@ def launcher(p):
 
 
 def _env():
-    from mpidl.benchmarks.machine import launch_env, mpiexec
+    from mpidl.benchmarks.machine import bench_env
 
-    env = launch_env(ROOT)
-    env.setdefault("MPIEXEC", mpiexec())  # (vcluster.sh: the venv's Hydra)
-    env["MPIDL_TUNING"] = os.path.join(tempfile.gettempdir(), "mpidl-bench-simulate-none")
-    return env
+    return bench_env(ROOT, "mpidl-bench-simulate-none")
 
 
 def _run(cmd, timeout=600):

@@ -36,6 +36,19 @@ def mpiexec():
     return beside if os.path.exists(beside) else "mpiexec"
 
 
+def bench_env(root, tuning_name):
+    """``launch_env`` for a benchmark that launches ``mpiexec`` itself (``MPIEXEC``: the
+    venv's, which ``slurm/vcluster.sh`` also runs) with no tuning file (``auto`` on its
+    defaults: ``tuning_name`` names a file that does not exist)."""
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    env = launch_env(root)
+    env.setdefault("MPIEXEC", mpiexec())
+    env["MPIDL_TUNING"] = os.path.join(tempfile.gettempdir(), tuning_name)
+    return env
+
+
 def launch_env(root):
     """The environment for ranks a benchmark launches: one thread per rank, MPICH
     yielding the core while it waits (ranks may share cores), ``root`` importable."""

@@ -197,24 +197,35 @@ def _overlap(cfg):
     return mode == "on"
 
 
+def draw_batch(dataset, rng, batch, dtype):
+    """``(x, indices)``: ``batch`` random training samples (without replacement), ``x``
+    on the device in the input dtype of a model of ``dtype``."""
+    from mpidl.backend import to_device  # noqa: PLC0415
+    from mpidl.data.loader import input_dtype  # noqa: PLC0415
+
+    n = len(dataset.train_y)
+    idx = rng.choice(n, size=min(batch, n), replace=False)
+    x = dataset.train_x[idx]
+    return to_device(x, dtype=input_dtype(x, dtype)), idx
+
+
+def _param_dtype(model):
+    return str(model.named_parameters()[0][1].data.dtype)
+
+
 def estimate_rows(model, sparse, dataset, batch, seed, samples=4):
     """Rows each rank's batch touches, per row-sparse parameter: the mean over a few
     random batches of the training set (data-dependent: an estimate)."""
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.backend import to_device  # noqa: PLC0415
-    from mpidl.data.loader import input_dtype  # noqa: PLC0415
     from mpidl.simulate.step import touched_rows  # noqa: PLC0415
 
     if not sparse:
         return {}
     rng = np.random.default_rng(seed)
-    n = len(dataset.train_y)
     seen = {name: [] for name in sparse}
     for _ in range(samples):
-        idx = rng.choice(n, size=min(batch, n), replace=False)
-        x = dataset.train_x[idx]
-        x = to_device(x, dtype=input_dtype(x, str(model.named_parameters()[0][1].data.dtype)))
+        x, _ = draw_batch(dataset, rng, batch, _param_dtype(model))
         for name, rows in touched_rows(model, sparse, x).items():
             seen[name].append(rows)
     return {name: int(round(sum(v) / len(v))) for name, v in seen.items()}
@@ -349,15 +360,10 @@ def sample_grads(model, dataset, batch, seed):
     import numpy as np  # noqa: PLC0415
 
     from mpidl.backend import to_device, to_numpy  # noqa: PLC0415
-    from mpidl.data.loader import input_dtype  # noqa: PLC0415
     from mpidl.engine.module import SparseGrad  # noqa: PLC0415
     from mpidl.training.tasks import task_for  # noqa: PLC0415
 
-    rng = np.random.default_rng(seed)
-    n = len(dataset.train_y)
-    idx = rng.choice(n, size=min(batch, n), replace=False)
-    x = dataset.train_x[idx]
-    x = to_device(x, dtype=input_dtype(x, str(model.named_parameters()[0][1].data.dtype)))
+    x, idx = draw_batch(dataset, np.random.default_rng(seed), batch, _param_dtype(model))
     loss = task_for(dataset).loss
     model.zero_grad()
     loss.forward(model(x), to_device(dataset.train_y[idx]))
@@ -451,9 +457,7 @@ def calibrate_job(args, cfg, world, model, optimizer, dataset):
     """Collective: every rank measures; rank 0 writes and prints."""
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.backend import to_device  # noqa: PLC0415
     from mpidl.comm.hierarchical import node_layout  # noqa: PLC0415
-    from mpidl.data.loader import input_dtype  # noqa: PLC0415
     from mpidl.simulate import calibrate as cal  # noqa: PLC0415
     from mpidl.simulate import machine as machines  # noqa: PLC0415
     from mpidl.threads import usable_cpus  # noqa: PLC0415
@@ -462,11 +466,8 @@ def calibrate_job(args, cfg, world, model, optimizer, dataset):
     nodes = node_layout(comm)
     links = cal.measure_links(comm, nodes)
     gamma = comm.allreduce(cal.measure_gamma()) / world.size
-    rng = np.random.default_rng(cfg.seed + world.rank)
-    n = len(dataset.train_y)
-    idx = rng.choice(n, size=min(cfg.batch_size, n), replace=False)
-    x = dataset.train_x[idx]
-    x = to_device(x, dtype=input_dtype(x, cfg.dtype))
+    x, _ = draw_batch(dataset, np.random.default_rng(cfg.seed + world.rank),
+                      cfg.batch_size, cfg.dtype)
     comm.Barrier()
     layers, update, cv = cal.measure_compute(model, optimizer, x)
     everyone = comm.gather((layers, update, cv), root=0)
