@@ -6,8 +6,9 @@
   algorithm (``mpi``: calls only, as the counters count), small and large buckets, ring
   segments of 64 KiB (several per chunk), odd p, nodes of 2 ranks for the hierarchical
   all-reduce; ZeRO stages 1-3, model averaging (local SGD, DiLoCo) and mixed precision's
-  2-byte buckets, compression, ``--sync-bn``. A representative slice here; the grid for
-  p = 2, 3, 4, 8 is ``slow``.
+  2-byte buckets, compression, ``--sync-bn``; the parameter server in every mode, with
+  one to three servers. A representative slice here; the grid for p = 2, 3, 4, 8 is
+  ``slow``.
 * the command: ``--json`` is one object whose ``bytes_per_step`` is what the epoch
   line's ``bytes_sent_per_step`` reports for the ring; ``--ranks 1-4096`` is fast;
   ``--calibrate`` writes a machine file the next run reads.
@@ -59,13 +60,16 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (3, "ring,auto", "0.001", "mlp", "c-onebit,c-randomk,c-powersgd,c-dgc", None),
     (2, "ring", "4", "mlp,gpt", "c-fp16,c-qsgd,c-threshold", None),
     (3, "ring,auto", "4", "cnn", "syncbn,syncbn+local-sgd", None),
+    (4, "ring", "4", "mlp,gpt", "ps-sync,ps-async,ps-backup-2", None),
 ])
 def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts, per_node):
     """ZeRO stages 1-3 (reduce-scatter or all-reduce per bucket, all-gathers of shards
     after the update or before every pass), model averaging (one all-reduce of the
     parameters per period), 2-byte mixed-precision buckets, compression (all-reduced
-    or all-gathered payloads, PowerSGD's rounds) and synchronized BatchNorm (the cnn's
-    statistics all-reduced in every pass), counted exactly."""
+    or all-gathered payloads, PowerSGD's rounds), synchronized BatchNorm (the cnn's
+    statistics all-reduced in every pass) and the parameter server (``ps-MODE[-S]``:
+    each worker's pushes and each server's answers, pickled headers included), counted
+    exactly."""
     check_ranks(n, algs, buckets, models, per_node=per_node, layouts=layouts)
 
 
@@ -75,6 +79,9 @@ def test_other_layouts_grid(n):
     check_ranks(n, ALL, "0.001,4", layouts=LAYOUTS + "," + COMPRESSORS, timeout=2400)
     check_ranks(n, ALL, "4", "cnn", layouts="syncbn,syncbn+local-sgd,syncbn+zero3",
                 timeout=2400)
+    ps = "ps-sync,ps-async,ps-ssp,ps-backup,ps-softsync" + (",ps-sync-2,ps-async-3"
+                                                            if n > 3 else "")
+    check_ranks(n, "ring", "4", layouts=ps, timeout=2400)
 
 
 @pytest.mark.slow
@@ -116,6 +123,27 @@ def test_json_bytes_mean_what_the_metrics_mean():
         assert len(row["per_rank"]["bytes"]) == p
         assert row["counters"]["allreduce"]["bytes"] == row["per_rank"]["bytes"][0]
         assert row["steps_per_epoch"] == -(-512 // (out["batch_size"] * p))
+
+
+def test_json_of_the_parameter_server():
+    """--strategy ps: a worker sends every gradient once (one header per server), a
+    server its shard to every worker; the servers (sharded largest first) hold every
+    parameter once between them; rank counts without a worker are left out."""
+    from mpidl.engine.models import build_model
+
+    out = json_of(simulate("--model", "mlp", "--strategy", "ps", "--servers", "2",
+                           "--ranks", "1,2,3,4,5", "--limit-train", "512", "--json").check())
+    params = build_model("mlp").named_parameters()
+    dense = sum(q.data.nbytes for _, q in params)
+    assert [r["ranks"] for r in out["predictions"]] == [3, 4, 5]
+    for row in out["predictions"]:
+        p = row["ranks"]
+        msgs, nbytes = row["per_rank"]["messages"], row["per_rank"]["bytes"]
+        assert msgs[2:] == [2 + len(params)] * (p - 2)           # 2 headers + every array
+        assert all(0 < b - dense < 2000 for b in nbytes[2:])      # + 2 pickled headers
+        assert sum(nbytes[:2]) - (p - 2) * dense == pytest.approx(0, abs=2000 * (p - 2))
+        assert msgs[0] + msgs[1] == (p - 2) * (2 + len(params))
+        assert row["steps_per_epoch"] == -(-512 // (out["batch_size"] * (p - 2)))  # workers
 
 
 @pytest.mark.parametrize("flags, factor", [
@@ -184,7 +212,12 @@ def test_calibrate_then_predict(tmp_path):
 @pytest.mark.parametrize("args, needles", [
     (["--ranks", "0"], ["--ranks '0'", "rank count >= 1"]),
     (["--algorithm", "fast"], ["--algorithm", "fast"]),
-    (["--strategy", "ps"], ["--strategy ps is not modelled yet"]),
+    (["--strategy", "hogwild"], ["--strategy hogwild is not modelled yet"]),
+    (["--strategy", "ps", "--group-size", "2"],
+     ["--group-size 2 with --strategy ps is not modelled yet", "--servers"]),
+    (["--strategy", "ps", "--compression", "topk"], ["--compression topk with --strategy ps"]),
+    (["--strategy", "ps", "--servers", "2", "--ranks", "2"], ["--servers", "3 ranks"]),
+    (["--strategy", "ps", "--staleness", "2"], ["--staleness applies to --mode ssp"]),
     (["--algorithm", "shared"], ["--algorithm shared is not modelled yet"]),
     (["--tensor-parallel", "2"], ["--tensor-parallel 2 is not modelled yet"]),
     (["--zero", "2", "--precision", "bf16"], ["--precision bf16 cannot be used with --zero 2"]),

@@ -15,8 +15,11 @@ Modelled: data parallelism (``--strategy allreduce``) with its fused all-reduce 
 row-sparse gathers, ZeRO (``--zero 1|2|3``), model averaging (``--sync
 local-sgd|diloco``, the steps after its warm-up), mixed precision's 2-byte buckets
 (``--precision bf16|fp16``) and compression (``--compression``, the compressor run on
-a real gradient), and ``--sync-bn``. Other strategies, tensor and pipeline parallelism
-are refused with one line until they are modelled.
+a real gradient), and ``--sync-bn``; the parameter server (``--strategy ps``,
+``--servers``, every ``--mode``: its pushes and answers, ``mpidl.simulate.server``).
+Other strategies, the parameter server's worker groups, dealt portions and
+compression, tensor and pipeline parallelism are refused with one line until they are
+modelled.
 """
 
 import argparse
@@ -31,6 +34,9 @@ MODELLED = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
             "sparse_grads", "zero", "sync", "period", "warmup_steps", "outer_lr",
             "outer_momentum", "precision", "loss_scale", "loss_scale_window",
             "compression", "ratio", "sync_bn")
+#: ... and under --strategy ps (the servers' settings; the rest is refused)
+MODELLED_PS = ("accumulate", "micro_batches", "servers", "mode", "staleness", "wait",
+               "staleness_aware_lr", "epoch_quorum", "trace", "poll_max_ms")
 MAX_PER_RANK = 1024  # per-rank lists in --json up to this many ranks
 
 
@@ -87,12 +93,23 @@ def register(subparsers):
 def _refuse_unmodelled(cfg):
     from mpidl.config import strategy_kwargs  # noqa: PLC0415
 
-    strategy = cfg.strategy or "allreduce"
-    if strategy != "allreduce":
-        raise ConfigError(f"mpidl simulate: --strategy {strategy} is not modelled yet (data "
-                          "parallelism only: --strategy allreduce)")
+    from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
+
+    strategy = ALIASES.get(cfg.strategy, cfg.strategy) or "allreduce"
+    if strategy not in ("allreduce", "ps"):
+        raise ConfigError(f"mpidl simulate: --strategy {strategy} is not modelled yet "
+                          "(modelled: allreduce, ps)")
+    modelled = MODELLED if strategy == "allreduce" else MODELLED_PS
     for name, value in strategy_kwargs(cfg).items():
-        if name not in MODELLED and value not in (None, False, "none", "allreduce", "fp32"):
+        if name == "group_size" and value in (None, 1):
+            continue
+        if name not in modelled and value not in (None, False, "none", "allreduce", "fp32"):
+            if strategy == "ps":
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"mpidl simulate: {flag} {value} with --strategy ps is "
+                                  "not modelled yet (the parameter server's pushes and "
+                                  "answers: " + ", ".join("--" + m.replace("_", "-")
+                                                          for m in MODELLED_PS) + ")")
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"mpidl simulate: {flag} {value} is not modelled yet (data "
                               "parallelism with fused all-reduce and row-sparse gathers, "
@@ -101,7 +118,9 @@ def _refuse_unmodelled(cfg):
                               f"{', '.join('--' + m.replace('_', '-') for m in MODELLED)})")
     from mpidl.runtime import build  # noqa: PLC0415
 
-    build(strategy, None, **strategy_kwargs(cfg))  # mpidl train's refusals, word for word
+    if strategy == "allreduce":  # (ps: checked for the rank counts, in prepare)
+        build(strategy, None, **strategy_kwargs(cfg))  # mpidl train's refusals, word for word
+    return strategy
 
 
 def _check_model(cfg, model, optimizer):
@@ -145,7 +164,7 @@ def prepare(args, world):
     from mpidl.runtime.sync.fused import check_algorithm  # noqa: PLC0415
 
     cfg = resolve(given_flags(args), args.config)
-    _refuse_unmodelled(cfg)
+    strategy = _refuse_unmodelled(cfg)
     check_algorithm(cfg.algorithm)
     from mpidl.simulate.collectives import ALGORITHMS  # noqa: PLC0415
 
@@ -170,6 +189,16 @@ def prepare(args, world):
         raise ConfigError(str(e)) from None
     if max(ranks) > 1 << 20:
         raise ConfigError(f"--ranks: at most {1 << 20} ranks, got {max(ranks)}")
+    if strategy == "ps":  # (rank counts without a worker are left out)
+        from mpidl.runtime.sync.pushpull import check_servers, mode_config  # noqa: PLC0415
+
+        servers = check_servers(cfg.servers, 1 << 30)
+        if max(ranks) <= servers:
+            raise ConfigError(f"--ranks {args.ranks}: --strategy ps with --servers {servers} "
+                              f"needs at least {servers + 1} ranks (the servers and a worker)")
+        ranks = [p for p in ranks if p > servers]
+        mode_config(min(ranks) - servers, cfg.mode, cfg.staleness, cfg.wait,
+                    cfg.staleness_aware_lr, cfg.epoch_quorum)
     machine = machine_of(args) if not args.calibrate else None
     if args.compute_s_per_sample is not None and not 0 <= args.compute_s_per_sample < \
             float("inf"):
@@ -183,7 +212,8 @@ def prepare(args, world):
 
     if args.calibrate:
         return lambda: calibrate_job(args, cfg, world, model, optimizer, dataset)
-    return lambda: predict_job(args, cfg, world, model, dataset, machine, ranks)
+    lr = getattr(optimizer, "lr", None)
+    return lambda: predict_job(args, cfg, world, model, dataset, machine, ranks, lr)
 
 
 def _overlap(cfg):
@@ -253,8 +283,9 @@ def compute_of(args, cfg, model, machine):
                    "none given: communication only")
 
 
-def predict(args, cfg, model, dataset, machine, ranks):
-    """The prediction as a dict (what --json prints)."""
+def predict(args, cfg, model, dataset, machine, ranks, lr=None):
+    """The prediction as a dict (what --json prints). ``lr``: the optimizer's (the
+    parameter server's pushes carry it)."""
     from mpidl.data.loader import BatchLoader  # noqa: PLC0415
     from mpidl.runtime.sync.fused import check_bucket_mb  # noqa: PLC0415
     from mpidl.runtime.sync.rowsparse import check_sparse_mode, sparse_param_names  # noqa
@@ -275,11 +306,17 @@ def predict(args, cfg, model, dataset, machine, ranks):
     grads = sample_grads(model, dataset, cfg.batch_size * accumulate, cfg.seed) \
         if cfg.compression not in (None, "none") else None
     shape = layout_options(cfg, model, accumulate, grads)
+    pushes = server_pushes(cfg, model, dataset, accumulate, lr)
     base = None
     out = []
     for p in sorted(set(ranks) | {1}):
-        lay = st.layout(named, p, algorithm, bucket_mb, sparse,
-                        {n: [r] * p for n, r in rows.items()}, **shape)
+        if pushes is not None and p > 1:
+            from mpidl.simulate import server  # noqa: PLC0415
+
+            lay, _ = server.layout(named, p, int(cfg.servers or 1), pushes)
+        else:
+            lay = st.layout(named, p, algorithm, bucket_mb, sparse,
+                            {n: [r] * p for n, r in rows.items()}, **shape)
         topo = col.Topology(p, min(per_node, p))
         links = col.Links(machine, topo)
         t = st.step_time(lay, compute, cfg.batch_size, accumulate, links, overlap, seg)
@@ -292,7 +329,7 @@ def predict(args, cfg, model, dataset, machine, ranks):
         msgs = [c["total"]["messages"] for c in counted.values()]
         nbytes = [c["total"]["bytes"] for c in counted.values()]
         steps = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size * accumulate,
-                            shard=(0, p), drop_last=cfg.drop_last).steps_per_epoch
+                            shard=(0, p - lay.servers), drop_last=cfg.drop_last).steps_per_epoch
         every = lay.every
         row = {"ranks": p, "nodes": topo.nodes,
                "calls": [{"kind": c.kind, "name": c.name, "algorithm": c.algorithm,
@@ -302,7 +339,8 @@ def predict(args, cfg, model, dataset, machine, ranks):
                "bytes_per_step": sum(nbytes) / len(nbytes) / every,
                "time_s": t, "step_s": t["total"], "steps_per_epoch": steps,
                "epoch_s": steps * t["total"],
-               "efficiency": st.efficiency(base, t["total"]) if base else None}
+               "efficiency": st.efficiency(base, t["total"]) * (p - lay.servers) / p
+               if base else None}
         if p <= MAX_PER_RANK:
             row["per_rank"] = {"messages": msgs, "bytes": nbytes}
             row["counters"] = counted[0]
@@ -354,9 +392,25 @@ def layout_options(cfg, model, accumulate, grads=None):
     return out
 
 
-def sample_grads(model, dataset, batch, seed):
-    """Every parameter's gradient (dense, host) for one batch of the training set under
-    the dataset's own loss: what a compressor is given to compress."""
+def server_pushes(cfg, model, dataset, accumulate, lr):
+    """``--strategy ps``: what a worker's push holds (``mpidl.simulate.server.Pushes``:
+    the gradient arrays of one batch, row-sparse ones as the engine leaves them), else
+    None."""
+    from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
+
+    if ALIASES.get(cfg.strategy, cfg.strategy) != "ps":
+        return None
+    from mpidl.simulate import server  # noqa: PLC0415
+
+    grads = sample_grads(model, dataset, cfg.batch_size * accumulate, cfg.seed, dense=False)
+    return server.Pushes(server.pushed_arrays(grads), lr=lr, step=1, mode=cfg.mode or "sync",
+                         wait=int(cfg.wait or 0))
+
+
+def sample_grads(model, dataset, batch, seed, dense=True):
+    """Every parameter's gradient (dense, host; ``dense=False``: as the engine leaves
+    them) for one batch of the training set under the dataset's own loss: what a
+    compressor is given to compress, what a parameter server's worker pushes."""
     import numpy as np  # noqa: PLC0415
 
     from mpidl.backend import to_device, to_numpy  # noqa: PLC0415
@@ -371,6 +425,9 @@ def sample_grads(model, dataset, batch, seed):
     out = {}
     for name, q in model.named_parameters():
         g = q.grad
+        if not dense:
+            out[name] = g
+            continue
         if isinstance(g, SparseGrad):
             g = g.to_dense()
         out[name] = to_numpy(g) if g is not None else np.zeros(q.data.shape, q.data.dtype)
@@ -379,6 +436,11 @@ def sample_grads(model, dataset, batch, seed):
 
 
 def describe_layout(cfg):
+    from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
+
+    if ALIASES.get(cfg.strategy, cfg.strategy) == "ps":
+        return (f"parameter server ({cfg.mode or 'sync'}, {cfg.servers or 1} server(s); "
+                "headers as at step 1)")
     parts = []
     if cfg.compression not in (None, "none"):
         parts.append(f"compression {cfg.compression}"
@@ -444,8 +506,8 @@ def plot(result, path):
     plt.close(fig)
 
 
-def predict_job(args, cfg, world, model, dataset, machine, ranks):
-    result = predict(args, cfg, model, dataset, machine, ranks)
+def predict_job(args, cfg, world, model, dataset, machine, ranks, lr=None):
+    result = predict(args, cfg, model, dataset, machine, ranks, lr)
     if world.rank == 0:
         if args.plot:
             plot(result, args.plot)

@@ -57,16 +57,43 @@ def send(comm, dest, tag, data_tag, header, arrays=()):
     The caller keeps the returned requests (they hold the buffers alive) and completes
     them with ``Poller.wait_requests`` or tests them later.
     """
-    specs, views = [], []
+    hosts, views = [], []
     for a in arrays:
         a, view = _host_bytes(a)
-        specs.append((a.shape, a.dtype.str))
+        hosts.append(a)
         views.append(view)
-    header = dict(header, arrays=specs)
-    reqs = [comm.isend_obj(header, dest, tag)]
+    reqs = [comm.isend_obj(described(header, hosts), dest, tag)]
     for view in views:
         reqs.append(comm.isend(view, dest, data_tag))
     return reqs
+
+
+def described(header, arrays):
+    """The header as ``send`` sends it: with each array's (shape, dtype) under
+    ``arrays``, so the receiver knows what follows."""
+    return dict(header, arrays=[(a.shape, a.dtype.str) for a in arrays])
+
+
+def message_bytes(header, arrays=()):
+    """The payload bytes of each message ``send`` sends for ``header`` and ``arrays``
+    (host arrays), as the counters count them: the pickled header, then each array.
+    ``mpidl simulate`` counts the parameter server's traffic with it."""
+    head = pickle.dumps(described(header, arrays), protocol=pickle.HIGHEST_PROTOCOL)
+    return [len(head)] + [int(a.nbytes) for a in arrays]
+
+
+def push_header(clock, version, lr, tensors, **extra):
+    """A worker's push: its ``clock`` (pushes so far), the server ``version`` its
+    parameters came from, the step's ``lr``, and per tensor ``(name, encoding, meta,
+    number of arrays)``."""
+    return {"kind": "push", "clock": clock, "lr": lr, "version": version,
+            "tensors": tensors, **extra}
+
+
+def params_header(version, names, epoch_over=False, **extra):
+    """A server's answer: the parameters ``names`` of its shard at ``version``."""
+    return {"kind": "params", "version": version, "names": names, "epoch_over": epoch_over,
+            **extra}
 
 
 def receive(comm, source, tag, data_tag, into=None):

@@ -23,7 +23,7 @@ from mpidl.comm import ANY_SOURCE
 
 from mpidl.engine.module import SparseGrad
 from mpidl.ps.protocol import (TAG_CTRL, TAG_DOWN, TAG_REPLY, TAG_UP, Poller, PSError,
-                               receive, retire, send)
+                               params_header, receive, retire, send)
 
 
 @dataclass
@@ -446,8 +446,7 @@ class ParameterServer:
             arrays = [np.array(to_numpy(self.params[n].data), copy=True) for n in self.names]
             self._snapshot = (self.version, arrays)
         arrays = self._snapshot[1]
-        header = {"kind": "params", "version": self.version, "names": self.names,
-                  "epoch_over": self.epoch_cut, **extra}
+        header = params_header(self.version, self.names, self.epoch_cut, **extra)
         for w in workers:
             self.sends += send(self.comm, w, TAG_REPLY, TAG_DOWN, header, arrays)
             self.stats.bytes_sent += sum(a.nbytes for a in arrays)

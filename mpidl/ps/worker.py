@@ -17,7 +17,7 @@ from mpidl.comm import ANY_SOURCE
 
 from mpidl.engine.module import SparseGrad
 from mpidl.ps.protocol import (TAG_CTRL, TAG_DOWN, TAG_REPLY, TAG_UP, Poller, PSError,
-                               fits, receive, retire, send)
+                               fits, push_header, receive, retire, send)
 
 
 class PSWorker:
@@ -140,8 +140,7 @@ class PSWorker:
                 enc, meta, payload = self._encode(name, g)
                 tensors.append((name, enc, meta, len(payload)))
                 arrays += payload
-            header = {"kind": "push", "clock": self.clock, "lr": lr,
-                      "version": self.versions[server], "tensors": tensors, **extra}
+            header = push_header(self.clock, self.versions[server], lr, tensors, **extra)
             self.sends += send(self.comm, server, TAG_CTRL, TAG_UP, header, arrays)
             self.stats["bytes_sent"] += sum(int(a.nbytes) for a in arrays)
             self.stats["messages"] += 1

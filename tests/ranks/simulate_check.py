@@ -20,7 +20,9 @@ low-precision path), ``syncbn`` (``--sync-bn``: the cnn's BatchNorms all-reduce 
 statistics in every pass; ``syncbn+local-sgd`` combines two), ``c-NAME`` (``--compression NAME``: the simulation runs its own
 compressor on made-up gradients; for ``topk``, ``threshold`` and ``dgc``, whose payload
 size depends on the values (delta-packed indices), each rank's real frame sizes are
-recorded during the counted step and given to it). Models: ``mlp``, ``gpt``, ``cnn``.
+recorded during the counted step and given to it), ``ps-MODE[-S]`` (``--strategy ps
+--mode MODE --servers S``: point-to-point pushes and answers; algorithms and buckets do
+not apply). Models: ``mlp``, ``gpt``, ``cnn``.
 
 Any failure raises; ``python -m mpi4py`` turns it into MPI_Abort for all ranks.
 Usage: mpiexec -n N python -m mpi4py tests/ranks/simulate_check.py ALGS BUCKETS [MODELS
@@ -198,6 +200,70 @@ def check(kind, algorithm, bucket_mb, overlap, per_node, how="dp"):
     return counted
 
 
+def check_ps(kind, how):
+    """``ps-MODE[-S]``: ``--strategy ps --mode MODE --servers S`` (default 1). Every
+    worker's counters over its second step, and (sync, async: whose updates keep step with
+    the pushes) every server's between the updates that end the first and the second
+    step, must equal ``mpidl.simulate.server``'s messages for that rank."""
+    from mpidl.simulate import server as ps_model
+
+    parts = how.split("-")
+    mode, servers = parts[1], int(parts[2]) if len(parts) > 2 else 1
+    comm = Communicator(MPI.COMM_WORLD)
+    p, rank = comm.size, comm.rank
+    workers = p - servers
+    model = make(kind)
+    opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
+    loss = TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy()
+    rt = build("ps", comm, servers=servers, mode=mode)
+    rt.setup(model, opt, loss)
+    per_step = ps_model.updates_per_step(mode, workers)
+    counted = None
+    # the workers wait for each other after each step (not through the counted
+    # communicator), so that under async the updates that end the second step hold
+    # nobody's first pull, first push or goodbye
+    together = MPI.COMM_WORLD.Split(int(rt.trains_on_data), rank)
+    if rt.trains_on_data:
+        rt.train_step(*batch(kind, 0, rank))
+        together.Barrier()
+        rt.comm.reset_counters()
+        rt.train_step(*batch(kind, 1, rank))
+        counted = rt.comm.counters()
+        together.Barrier()
+    else:
+        marks = {}
+        first, second = int(per_step), int(2 * per_step)
+
+        def mark(srv):
+            if srv.version in (first, second):
+                marks[srv.version] = rt.comm.counters()
+        rt.server.server.on_update = mark
+        rt.serve()
+        if mode in ("sync", "async"):
+            counted = {k: {f: marks[second][k][f] - marks[first][k][f] for f in v}
+                       for k, v in marks[second].items()}
+    rt.finish()
+    together.Free()
+    # the arrays a push holds: one backward of a batch of the same shape
+    probe = make(kind)
+    x, y = batch(kind, 1, 0)
+    loss.forward(probe(x), y)
+    probe.backward(loss.backward())
+    arrays = ps_model.pushed_arrays({n: q.grad for n, q in probe.named_parameters()})
+    step, _ = ps_model.layout(make(kind).named_parameters(), p, servers,
+                              ps_model.Pushes(arrays, lr=0.01, step=1, mode=mode))
+    predicted = traffic(step, ranks=[rank])[rank]
+    if counted is not None and predicted != counted:
+        diff = {k: (predicted[k], counted[k]) for k in counted if predicted.get(k) != counted[k]}
+        raise AssertionError(f"rank {rank} of {p}, {kind} {how}: predicted != counted {diff}")
+    comm.close()
+    totals = MPI.COMM_WORLD.gather(None if counted is None else counted["total"], root=0)
+    if rank == 0:
+        print(f"exact p={p} {kind} {how}: messages per rank "
+              f"{[t and t['messages'] for t in totals]}, bytes per rank "
+              f"{[t and t['bytes'] for t in totals]}", flush=True)
+
+
 def main():
     algs = sys.argv[1].split(",")
     buckets = [float(b) for b in sys.argv[2].split(",")]
@@ -209,6 +275,10 @@ def main():
     i = 0
     for how in hows:
         for kind in kinds:
+            if how.startswith("ps-"):  # (no algorithm or bucket: point-to-point)
+                check_ps(kind, how)
+                i += 1
+                continue
             if how in ("bf16", "fp16", "c-fp16") and kind == "gpt":
                 continue  # (no low-precision path for the Embedding)
             for alg in algs:

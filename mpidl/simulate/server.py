@@ -1,0 +1,165 @@
+"""The parameter server's step, replayed: who sends what to whom (``--strategy ps``).
+
+Not a collective: ranks ``0 .. S-1`` serve, the others work, and their traffic differs.
+Each step every worker pushes one message to every server (``mpidl.ps.worker``): a
+pickled header (its clock, the version its parameters came from, the step's lr and one
+entry per tensor) and then each gradient array of that server's shard (a dense gradient
+whole; an Embedding's row-sparse one as its indices and its rows, one per token of the
+batch, duplicates included), and every server answers each push once (``mpidl.ps.modes``:
+whatever the mode, a push gets one answer) with a header and its shard's parameters. The
+shards are ``mpidl.ps.sharding``'s, the headers ``mpidl.ps.protocol``'s, their bytes
+pickled as the communicator counts them (``message_bytes``): the few bytes of a header's
+integers depend on the step and on how many updates the mode makes per step (one in
+sync and backup, one per push in async and SSP, one per ``c`` pushes in softsync),
+which ``Pushes`` is told. The first step's pull, each epoch's barrier and the end's
+goodbyes are not steps and are left out.
+
+The point-to-point calls a rank makes are counted as the communicator counts them: one
+call per message sent and per message received; messages and bytes for what it sends.
+
+The time (``step_time``): the workers' forward and backward, then the push (each server
+takes every worker's part of its shard through its own link, one after another; a node's
+link between the nodes carries everything that enters it), the server's update of its
+shard (its share of the update), and the answers the same way back. Mode, stragglers
+and staleness do not enter: the figures are those of a sync step.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpidl.comm.counters import FIELDS, KINDS
+from mpidl.ps.protocol import message_bytes, params_header, push_header
+from mpidl.ps.sharding import shard_parameters
+
+
+@dataclass
+class Message:
+    src: int
+    dest: int
+    nbytes: int
+    what: str  # "push" or "answer"
+
+
+@dataclass
+class Pushes:
+    """What a worker's push holds beside the shapes: ``arrays[name]``, the arrays it sends
+    for that parameter (a dense gradient's one, a row-sparse one's indices and rows: any
+    arrays of their shapes and dtypes), ``lr`` (a float, or None without one), ``step``
+    (the step's index from 0: its clock), ``mode`` and ``wait`` (``--mode``, ``--wait``:
+    how many server versions a step makes, ``updates_per_step``)."""
+
+    arrays: dict
+    lr: object = None
+    step: int = 1
+    mode: str = "sync"
+    wait: int = 0
+
+
+def updates_per_step(mode, workers, wait=0):
+    """The server versions one step makes under ``mode`` (``Pushes``)."""
+    if mode in ("async", "ssp"):
+        return float(workers)
+    if mode == "softsync":
+        return workers / (wait or workers)
+    return 1.0
+
+
+def pushed_arrays(grads):
+    """``Pushes.arrays`` from gradients as the engine leaves them (``Parameter.grad``:
+    arrays, or ``SparseGrad`` for an Embedding's)."""
+    from mpidl.backend import to_numpy  # noqa: PLC0415
+    from mpidl.engine.module import SparseGrad  # noqa: PLC0415
+
+    out = {}
+    for name, g in grads.items():
+        if isinstance(g, SparseGrad):
+            out[name] = [to_numpy(g.indices), to_numpy(g.values)]
+        elif g is not None:
+            out[name] = [to_numpy(g)]
+    return out
+
+
+def layout(named_params, p, servers, pushes):
+    """``(messages, ShardLayout)`` of one step on ``p`` ranks of which the first
+    ``servers`` serve (module doc)."""
+    from .step import StepLayout  # noqa: PLC0415
+
+    named_params = list(named_params)
+    shards = shard_parameters(named_params, servers)
+    params = dict(named_params)
+    workers = range(servers, p)
+    step = int(pushes.step)
+    per_step = updates_per_step(pushes.mode, p - servers, pushes.wait)
+    known = int(round(step * per_step))  # (the version a worker holds)
+    after = int(round((step + 1) * per_step))
+    out = StepLayout(p, what=f"parameter server ({servers} server(s), {p - servers} "
+                     "worker(s))")
+    for s, names in enumerate(shards.names):
+        tensors, arrays = [], []
+        for name in names:
+            sent = pushes.arrays.get(name)
+            if sent is None:
+                continue  # (no gradient: not pushed)
+            tensors.append((name, "sparse" if len(sent) == 2 else "dense", None, len(sent)))
+            arrays += sent
+        push = message_bytes(push_header(step, known, pushes.lr, tensors), arrays)
+        values = [np.asarray(params[n].data) for n in names]
+        answer = message_bytes(params_header(after, list(names)), values)
+        for w in workers:
+            out.messages += [Message(w, s, n, "push") for n in push]
+        for w in workers:
+            out.messages += [Message(s, w, n, "answer") for n in answer]
+        out.dense_bytes += sum(push[1:])
+    out.servers, out.shard_bytes = servers, shards.nbytes
+    return out, shards
+
+
+def traffic(step, ranks=None):
+    """``{rank: {kind: {calls, messages, bytes, native_calls}, "total": ...}}`` of the
+    step's messages (``step.traffic``'s form: only ``p2p`` is non-zero)."""
+    ranks = range(step.p) if ranks is None else ranks
+    want = set(ranks)
+    p2p = {r: [0, 0, 0, 0] for r in ranks}
+    for m in step.messages:
+        if m.src in want:
+            row = p2p[m.src]
+            row[0] += 1
+            row[1] += 1
+            row[2] += m.nbytes
+        if m.dest in want:
+            p2p[m.dest][0] += 1
+    out = {}
+    for r in ranks:
+        summary = {kind: dict(zip(FIELDS, p2p[r] if kind == "p2p" else [0, 0, 0, 0]))
+                   for kind in KINDS}
+        summary["total"] = dict(summary["p2p"])
+        out[r] = summary
+    return out
+
+
+def exchange_time(step, links, update_s):
+    """Seconds from the last worker's gradient to its new parameters (module doc):
+    the pushes into each server, its update (``update_s`` of the whole model, shared by
+    the servers in proportion to their bytes), the answers back; the slowest server."""
+    topo = links.topo
+
+    def way(what):
+        per_server, into_node = {}, {}
+        for m in step.messages:
+            if m.what != what:
+                continue
+            a, b = topo.node(m.src), topo.node(m.dest)
+            server = m.dest if what == "push" else m.src
+            per_server[server] = per_server.get(server, 0.0) + links.cost(a != b, m.nbytes)
+            if a != b:  # the link of the node the bytes enter
+                into_node[b] = into_node.get(b, 0) + m.nbytes
+        worst_link = max((n * links.m.beta_inter for n in into_node.values()), default=0.0)
+        return per_server, worst_link
+
+    pushes, push_link = way("push")
+    answers, answer_link = way("answer")
+    total = sum(step.shard_bytes) or 1
+    per_server = [pushes.get(s, 0.0) + update_s * step.shard_bytes[s] / total
+                  + answers.get(s, 0.0) for s in range(step.servers)]
+    return max(max(per_server, default=0.0), push_link + answer_link)
