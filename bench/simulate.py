@@ -5,6 +5,7 @@
     python bench/simulate.py --scale    # scale: mlp and cnn to 4096 ranks on a GPU cluster
     sudo python bench/simulate.py --vcluster 1gbit   # time: 2 nodes x 1 rank, 1 Gbit/s links
     sudo python bench/simulate.py --vcluster 1gbit --ppn 2   # 2 nodes x 2 ranks (emulated)
+    sudo python bench/simulate.py --vcluster 1gbit --algorithms ps   # the parameter server
 
 Time (writes bench/results/simulate_time.json + .png): each repeat first calibrates this
 machine in the same run (``mpiexec -n P mpidl simulate --calibrate``: alpha, beta, gamma,
@@ -31,10 +32,21 @@ nodes and each rank has a core of its own (real compute). ``--ppn 2``: 2 nodes x
 the results file is then ..._vcluster_RATE_2x2. The script brings the cluster up if it
 is down (and takes it down at the end).
 
+``--algorithms ps`` (or a list with it): the parameter server (``--strategy ps --mode
+sync``, one server: rank 0; the others push to it) instead of, or beside, the
+all-reduces; overlap does not apply to it (one run, "off"); the step is the workers'
+slowest mean step; results files end in ``_ps`` when only the server runs.
+
 Scale (writes bench/results/simulate_scale.json + .png): ``mpidl simulate --ranks
-1-4096`` for the mlp and the cnn, ring and hierarchical all-reduce, on the cluster
-described in bench/machines/gpu_cluster.json (8 GPUs per node, 200 Gbit/s between nodes),
-with the rank count where the predicted efficiency falls below 50 %.
+1-4096`` for the mlp, the cnn and gpt-tiny on the cluster described in
+bench/machines/gpu_cluster.json (8 GPUs per node, 200 Gbit/s between nodes), under each
+modelled strategy (``STRATEGIES``: the ring, hierarchical and recursive-doubling
+all-reduce, ZeRO 3, DiLoCo every 32 steps, the parameter server with a node of 8
+servers), with the rank count where the predicted efficiency falls below 50 %. No
+compressor: the model times a compressor's own work on the machine it runs on (this
+CPU), which says nothing of a GPU cluster's. The mlp's and the cnn's compute is what mpidl measured on an H100; gpt-tiny's was
+not measured there, so it stands in: the mlp's measured seconds per sample scaled by
+the ratio of their training FLOPs (``gpt_pace``).
 """
 
 import argparse
@@ -72,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--vcluster", default=None, metavar="RATE",
                    help="run on slurm/vcluster.sh's 2 nodes with links of RATE (root)")
     p.add_argument("--ppn", type=int, default=1, help="ranks per node on the virtual cluster")
+    p.add_argument("--algorithms", default=None, metavar="A,B",
+                   help="what to time: all-reduce algorithms and/or ps (default: ring, "
+                   "tree, recursive_doubling, and hierarchical on 2 nodes x 2)")
     p.add_argument("--calibrate-every", choices=("config", "repeat"), default="config",
                    help="calibrate before every configuration (default: the prediction "
                    "and the run it is compared with are a minute apart at most) or once "
@@ -97,25 +112,33 @@ def worker(a):
     comm = Communicator(MPI.COMM_WORLD)
     model = build_model(MODEL, input_shape=(1, 28, 28), num_classes=10, seed=0)
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
-    options = {"algorithm": a.algorithm, "overlap": a.overlap}
+    ps = a.algorithm == "ps"
+    options = {"servers": 1, "mode": "sync"} if ps else {"algorithm": a.algorithm,
+                                                         "overlap": a.overlap}
     if a.pace:
         options["compute_pace"] = a.pace
-    rt = build("allreduce", comm, **options)
+    rt = build("ps" if ps else "allreduce", comm, **options)
     rt.setup(model, opt, SoftmaxCrossEntropy())
-    rng = np.random.default_rng(comm.rank)
-    x = rng.standard_normal((a.batch, 1, 28, 28)).astype("float32")
-    y = rng.integers(0, 10, size=a.batch)
-    warm = 5
-    for _ in range(warm):
-        rt.train_step(x, y)
-    rt.metrics()
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        rt.train_step(x, y)
-    step = (time.perf_counter() - t0) / a.steps
-    m = rt.metrics()
-    steps = comm.mpi.gather(step, root=0)
+    step, m = None, {}
+    if rt.trains_on_data:
+        rng = np.random.default_rng(comm.rank)
+        x = rng.standard_normal((a.batch, 1, 28, 28)).astype("float32")
+        y = rng.integers(0, 10, size=a.batch)
+        warm = 5
+        for _ in range(warm):
+            rt.train_step(x, y)
+        if not ps:  # (a server serves: no collective over every rank until the end)
+            rt.metrics()
+            comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            rt.train_step(x, y)
+        step = (time.perf_counter() - t0) / a.steps
+        m = {} if ps else rt.metrics()
+    else:  # the server: serves until every worker is done
+        rt.serve()
+    rt.finish()
+    steps = [s for s in comm.mpi.gather(step, root=0) or () if s is not None]
     if comm.rank == 0:
         print(json.dumps({"step_s": max(steps), "compute_ms": m.get("compute_ms"),
                           "wait_ms": m.get("wait_ms"), "overlap": m.get("overlap")}),
@@ -173,8 +196,10 @@ def calibrate(p, batch, path):
 
 
 def predict(p, algorithm, overlap, batch, pace, machine):
+    how = ["--strategy", "ps", "--servers", "1"] if algorithm == "ps" else [
+        "--algorithm", algorithm, "--overlap", overlap]
     cmd = mpidl_cmd() + ["simulate", "--model", MODEL, "--batch-size", str(batch),
-                         "--ranks", str(p), "--algorithm", algorithm, "--overlap", overlap,
+                         "--ranks", str(p), *how,
                          "--machine", machine, "--limit-train", "1024", "--json"]
     if pace:
         cmd += ["--compute-s-per-sample", str(pace)]
@@ -192,7 +217,10 @@ def time_bench(a):
     repeats = 1 if a.quick else a.repeats
     steps = 10 if a.quick else a.steps
     algorithms = ALGORITHMS + (("hierarchical",) if _ON_VCLUSTER and a.ppn > 1 else ())
-    configs = [(p, alg, ov) for p in a.ranks for alg in algorithms for ov in ("off", "on")]
+    if a.algorithms:
+        algorithms = tuple(a.algorithms.split(","))
+    configs = [(p, alg, ov) for p in a.ranks for alg in algorithms
+               for ov in (("off",) if alg == "ps" else ("off", "on"))]
     runs = {c: [] for c in configs}
     machines = {p: [] for p in a.ranks}
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,7 +244,7 @@ def time_bench(a):
         # the model given the run's own compute: what the communication, overlap and
         # wait part predicts once load drift of the compute is taken out (emulated
         # compute is known: there the prediction itself)
-        given = predicted if p > 2 else statistics.median(
+        given = predicted if p > 2 or alg == "ps" else statistics.median(
             w["step_s"] - w["compute_s"] + g["compute_ms"] / 1e3 for g, w in pairs)
         rows.append({"ranks": p, "algorithm": alg, "overlap": ov,
                      "compute": ("real (2 nodes x 1 rank, a core each)" if _ON_VCLUSTER
@@ -251,7 +279,7 @@ def time_bench(a):
               "rows": rows, "summary": summary}
     os.makedirs(a.out, exist_ok=True)
     name = (f"simulate_time_vcluster_{_ON_VCLUSTER[0]}" + (f"_2x{a.ppn}" if a.ppn > 1 else "")
-            if _ON_VCLUSTER else "simulate_time")
+            if _ON_VCLUSTER else "simulate_time") + ("_ps" if algorithms == ("ps",) else "")
     with open(os.path.join(a.out, name + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"median |error| {100 * summary['median_abs_error']:.1f} %, worst "
@@ -340,19 +368,59 @@ def cluster_machine(path):
     return path
 
 
+#: (name, algorithm, mpidl simulate's flags) of each strategy the scale curves follow
+STRATEGIES = (
+    ("ring", "ring", ["--algorithm", "ring", "--overlap", "on"]),
+    ("hierarchical", "hierarchical", ["--algorithm", "hierarchical", "--overlap", "on"]),
+    ("recursive_doubling", "recursive_doubling",
+     ["--algorithm", "recursive_doubling", "--overlap", "on"]),
+    ("ZeRO 3", "hierarchical", ["--zero", "3", "--algorithm", "hierarchical",
+                                "--sparse-grads", "dense"]),  # (gpt-tiny's Embedding)
+    ("DiLoCo H=32", "hierarchical", ["--sync", "diloco", "--period", "32",
+                                      "--algorithm", "hierarchical"]),
+    ("parameter server (8 servers)", "-", ["--strategy", "ps", "--servers", "8"]),
+)
+GPT = ["--model", "gpt-tiny", "--dataset", "text", "--limit-train", "20000"]
+
+
+def gpt_pace(machine_file, batch=128):
+    """gpt-tiny's stand-in seconds per sample on the described cluster (module doc): the
+    mlp's measured forward + backward per sample times gpt-tiny's training FLOPs over the
+    mlp's (6 per parameter per token for the matrices, 12 layers x context^2 x width for
+    attention's products)."""
+    from mpidl.data.text import DEFAULT_CONTEXT
+    from mpidl.engine.models import build_model
+
+    with open(machine_file) as f:
+        mlp = json.load(f)["compute"]["mlp"]
+    mlp_s = sum(f + b for f, b in mlp["layers"].values())
+    mlp_flops = 6 * sum(q.data.size for _, q in build_model(
+        "mlp", input_shape=(1, 28, 28), num_classes=10).named_parameters())
+    gpt = build_model("gpt-tiny", input_shape=(DEFAULT_CONTEXT,), num_classes=96)
+    matrices = sum(q.data.size for n, q in gpt.named_parameters() if q.data.ndim == 2
+                   and not n.startswith(("0.", "1.")))  # (not the embeddings)
+    layers, width = 4, 128  # (gpt-tiny's defaults)
+    flops = DEFAULT_CONTEXT * 6 * matrices + 12 * layers * DEFAULT_CONTEXT ** 2 * width
+    return mlp_s * flops / mlp_flops
+
+
 def scale_bench(a):
     from mpidl.benchmarks.machine import describe
     from mpidl.benchmarks.plotting import pyplot
 
     machine = cluster_machine(os.path.join(MACHINES, "gpu_cluster.json"))
+    pace = gpt_pace(machine)
     curves = []
-    for model, batch in (("mlp", 128), ("cnn", 128)):
-        for alg in ("ring", "hierarchical", "recursive_doubling"):
-            out = _run(mpidl_cmd() + ["simulate", "--model", model, "--batch-size",
-                                      str(batch), "--ranks", "1-4096", "--algorithm", alg,
-                                      "--overlap", "on", "--machine", machine, "--json"])
+    for model, batch in (("mlp", 128), ("cnn", 128), ("gpt-tiny", 128)):
+        for name, alg, flags in STRATEGIES:
+            given = GPT + ["--compute-s-per-sample", repr(pace)] if model == "gpt-tiny" \
+                else ["--model", model]
+            out = _run(mpidl_cmd() + ["simulate", *given, "--batch-size", str(batch),
+                                      "--ranks", "1-4096", *flags, "--machine", machine,
+                                      "--json"], timeout=1800)
             res = _last_json(out)
-            curves.append({"model": model, "algorithm": alg, "batch": batch,
+            curves.append({"model": model, "strategy": name, "algorithm": alg,
+                           "flags": flags, "batch": batch, "layout": res["layout"],
                            "compute": res["compute"],
                            "below_50pct_at": res["efficiency_below_50pct_at"],
                            "points": [{"ranks": r["ranks"], "nodes": r["nodes"],
@@ -362,7 +430,7 @@ def scale_bench(a):
                                        "messages_per_step": r["messages_per_step"],
                                        "efficiency": r["efficiency"]}
                                       for r in res["predictions"]]})
-            print(f"{model} {alg}: efficiency below 50 % at "
+            print(f"{model} {name}: efficiency below 50 % at "
                   f"{res['efficiency_below_50pct_at']} ranks; at 4096: "
                   f"{100 * res['predictions'][-1]['efficiency']:.1f} %", flush=True)
     with open(machine) as f:
@@ -376,18 +444,21 @@ def scale_bench(a):
     plt = pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c in curves:
-        ax.plot([q["ranks"] for q in c["points"]],
-                [100 * q["efficiency"] for q in c["points"]], marker="o", ms=3,
-                label=f"{c['model']} {c['algorithm']} (<50% at {c['below_50pct_at']})")
-    ax.axhline(50, color="grey", ls=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("ranks (8 per node)")
-    ax.set_ylabel("predicted weak-scaling efficiency (%)")
-    ax.set_title("mpidl simulate: data parallelism, 8 GPUs/node, 200 Gbit/s between nodes",
-                 fontsize=9)
-    ax.legend(fontsize=8)
+    models = list(dict.fromkeys(c["model"] for c in curves))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.8), sharey=True)
+    for ax, model in zip(axes, models):
+        for c in (c for c in curves if c["model"] == model):
+            ax.plot([q["ranks"] for q in c["points"]],
+                    [100 * q["efficiency"] for q in c["points"]], marker="o", ms=3,
+                    label=f"{c['strategy']} (<50% at {c['below_50pct_at']})")
+        ax.axhline(50, color="grey", ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("ranks (8 per node)")
+        ax.set_title(model + (" (compute: FLOP-scaled stand-in)" if model == "gpt-tiny"
+                              else " (compute measured on an H100)"), fontsize=9)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("predicted weak-scaling efficiency (%)")
+    fig.suptitle("mpidl simulate: 8 GPUs/node, 200 Gbit/s between nodes", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(a.out, "simulate_scale.png"), dpi=110)
     plt.close(fig)

@@ -47,8 +47,8 @@ def register(subparsers):
     base = train.register(holder)  # mpidl train's flags, declared once
     p = subparsers.add_parser(
         "simulate", parents=[base], conflict_handler="resolve",
-        help="predict messages, bytes and time per step of a data-parallel run (ZeRO, "
-        "model averaging and mixed precision included)",
+        help="predict messages, bytes and time per step of a data-parallel or "
+        "parameter-server run (ZeRO, model averaging, mixed precision, compression)",
         description="Predict what mpidl train with the same arguments would send and how "
         "long its steps would take on a described machine, for one or many rank counts: "
         "messages and bytes per rank per step (exactly what the communicator's counters "
@@ -56,7 +56,8 @@ def register(subparsers):
         "and the scaling efficiency. With --calibrate (under mpiexec -n 2 or more), "
         "measure this machine's alpha, beta, reduction speed and per-layer compute "
         "instead and write them to --machine FILE. Data parallelism (--strategy "
-        "allreduce), with --zero, --sync local-sgd|diloco and --precision.",
+        "allreduce), with --zero, --sync local-sgd|diloco, --precision, --compression and "
+        "--sync-bn; the parameter server (--strategy ps, --servers, --mode).",
         epilog="examples:\n"
         "  mpiexec -n 2 mpidl simulate --calibrate --model mlp --machine here.json\n"
         "  mpidl simulate --model mlp --machine here.json --ranks 2 --algorithm ring\n"
@@ -458,11 +459,12 @@ def describe_layout(cfg):
 
 
 def _table(result):
+    collectives = "" if result["layout"].startswith("parameter server") else (
+        f", algorithm {result['algorithm']}, buckets of {result['bucket_mb']:g} MiB, overlap "
+        f"{result['overlap']}")
     lines = [f"mpidl simulate: {result['model']} on {result['dataset']}, batch "
              f"{result['batch_size']}/rank x accumulate {result['accumulate']}, "
-             f"{result['dtype']}, {result['layout']}, algorithm {result['algorithm']}, "
-             f"buckets of "
-             f"{result['bucket_mb']:g} MiB, overlap {result['overlap']}; machine "
+             f"{result['dtype']}, {result['layout']}{collectives}; machine "
              f"{result['machine']['name']} ({result['machine']['ranks_per_node']} ranks/node); "
              f"compute {result['compute']}",
              f"{'ranks':>6} {'nodes':>5} {'msgs/rank':>10} {'bytes/rank':>12} "

@@ -41,6 +41,8 @@ hosts described from the same machine.
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from mpidl.comm import hierarchical as _hier
 from mpidl.comm import recursive_doubling as _rd
 from mpidl.comm.algorithms import Context
@@ -342,6 +344,17 @@ class Links:
 
     def gamma(self, nbytes):
         return self.m.gamma * nbytes
+
+    def message(self, inter, nbytes):
+        """Seconds of one point-to-point message of ``nbytes``: the calibration's
+        measured times where it measured that link (linear between its sizes: whole
+        tensors of megabytes sit where a fitted line is least exact), ``alpha + beta *
+        bytes`` elsewhere."""
+        where = "inter" if inter and self.multi else "intra"
+        points = (self.m.info.get("points") or {}).get(where) if self.m.info else None
+        if points and points["bytes"][0] <= nbytes <= points["bytes"][-1]:
+            return float(np.interp(nbytes, points["bytes"], points["seconds"]))
+        return self.cost(inter, nbytes)
 
 
 def _log2ceil(p):

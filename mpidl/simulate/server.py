@@ -17,11 +17,15 @@ goodbyes are not steps and are left out.
 The point-to-point calls a rank makes are counted as the communicator counts them: one
 call per message sent and per message received; messages and bytes for what it sends.
 
-The time (``step_time``): the workers' forward and backward, then the push (each server
-takes every worker's part of its shard through its own link, one after another; a node's
-link between the nodes carries everything that enters it), the server's update of its
-shard (its share of the update), and the answers the same way back. Mode, stragglers
-and staleness do not enter: the figures are those of a sync step.
+The time (``exchange_time``): the workers' forward and backward, then the push (each
+server takes every worker's part of its shard through its own link, one message after
+another, each as long as the calibration measured for its size: ``Links.message``; a
+node's link between the nodes carries everything that enters it), the server's update of
+its shard (its share of the update) and its copy of the shard for the answers (at the
+calibrated copy speed, ``gamma``), and the answers the same way back; each side notices
+a message on average half a poll interval late (the waits sleep between probes, up to
+``poll_s``: 1 ms, ``ps(poll_max_ms=...)``'s default). Mode, stragglers and staleness do not enter: the figures are those of
+a sync step.
 """
 
 from dataclasses import dataclass
@@ -54,6 +58,7 @@ class Pushes:
     step: int = 1
     mode: str = "sync"
     wait: int = 0
+    poll_s: float = 1e-3
 
 
 def updates_per_step(mode, workers, wait=0):
@@ -112,6 +117,7 @@ def layout(named_params, p, servers, pushes):
             out.messages += [Message(s, w, n, "answer") for n in answer]
         out.dense_bytes += sum(push[1:])
     out.servers, out.shard_bytes = servers, shards.nbytes
+    out.poll_s = float(pushes.poll_s)
     return out, shards
 
 
@@ -151,7 +157,7 @@ def exchange_time(step, links, update_s):
                 continue
             a, b = topo.node(m.src), topo.node(m.dest)
             server = m.dest if what == "push" else m.src
-            per_server[server] = per_server.get(server, 0.0) + links.cost(a != b, m.nbytes)
+            per_server[server] = per_server.get(server, 0.0) + links.message(a != b, m.nbytes)
             if a != b:  # the link of the node the bytes enter
                 into_node[b] = into_node.get(b, 0) + m.nbytes
         worst_link = max((n * links.m.beta_inter for n in into_node.values()), default=0.0)
@@ -161,5 +167,6 @@ def exchange_time(step, links, update_s):
     answers, answer_link = way("answer")
     total = sum(step.shard_bytes) or 1
     per_server = [pushes.get(s, 0.0) + update_s * step.shard_bytes[s] / total
-                  + answers.get(s, 0.0) for s in range(step.servers)]
-    return max(max(per_server, default=0.0), push_link + answer_link)
+                  + links.gamma(step.shard_bytes[s]) + answers.get(s, 0.0)
+                  for s in range(step.servers)]
+    return max(max(per_server, default=0.0), push_link + answer_link) + step.poll_s

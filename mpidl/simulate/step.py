@@ -99,6 +99,7 @@ class StepLayout:
     messages: list = field(default_factory=list)
     servers: int = 0
     shard_bytes: tuple = ()
+    poll_s: float = 0.0
 
 
 def segment_bytes():
