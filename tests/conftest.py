@@ -57,6 +57,11 @@ def pytest_xdist_make_scheduler(config, log):
     return FilesAndSerialFiles(config, log)
 
 
+def slow_run(config):
+    """Whether this run asked for the ``slow`` tests (``-m slow``, ``MPIDL_SLOW=1``)."""
+    return "slow" in (config.getoption("markexpr") or "") or os.environ.get("MPIDL_SLOW") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
     """``slow`` tests (exhaustive grids, long training runs) run only when asked for:
     ``pytest -m slow ...`` or ``MPIDL_SLOW=1``; CI runs their representative slices.
@@ -65,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
         if _serial(item.fspath):
             item.add_marker(pytest.mark.serial)
     items.sort(key=lambda item: "serial" not in item.keywords)  # stable
-    if "slow" in (config.getoption("markexpr") or "") or os.environ.get("MPIDL_SLOW") == "1":
+    if slow_run(config):
         return
     skip = pytest.mark.skip(reason="slow: run with pytest -m slow (or MPIDL_SLOW=1)")
     for item in items:

@@ -67,7 +67,7 @@ def test_accumulate_4_of_32_equals_a_batch_of_128(tmp_path, model):
 
 
 @pytest.mark.parametrize("model", ["cnn", "resnet-tiny"])
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_sync_bn_on_n_ranks_equals_one_process_at_n_times_the_batch(tmp_path, model, n):
     common = ["--model", model, "--dataset", "digits", "--epochs", "1", "--limit-train",
               "192", "--limit-test", "64", "--lr", "0.05", "--seed", "5"]

@@ -46,7 +46,7 @@ def same_bits(a, b):
     return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dtype", ["float64", pytest.param("float32", marks=pytest.mark.slow)])
 def test_dealt_portions_do_not_depend_on_who_computed_them(tmp_path, dtype):
     deal = ["--deal", "portions"]
     alone, rec = train(tmp_path, "plain", *deal, dtype=dtype)

@@ -339,8 +339,9 @@ def test_cli_ps_refuses_checkpoint_every():
     assert "Traceback" not in launch.output
 
 
-@pytest.mark.parametrize("spec", [["--compression", "onebit"],
-                                  ["--compression", "dgc:momentum=0.9", "--ratio", "0.05"]])
+@pytest.mark.parametrize("spec", [
+    pytest.param(["--compression", "onebit"], marks=pytest.mark.slow),
+    ["--compression", "dgc:momentum=0.9", "--ratio", "0.05"]])
 def test_compression_means_the_same_under_ps_and_allreduce(tmp_path, spec):
     """``--compression`` is built in one place for every strategy: a momentum-correcting
     memory (onebit, dgc) takes the optimizer's momentum over, wherever the optimizer runs.

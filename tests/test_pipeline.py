@@ -296,13 +296,24 @@ LAYOUTS_3D = "2x2,4x1,2x1,4x2,1x4,2x4,1x2"  # P x T; data parallelism: 8 / (P T)
 def test_three_d_layouts_equal_one_process():
     """Point 4: every DP x PP x TP factorisation of 8 with P, T <= 4 (2x2x2, 2x4x1,
     4x2x1, 1x4x2, 2x1x4, 1x2x4, 4x1x2) equals one process at the global batch within
-    1e-12, plain, and on three of them with --zero 2 with Adam (--zero 1 with zb on all
-    seven: the slow test below)."""
+    1e-12 (the gpt-tiny: every kind of layer split); 2x2x2 with --zero 2 with Adam, and
+    asynchronous with --zero 1. The mlp too, ZeRO 2 and async on more meshes, and --zero
+    1 with zb on all seven: the slow tests below."""
+    out = pp_check(8, LAYOUTS_3D, "gpt", "1f1b", "4", "sgd", 20, timeout=900)
+    assert "7 layouts equal one process" in out, out
+    out = pp_check(8, "2x2", "gpt", "1f1b", "4", "adam", 20, "zero2", timeout=900)
+    assert "1 layouts equal one process" in out, out
+    # async (PipeDream-2BW's rule in the one process too), ZeRO 1
+    out = pp_check(8, "2x2", "gpt", "async", "4", "adam", 20, "zero1", timeout=900)
+    assert "1 layouts equal one process" in out, out
+
+
+@pytest.mark.slow
+def test_three_d_layouts_full_grid():
     out = pp_check(8, LAYOUTS_3D, "gpt,mlp", "1f1b", "4", "sgd", 20, timeout=900)
     assert "14 layouts equal one process" in out, out
     out = pp_check(8, "2x2,2x1,1x2", "gpt", "1f1b", "4", "adam", 20, "zero2", timeout=900)
     assert "3 layouts equal one process" in out, out
-    # async (PipeDream-2BW's rule in the one process too) on three meshes, ZeRO 1
     out = pp_check(8, "2x2,4x1,2x1", "gpt", "async", "4", "adam", 20, "zero1", timeout=900)
     assert "3 layouts equal one process" in out, out
 

@@ -299,13 +299,20 @@ def submit(args, out, cwd, env=None):
     return p.stdout.strip().split(";")[0]
 
 
+_UNINTERRUPTED = []
+
+
 def uninterrupted_model(folder):
-    """The final model of the same 2-rank run, never stopped (mpiexec, outside Slurm)."""
+    """The final model of the same 2-rank run, never stopped (mpiexec, outside Slurm);
+    trained once for the tests that need it."""
+    if _UNINTERRUPTED and _UNINTERRUPTED[0].exists():
+        return _UNINTERRUPTED[0]
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpidl.cli.main", "train",
                     *PREEMPT_TRAIN, "--out-dir", folder], check=True, capture_output=True,
                    timeout=300, env=job_env())
-    return folder / "model.npz"
+    _UNINTERRUPTED[:] = [folder / "model.npz"]
+    return _UNINTERRUPTED[0]
 
 
 def assert_same_model(path, reference, describe):
