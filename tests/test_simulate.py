@@ -61,15 +61,18 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (2, "ring", "4", "mlp,gpt", "c-fp16,c-qsgd,c-threshold", None),
     (3, "ring,auto", "4", "cnn", "syncbn,syncbn+local-sgd", None),
     (4, "ring", "4", "mlp,gpt", "ps-sync,ps-async,ps-backup-2", None),
+    (4, "ring,auto", "0.001,4", "mlp,gpt", "tp2", 2),
+    (3, "recursive_doubling,mpi", "4", "mlp", "tp3", None),
 ])
 def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts, per_node):
     """ZeRO stages 1-3 (reduce-scatter or all-reduce per bucket, all-gathers of shards
     after the update or before every pass), model averaging (one all-reduce of the
     parameters per period), 2-byte mixed-precision buckets, compression (all-reduced
     or all-gathered payloads, PowerSGD's rounds), synchronized BatchNorm (the cnn's
-    statistics all-reduced in every pass) and the parameter server (``ps-MODE[-S]``:
-    each worker's pushes and each server's answers, pickled headers included), counted
-    exactly."""
+    statistics all-reduced in every pass), the parameter server (``ps-MODE[-S]``:
+    each worker's pushes and each server's answers, pickled headers included) and tensor
+    parallelism (``tpT``: the tp group's all-reduces in the passes, the dp group's buckets
+    of the slices; uneven at T = 3), counted exactly, group by group."""
     check_ranks(n, algs, buckets, models, per_node=per_node, layouts=layouts)
 
 
@@ -82,6 +85,11 @@ def test_other_layouts_grid(n):
     ps = "ps-sync,ps-async,ps-ssp,ps-backup,ps-softsync" + (",ps-sync-2,ps-async-3"
                                                             if n > 3 else "")
     check_ranks(n, "ring", "4", layouts=ps, timeout=2400)
+    tp = {2: "tp2", 3: "tp3", 4: "tp2,tp4", 8: "tp2,tp4,tp8"}[n]
+    check_ranks(n, ALL.replace(",hierarchical", "") if n == 3 else ALL, "0.001,4",
+                "mlp", layouts=tp, timeout=2400)
+    if n % 2 == 0:
+        check_ranks(n, ALL, "0.001,4", "gpt", layouts="tp2", timeout=2400)
 
 
 @pytest.mark.slow
@@ -123,6 +131,30 @@ def test_json_bytes_mean_what_the_metrics_mean():
         assert len(row["per_rank"]["bytes"]) == p
         assert row["counters"]["allreduce"]["bytes"] == row["per_rank"]["bytes"][0]
         assert row["steps_per_epoch"] == -(-512 // (out["batch_size"] * p))
+
+
+def test_json_of_tensor_parallelism():
+    """--tensor-parallel 2 on 4 ranks, the ring: a rank's tp group carries each micro-
+    batch's all-reduces (at T = 2 the ring sends each one's size once), its dp group
+    2 (D - 1)/D of the slices it holds; rank counts T does not divide are left out; one
+    process is the efficiency's baseline (a rank's share of the samples: 1/T of a dp
+    group's)."""
+    out = json_of(simulate("--model", "mlp", "--tensor-parallel", "2", "--algorithm", "ring",
+                           "--accumulate", "2", "--ranks", "1,2,3,4", "--limit-train", "512",
+                           "--compute-s-per-sample", "1e-4", "--json").check())
+    assert [r["ranks"] for r in out["predictions"]] == [2, 4]
+    row = out["predictions"][-1]
+    groups = row["counters"]["groups"]
+    tp_calls = row["tp_calls"]
+    assert groups["tp"]["allreduce"]["calls"] == 2 * len(tp_calls)  # 2 micro-batches
+    assert groups["tp"]["allreduce"]["bytes"] == 2 * sum(
+        c["bytes"] for c in tp_calls if c["algorithm"] != "mpi")
+    dense = sum(c["bytes"] for c in row["calls"])  # (tp rank 0's slices, in buckets)
+    assert groups["dp"]["allreduce"]["bytes"] == dense  # 2 (D - 1)/D at D = 2
+    assert row["counters"]["total"]["bytes"] == sum(
+        groups[g]["total"]["bytes"] for g in ("tp", "dp"))
+    assert row["steps_per_epoch"] == -(-512 // (out["batch_size"] * 2 * 2))
+    assert 0 < row["efficiency"] <= 1
 
 
 def test_json_of_the_parameter_server():
@@ -219,7 +251,12 @@ def test_calibrate_then_predict(tmp_path):
     (["--strategy", "ps", "--servers", "2", "--ranks", "2"], ["--servers", "3 ranks"]),
     (["--strategy", "ps", "--staleness", "2"], ["--staleness applies to --mode ssp"]),
     (["--algorithm", "shared"], ["--algorithm shared is not modelled yet"]),
-    (["--tensor-parallel", "2"], ["--tensor-parallel 2 is not modelled yet"]),
+    (["--pipeline-stages", "2"], ["--pipeline-stages 2 is not modelled yet"]),
+    (["--tensor-parallel", "2", "--zero", "1", "--ranks", "4"],
+     ["--zero 1 with --tensor-parallel is not modelled yet"]),
+    (["--tensor-parallel", "3", "--ranks", "4"], ["--tensor-parallel 3 divides none"]),
+    (["--model", "gpt-tiny", "--dataset", "text", "--heads", "2", "--width", "32",
+      "--tensor-parallel", "4", "--ranks", "4"], ["2 attention heads, fewer than the 4"]),
     (["--zero", "2", "--precision", "bf16"], ["--precision bf16 cannot be used with --zero 2"]),
     (["--zero", "1", "--compression", "topk"], ["--zero 1 cannot serve --compression topk"]),
     (["--zero", "1", "--model", "gpt-tiny", "--dataset", "text"],

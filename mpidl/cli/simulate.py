@@ -33,7 +33,10 @@ from mpidl.errors import ConfigError, UserError
 MODELLED = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
             "sparse_grads", "zero", "sync", "period", "warmup_steps", "outer_lr",
             "outer_momentum", "precision", "loss_scale", "loss_scale_window",
-            "compression", "ratio", "sync_bn")
+            "compression", "ratio", "sync_bn", "tensor_parallel")
+#: ... of which --tensor-parallel combines with these only (the rest is refused)
+MODELLED_TP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
+               "sparse_grads", "tensor_parallel")
 #: ... and under --strategy ps (the servers' settings; the rest is refused)
 MODELLED_PS = ("accumulate", "micro_batches", "servers", "mode", "staleness", "wait",
                "staleness_aware_lr", "epoch_quorum", "trace", "poll_max_ms")
@@ -101,9 +104,18 @@ def _refuse_unmodelled(cfg):
         raise ConfigError(f"mpidl simulate: --strategy {strategy} is not modelled yet "
                           "(modelled: allreduce, ps)")
     modelled = MODELLED if strategy == "allreduce" else MODELLED_PS
+    if (cfg.tensor_parallel or 1) > 1:
+        modelled = MODELLED_TP
     for name, value in strategy_kwargs(cfg).items():
         if name == "group_size" and value in (None, 1):
             continue
+        if modelled is MODELLED_TP and name not in modelled and value not in (
+                None, False, "none", "allreduce", "fp32", 0):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"mpidl simulate: {flag} {value} with --tensor-parallel is not "
+                              "modelled yet (tensor parallelism with data parallelism's "
+                              "buckets: " + ", ".join("--" + m.replace("_", "-")
+                                                      for m in MODELLED_TP) + ")")
         if name not in modelled and value not in (None, False, "none", "allreduce", "fp32"):
             if strategy == "ps":
                 flag = "--" + name.replace("_", "-")
@@ -114,12 +126,13 @@ def _refuse_unmodelled(cfg):
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"mpidl simulate: {flag} {value} is not modelled yet (data "
                               "parallelism with fused all-reduce and row-sparse gathers, "
-                              "ZeRO, model averaging, mixed precision, compression and "
-                              "synchronized BatchNorm only: "
+                              "ZeRO, model averaging, mixed precision, compression, "
+                              "synchronized BatchNorm and tensor parallelism only: "
                               f"{', '.join('--' + m.replace('_', '-') for m in MODELLED)})")
     from mpidl.runtime import build  # noqa: PLC0415
 
-    if strategy == "allreduce":  # (ps: checked for the rank counts, in prepare)
+    if strategy == "allreduce" and (cfg.tensor_parallel or 1) == 1:
+        # (ps, tensor parallelism: checked for the rank counts, in prepare)
         build(strategy, None, **strategy_kwargs(cfg))  # mpidl train's refusals, word for word
     return strategy
 
@@ -190,6 +203,15 @@ def prepare(args, world):
         raise ConfigError(str(e)) from None
     if max(ranks) > 1 << 20:
         raise ConfigError(f"--ranks: at most {1 << 20} ranks, got {max(ranks)}")
+    degree = cfg.tensor_parallel or 1
+    if degree > 1:  # (rank counts it does not divide are left out)
+        from mpidl.runtime.tensor_parallel import check_degree  # noqa: PLC0415
+
+        check_degree(degree, degree)
+        if not any(p % degree == 0 for p in ranks):
+            raise ConfigError(f"--ranks {args.ranks}: --tensor-parallel {degree} divides none "
+                              "of these rank counts; give multiples of it")
+        ranks = [p for p in ranks if p % degree == 0]
     if strategy == "ps":  # (rank counts without a worker are left out)
         from mpidl.runtime.sync.pushpull import check_servers, mode_config  # noqa: PLC0415
 
@@ -210,6 +232,12 @@ def prepare(args, world):
     model, optimizer = build_model_and_optimizer(
         cfg, dataset, steps=planned_steps(cfg, dataset, max(ranks)))
     _check_model(cfg, model, optimizer)
+    if degree > 1:  # the runtime's refusals at set-up (heads, widths narrower than T)
+        from mpidl.runtime.tensor_parallel import TensorParallel  # noqa: PLC0415
+
+        TensorParallel(degree).check(model)
+        cfg.make_model = lambda: build_model_and_optimizer(
+            cfg, dataset, steps=planned_steps(cfg, dataset, max(ranks)))[0]
 
     if args.calibrate:
         return lambda: calibrate_job(args, cfg, world, model, optimizer, dataset)
@@ -308,29 +336,44 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None):
         if cfg.compression not in (None, "none") else None
     shape = layout_options(cfg, model, accumulate, grads)
     pushes = server_pushes(cfg, model, dataset, accumulate, lr)
+    degree = cfg.tensor_parallel or 1
+    pieces = tensor_pieces(cfg, dataset, degree) if degree > 1 else None
     base = None
     out = []
     for p in sorted(set(ranks) | {1}):
-        if pushes is not None and p > 1:
-            from mpidl.simulate import server  # noqa: PLC0415
-
-            lay, _ = server.layout(named, p, int(cfg.servers or 1), pushes)
-        else:
-            lay = st.layout(named, p, algorithm, bucket_mb, sparse,
-                            {n: [r] * p for n, r in rows.items()}, **shape)
         topo = col.Topology(p, min(per_node, p))
         links = col.Links(machine, topo)
-        t = st.step_time(lay, compute, cfg.batch_size, accumulate, links, overlap, seg)
+        if pieces is not None and p > 1:
+            from mpidl.simulate import tensor  # noqa: PLC0415
+
+            lay = tensor.layout(*pieces, p, algorithm, bucket_mb, accumulate,
+                                sparse=bool(sparse))
+            t = tensor.step_time(lay, compute, cfg.batch_size, accumulate, machine, per_node,
+                                 overlap, seg)
+            counted = tensor.traffic(lay, per_node,
+                                     ranks=None if p <= MAX_PER_RANK else [0, p - 1],
+                                     seg_bytes=seg)
+        else:
+            if pushes is not None and p > 1:
+                from mpidl.simulate import server  # noqa: PLC0415
+
+                lay, _ = server.layout(named, p, int(cfg.servers or 1), pushes)
+            else:
+                lay = st.layout(named, p, algorithm, bucket_mb, sparse,
+                                {n: [r] * p for n, r in rows.items()}, **shape)
+            t = st.step_time(lay, compute, cfg.batch_size, accumulate, links, overlap, seg)
+            counted = st.traffic(lay, topo.per_node,
+                                 ranks=None if p <= MAX_PER_RANK else [0, p - 1],
+                                 seg_bytes=seg)
         if p == 1:
             base = t["total"]
             if 1 not in ranks:
                 continue
-        counted = st.traffic(lay, topo.per_node,
-                             ranks=None if p <= MAX_PER_RANK else [0, p - 1], seg_bytes=seg)
         msgs = [c["total"]["messages"] for c in counted.values()]
         nbytes = [c["total"]["bytes"] for c in counted.values()]
+        shards = (p - lay.servers) // (degree if p > 1 else 1)  # (the data's shares)
         steps = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size * accumulate,
-                            shard=(0, p - lay.servers), drop_last=cfg.drop_last).steps_per_epoch
+                            shard=(0, shards), drop_last=cfg.drop_last).steps_per_epoch
         every = lay.every
         row = {"ranks": p, "nodes": topo.nodes,
                "calls": [{"kind": c.kind, "name": c.name, "algorithm": c.algorithm,
@@ -340,8 +383,11 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None):
                "bytes_per_step": sum(nbytes) / len(nbytes) / every,
                "time_s": t, "step_s": t["total"], "steps_per_epoch": steps,
                "epoch_s": steps * t["total"],
-               "efficiency": st.efficiency(base, t["total"]) * (p - lay.servers) / p
-               if base else None}
+               "efficiency": st.efficiency(base, t["total"]) * shards / p if base else None}
+        if pieces is not None and p > 1:
+            row["tp_calls"] = [{"kind": c.kind, "name": c.name, "algorithm": c.algorithm,
+                                "bytes": c.nbytes(), "phase": c.phase}
+                               for c in lay.pieces[0].calls]
         if p <= MAX_PER_RANK:
             row["per_rank"] = {"messages": msgs, "bytes": nbytes}
             row["counters"] = counted[0]
@@ -393,6 +439,22 @@ def layout_options(cfg, model, accumulate, grads=None):
     return out
 
 
+def tensor_pieces(cfg, dataset, degree):
+    """``--tensor-parallel T``: ``mpidl.simulate.tensor.pieces_of`` for a micro-batch of the
+    training set (its shape sets the all-reduces; its ids, the rows)."""
+    import numpy as np  # noqa: PLC0415
+
+    from mpidl.backend import to_device  # noqa: PLC0415
+    from mpidl.simulate import tensor  # noqa: PLC0415
+    from mpidl.training.tasks import task_for  # noqa: PLC0415
+
+    probe = cfg.make_model()
+    x, idx = draw_batch(dataset, np.random.default_rng(cfg.seed), cfg.batch_size,
+                        _param_dtype(probe))
+    return tensor.pieces_of(cfg.make_model, degree, (x, to_device(dataset.train_y[idx])),
+                            task_for(dataset).loss)
+
+
 def server_pushes(cfg, model, dataset, accumulate, lr):
     """``--strategy ps``: what a worker's push holds (``mpidl.simulate.server.Pushes``:
     the gradient arrays of one batch, row-sparse ones as the engine leaves them), else
@@ -439,6 +501,8 @@ def sample_grads(model, dataset, batch, seed, dense=True):
 def describe_layout(cfg):
     from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
 
+    if (cfg.tensor_parallel or 1) > 1:
+        return f"tensor parallelism {cfg.tensor_parallel} x data parallelism"
     if ALIASES.get(cfg.strategy, cfg.strategy) == "ps":
         return (f"parameter server ({cfg.mode or 'sync'}, {cfg.servers or 1} server(s); "
                 "headers as at step 1)")

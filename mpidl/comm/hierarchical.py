@@ -75,12 +75,21 @@ def groups(nodes):
 def node_layout(comm):
     """The node number of every rank of the mpi4py communicator ``comm`` (collective):
     ranks that share memory share a node; nodes numbered in the order of their lowest
-    rank. ``MPIDL_RANKS_PER_NODE=k`` pretends instead that each k consecutive ranks are a
-    node (tests on one machine)."""
+    rank. ``MPIDL_RANKS_PER_NODE=k`` pretends instead that each k consecutive ranks of the
+    world are a node (tests on one machine; a group of every other world rank spans the
+    nodes those ranks are on, as it would on a real cluster)."""
     size = comm.Get_size()
     per = env.number("MPIDL_RANKS_PER_NODE", int)
     if per:
-        return [rank // per for rank in range(size)]
+        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(group, list(range(size)), world)
+        finally:
+            group.Free()
+            world.Free()
+        nodes = [r // per for r in ranks]
+        number = {node: i for i, node in enumerate(sorted(set(nodes)))}
+        return [number[node] for node in nodes]
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     leader = local.bcast(comm.Get_rank(), root=0)
     local.Free()

@@ -124,7 +124,7 @@ def _dtype_name(dtype):
 
 def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), rows=None,
            tables=None, zero=0, micro=1, wire=None, period=None, compression=None,
-           sync_bn=()):
+           sync_bn=(), alone=False):
     """The collectives of one step on ``p`` ranks (module doc). ``rows``: for each
     row-sparse parameter name, the rows every rank sends (a list of ``p`` counts).
     ``zero``: the ZeRO stage (``mpidl.runtime.zero``), ``micro`` the micro-batches of a
@@ -134,12 +134,14 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
     warm-up): the layout is then of one period, its one averaging. ``compression``:
     ``compression.layout``'s settings (spec, ratio, grads, frames, overlap) for
     ``--compression``. ``sync_bn``: ``sync_bn_layers(model)`` for ``--sync-bn`` (each
-    BatchNorm's all-reduces in every forward and backward of a micro-batch)."""
+    BatchNorm's all-reduces in every forward and backward of a micro-batch). ``alone``:
+    on one rank the calls are still made (a mesh's data-parallel group of one: they count
+    as calls, moving nothing); otherwise one process makes none."""
     named_params = list(named_params)
     sparse_names = set(sparse_names)
     selector = auto.Selector(p, auto.load() if tables is None else tables)
     out = StepLayout(p)
-    if p == 1:
+    if p == 1 and not alone:
         return out
     _sync_bn(out, sync_bn, selector, micro * (period or 1))  # (every step of a period)
     if period:
@@ -290,7 +292,7 @@ def traffic(step, per_node=1, ranks=None, seg_bytes=None):
         for c in step.calls:
             row = table[c.kind]
             row[0] += 1
-            if c.nbytes() == 0:
+            if c.nbytes() == 0 or p == 1:  # (a group of one sends nothing, asks MPI nothing)
                 continue
             if c.algorithm == "mpi":
                 row[3] += 1
@@ -358,14 +360,17 @@ def slowest_of(p):
     return 0.0 if p <= 1 else NormalDist().inv_cdf((p - 0.375) / (p + 0.25))
 
 
-def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
+def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None,
+              in_pass=(0.0, 0.0)):
     """Predicted seconds of one step: {forward, backward, comm, exposed_comm, update,
     skew, total} (module doc). Overlap hides communication only where the progress
     thread has a core (``Compute.on_cores``, ``Machine.spare_core``); the step waits for
     the slowest rank's compute (``Compute.cv``). A layout of ``every`` steps (model
     averaging) is spread over them: its calls' time divided by ``every``. ZeRO stage 3's
     gathers run on the progress thread ahead of the pass that needs them: a pass takes
-    the longer of its compute and its gathers when overlapping, their sum when not."""
+    the longer of its compute and its gathers when overlapping, their sum when not.
+    ``in_pass``: seconds another group's blocking calls add to each micro-batch's forward
+    and backward (tensor parallelism's all-reduces, ``tensor.step_time``)."""
     seg_bytes = segment_bytes() if seg_bytes is None else seg_bytes
     machine, topo = links.m, links.topo
     overlap = overlap and (not compute.on_cores
@@ -381,10 +386,11 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
         one = max(seconds, gathers) if overlap else seconds + gathers
         return accumulate * one if gathers else accumulate * seconds
 
+    extra = in_pass
     in_pass = {phase: sum(t for _, t in by[phase]) / max(accumulate, 1)
                for phase in ("forward-bn", "backward-bn")}
-    fwd = fwd0 + in_pass["forward-bn"]   # (sync BatchNorm waits inside the passes)
-    bwd = bwd0 + in_pass["backward-bn"]
+    fwd = fwd0 + in_pass["forward-bn"] + extra[0]  # (blocking calls inside the passes)
+    bwd = bwd0 + in_pass["backward-bn"] + extra[1]
     before = passes(fwd, "forward-gather") + passes(bwd, "backward-gather") - bwd
     buckets = by["backward"]
     if step.servers:  # the parameter server: push, the servers' update, answers

@@ -264,6 +264,57 @@ def check_ps(kind, how):
               f"{[t and t['bytes'] for t in totals]}", flush=True)
 
 
+def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
+    """``tpT``: ``--tensor-parallel T`` (data parallelism over p / T): each rank's tp
+    group's and dp group's counters over a step must equal ``mpidl.simulate.tensor``'s
+    layout for this rank, group by group."""
+    from mpidl.simulate import tensor
+
+    degree = int(how[2:])
+    tables = gathers_by(algorithm)
+    comm = Communicator(MPI.COMM_WORLD, _tables=tables)
+    p, rank = comm.size, comm.rank
+    i, j = tensor.groups_of(rank, degree)
+    model = make(kind)
+    model.needs_input_grad = False
+    opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
+    loss = TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy()
+    rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
+               tensor_parallel=degree)
+    rt.setup(model, opt, loss)
+    rt.train_step(*batch(kind, 0, i))  # (a tp group's ranks share their data: dp index)
+    rt.mesh.reset_counters()
+    x, y = batch(kind, 1, i)
+    rt.train_step(x, y)
+    counted = rt.mesh.counters()
+    mine = tensor.cut(lambda: make(kind), degree, j, x, y, loss_of(kind), tables).rows
+    everyone = MPI.COMM_WORLD.allgather((j, mine))  # (world rank order: dp index within j)
+    rows = {t: {name: [r[name] for tt, r in everyone if tt == t] for name in mine}
+            for t in range(degree)}
+    pieces, whole = tensor.pieces_of(lambda: make(kind), degree, (x, y), loss_of(kind), tables)
+    step = tensor.layout(pieces, whole, p, algorithm, bucket_mb, tables=tables, rows=rows)
+    predicted = tensor.traffic(step, per_node, ranks=[rank])[rank]["groups"]
+    for group in ("tp", "dp"):
+        want, got = predicted[group], counted[group]
+        if want != got:
+            diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
+            raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket "
+                                 f"{bucket_mb}: {group} group predicted != counted {diff}; "
+                                 f"tp calls {[(c.name, c.algorithm, c.size) for c in step.pieces[j].calls]}")
+    rt.mesh.close()
+    comm.close()
+    totals = MPI.COMM_WORLD.gather(sum(counted[g]["total"]["bytes"] for g in ("tp", "dp")),
+                                   root=0)
+    if rank == 0:
+        print(f"exact p={p} {kind} {how} {algorithm} bucket {bucket_mb} MiB: tp calls "
+              f"{len(step.pieces[0].calls)} per micro-batch, bytes per rank {totals}",
+              flush=True)
+
+
+def loss_of(kind):
+    return TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy()
+
+
 def main():
     algs = sys.argv[1].split(",")
     buckets = [float(b) for b in sys.argv[2].split(",")]
@@ -278,6 +329,12 @@ def main():
             if how.startswith("ps-"):  # (no algorithm or bucket: point-to-point)
                 check_ps(kind, how)
                 i += 1
+                continue
+            if how.startswith("tp"):
+                for alg in algs:
+                    for mb in buckets:
+                        check_tp(kind, alg, mb, ("on", "off")[i % 2], how, per_node)
+                        i += 1
                 continue
             if how in ("bf16", "fp16", "c-fp16") and kind == "gpt":
                 continue  # (no low-precision path for the Embedding)
