@@ -16,9 +16,11 @@ row-sparse gathers, ZeRO (``--zero 1|2|3``), model averaging (``--sync
 local-sgd|diloco``, the steps after its warm-up), mixed precision's 2-byte buckets
 (``--precision bf16|fp16``) and compression (``--compression``, the compressor run on
 a real gradient), and ``--sync-bn``; the parameter server (``--strategy ps``,
-``--servers``, every ``--mode``: its pushes and answers, ``mpidl.simulate.server``).
-Other strategies, the parameter server's worker groups, dealt portions and
-compression, tensor and pipeline parallelism are refused with one line until they are
+``--servers``, every ``--mode``: its pushes and answers, ``mpidl.simulate.server``);
+tensor parallelism with data parallelism (``--tensor-parallel T``,
+``mpidl.simulate.tensor``). Other strategies, the parameter server's worker groups,
+dealt portions and compression, tensor parallelism combined with more than data
+parallelism, and pipeline parallelism are refused with one line until they are
 modelled.
 """
 
