@@ -293,29 +293,24 @@ def test_eight_stages_full_grid():
 LAYOUTS_3D = "2x2,4x1,2x1,4x2,1x4,2x4,1x2"  # P x T; data parallelism: 8 / (P T)
 
 
-def test_three_d_layouts_equal_one_process():
+@pytest.mark.parametrize("models, zero2_meshes, async_meshes", [
+    ("gpt", "2x2", "2x2"),
+    pytest.param("gpt,mlp", "2x2,2x1,1x2", "2x2,4x1,2x1", marks=pytest.mark.slow,
+                 id="full-grid"),
+])
+def test_three_d_layouts_equal_one_process(models, zero2_meshes, async_meshes):
     """Point 4: every DP x PP x TP factorisation of 8 with P, T <= 4 (2x2x2, 2x4x1,
     4x2x1, 1x4x2, 2x1x4, 1x2x4, 4x1x2) equals one process at the global batch within
-    1e-12 (the gpt-tiny: every kind of layer split); 2x2x2 with --zero 2 with Adam, and
-    asynchronous with --zero 1. The mlp too, ZeRO 2 and async on more meshes, and --zero
-    1 with zb on all seven: the slow tests below."""
-    out = pp_check(8, LAYOUTS_3D, "gpt", "1f1b", "4", "sgd", 20, timeout=900)
-    assert "7 layouts equal one process" in out, out
-    out = pp_check(8, "2x2", "gpt", "1f1b", "4", "adam", 20, "zero2", timeout=900)
-    assert "1 layouts equal one process" in out, out
-    # async (PipeDream-2BW's rule in the one process too), ZeRO 1
-    out = pp_check(8, "2x2", "gpt", "async", "4", "adam", 20, "zero1", timeout=900)
-    assert "1 layouts equal one process" in out, out
-
-
-@pytest.mark.slow
-def test_three_d_layouts_full_grid():
-    out = pp_check(8, LAYOUTS_3D, "gpt,mlp", "1f1b", "4", "sgd", 20, timeout=900)
-    assert "14 layouts equal one process" in out, out
-    out = pp_check(8, "2x2,2x1,1x2", "gpt", "1f1b", "4", "adam", 20, "zero2", timeout=900)
-    assert "3 layouts equal one process" in out, out
-    out = pp_check(8, "2x2,4x1,2x1", "gpt", "async", "4", "adam", 20, "zero1", timeout=900)
-    assert "3 layouts equal one process" in out, out
+    1e-12 (the gpt-tiny: every kind of layer split); meshes with --zero 2 with Adam, and
+    asynchronous (PipeDream-2BW's rule in the one process too) with --zero 1. The slow
+    grid adds the mlp and more meshes; --zero 1 with zb on all seven: the slow test
+    below."""
+    out = pp_check(8, LAYOUTS_3D, models, "1f1b", "4", "sgd", 20, timeout=900)
+    assert f"{7 * len(models.split(','))} layouts equal one process" in out, out
+    out = pp_check(8, zero2_meshes, "gpt", "1f1b", "4", "adam", 20, "zero2", timeout=900)
+    assert f"{len(zero2_meshes.split(','))} layouts equal one process" in out, out
+    out = pp_check(8, async_meshes, "gpt", "async", "4", "adam", 20, "zero1", timeout=900)
+    assert f"{len(async_meshes.split(','))} layouts equal one process" in out, out
 
 
 @pytest.mark.slow

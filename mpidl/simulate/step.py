@@ -286,24 +286,28 @@ def traffic(step, per_node=1, ranks=None, seg_bytes=None):
         return server_traffic(step, ranks)
     seg_bytes = segment_bytes() if seg_bytes is None else seg_bytes
     topo = col.Topology(p, per_node)
-    out = {}
-    for r in (range(p) if ranks is None else ranks):
-        table = _empty_table()
-        for c in step.calls:
-            row = table[c.kind]
-            row[0] += 1
-            if c.nbytes() == 0 or p == 1:  # (a group of one sends nothing, asks MPI nothing)
-                continue
-            if c.algorithm == "mpi":
-                row[3] += 1
-                continue
-            m, b = col.count(c.kind, c.algorithm, r, topo, c.size, c.itemsize, seg_bytes)
-            row[1] += m
-            row[2] += b
-        summary = {kind: dict(zip(FIELDS, v)) for kind, v in table.items()}
-        summary["total"] = {f: sum(summary[k][f] for k in KINDS) for f in FIELDS}
-        out[r] = summary
-    return out
+    return {r: calls_traffic(step.calls, r, topo, seg_bytes)
+            for r in (range(p) if ranks is None else ranks)}
+
+
+def calls_traffic(calls, rank, topo, seg_bytes):
+    """``{kind: {calls, messages, bytes, native_calls}, "total": ...}``: what rank
+    ``rank`` of a group on ``topo`` counts for ``calls``."""
+    table = _empty_table()
+    for c in calls:
+        row = table[c.kind]
+        row[0] += 1
+        if c.nbytes() == 0 or topo.p == 1:  # (a group of one sends nothing, asks MPI nothing)
+            continue
+        if c.algorithm == "mpi":
+            row[3] += 1
+            continue
+        m, b = col.count(c.kind, c.algorithm, rank, topo, c.size, c.itemsize, seg_bytes)
+        row[1] += m
+        row[2] += b
+    summary = {kind: dict(zip(FIELDS, v)) for kind, v in table.items()}
+    summary["total"] = {f: sum(summary[k][f] for k in KINDS) for f in FIELDS}
+    return summary
 
 
 def call_time(c, links, seg_bytes):

@@ -29,7 +29,7 @@ from mpidl.comm import auto
 from mpidl.comm.counters import FIELDS, KINDS
 
 from . import collectives as col
-from .step import Call, Compute, _dtype_name, resolve, segment_bytes
+from .step import Call, Compute, _dtype_name, calls_traffic, resolve, segment_bytes
 from .step import layout as group_layout
 from .step import step_time as group_time
 from .step import traffic as group_traffic
@@ -133,20 +133,7 @@ def traffic(step, per_node=1, ranks=None, seg_bytes=None):
     out = {}
     for r in (range(step.p) if ranks is None else ranks):
         i, j = groups_of(r, step.degree)
-        table = {kind: [0, 0, 0, 0] for kind in KINDS}
-        for c in step.pieces[j].calls * step.micro:
-            row = table[c.kind]
-            row[0] += 1
-            if c.nbytes() == 0:
-                continue
-            if c.algorithm == "mpi":
-                row[3] += 1
-                continue
-            m, b = col.count(c.kind, c.algorithm, j, tp_topo, c.size, c.itemsize, seg_bytes)
-            row[1] += m
-            row[2] += b
-        tp = {kind: dict(zip(FIELDS, v)) for kind, v in table.items()}
-        tp["total"] = {f: sum(tp[k][f] for k in KINDS) for f in FIELDS}
+        tp = calls_traffic(step.pieces[j].calls * step.micro, j, tp_topo, seg_bytes)
         dp = group_traffic(step.dp[j], dp_topo.per_node, ranks=[i], seg_bytes=seg_bytes)[i]
         summary = {k: {f: tp[k][f] + dp[k][f] for f in FIELDS} for k in (*KINDS, "total")}
         summary["groups"] = {"tp": tp, "dp": dp}
