@@ -30,8 +30,6 @@ a sync step.
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from mpidl.comm.counters import FIELDS, KINDS
 from mpidl.ps.protocol import message_bytes, params_header, push_header
 from mpidl.ps.sharding import shard_parameters
@@ -86,8 +84,10 @@ def pushed_arrays(grads):
 
 
 def layout(named_params, p, servers, pushes):
-    """``(messages, ShardLayout)`` of one step on ``p`` ranks of which the first
-    ``servers`` serve (module doc)."""
+    """``(StepLayout, ShardLayout)`` of one step on ``p`` ranks of which the first
+    ``servers`` serve: the layout's ``messages`` (module doc)."""
+    from mpidl.backend import to_numpy  # noqa: PLC0415
+
     from .step import StepLayout  # noqa: PLC0415
 
     named_params = list(named_params)
@@ -109,7 +109,7 @@ def layout(named_params, p, servers, pushes):
             tensors.append((name, "sparse" if len(sent) == 2 else "dense", None, len(sent)))
             arrays += sent
         push = message_bytes(push_header(step, known, pushes.lr, tensors), arrays)
-        values = [np.asarray(params[n].data) for n in names]
+        values = [to_numpy(params[n].data) for n in names]
         answer = message_bytes(params_header(after, list(names)), values)
         for w in workers:
             out.messages += [Message(w, s, n, "push") for n in push]
