@@ -22,7 +22,8 @@ compressor on made-up gradients; for ``topk``, ``threshold`` and ``dgc``, whose 
 size depends on the values (delta-packed indices), each rank's real frame sizes are
 recorded during the counted step and given to it), ``ps-MODE[-S]`` (``--strategy ps
 --mode MODE --servers S``: point-to-point pushes and answers; algorithms and buckets do
-not apply). Models: ``mlp``, ``gpt``, ``cnn``.
+not apply), ``tpT`` (``--tensor-parallel T``: the tp and dp groups' counters, group by
+group). Models: ``mlp``, ``gpt``, ``cnn``.
 
 Any failure raises; ``python -m mpi4py`` turns it into MPI_Abort for all ranks.
 Usage: mpiexec -n N python -m mpi4py tests/ranks/simulate_check.py ALGS BUCKETS [MODELS
