@@ -23,7 +23,8 @@ SCRIPT = os.path.join(HERE, "ranks", "comm_groups.py")
     pytest.param(4, ["--dp", "2", "--tp", "2", "--grid", "full"],
                  marks=pytest.mark.mpi_matrix_extra),
     (8, ["--dp", "2", "--tp", "4", "--grid", "full"]),
-    (8, ["--dp", "4", "--tp", "2", "--order", "tp,dp,pp"]),
+    pytest.param(8, ["--dp", "4", "--tp", "2", "--order", "tp,dp,pp"],
+                 marks=pytest.mark.slow),
 ], ids=["2x2-full-grid", "2x4-full-grid", "4x2-tp-outer"])
 def test_mesh_groups(n, args):
     """``--grid full``: comm_equivalence.py's whole grid and non-blocking section on

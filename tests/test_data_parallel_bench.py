@@ -34,6 +34,7 @@ def test_timeline_summary_counts_overlap_with_backward(tmp_path):
     assert abs(s["hidden"] - 0.5) < 1e-12
 
 
+@pytest.mark.slow  # (a benchmark script's run, like tests/test_bench_scripts.py's)
 def test_scaling_bench_runs_and_writes_json_png_and_timeline(tmp_path):
     out = tmp_path / "scaling.json"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "scaling.py"), "--ranks", "1", "2",

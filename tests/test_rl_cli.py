@@ -90,6 +90,7 @@ def test_an_actor_that_dies_ends_the_job_with_its_traceback(algo):
     assert "InjectedFailure: actor rank 3: failure injected before round 2" in out.output
 
 
+@pytest.mark.slow  # (a benchmark script's run, like tests/test_bench_scripts.py's)
 def test_bench_script_writes_curves_and_plot(tmp_path):
     import subprocess
 
