@@ -52,8 +52,9 @@ def register(subparsers):
     base = train.register(holder)  # mpidl train's flags, declared once
     p = subparsers.add_parser(
         "simulate", parents=[base], conflict_handler="resolve",
-        help="predict messages, bytes and time per step of a data-parallel or "
-        "parameter-server run (ZeRO, model averaging, mixed precision, compression)",
+        help="predict messages, bytes and time per step of a data-parallel, "
+        "parameter-server or tensor-parallel run (ZeRO, model averaging, mixed precision, "
+        "compression)",
         description="Predict what mpidl train with the same arguments would send and how "
         "long its steps would take on a described machine, for one or many rank counts: "
         "messages and bytes per rank per step (exactly what the communicator's counters "
@@ -62,7 +63,8 @@ def register(subparsers):
         "measure this machine's alpha, beta, reduction speed and per-layer compute "
         "instead and write them to --machine FILE. Data parallelism (--strategy "
         "allreduce), with --zero, --sync local-sgd|diloco, --precision, --compression and "
-        "--sync-bn; the parameter server (--strategy ps, --servers, --mode).",
+        "--sync-bn; the parameter server (--strategy ps, --servers, --mode); tensor "
+        "parallelism with data parallelism (--tensor-parallel).",
         epilog="examples:\n"
         "  mpiexec -n 2 mpidl simulate --calibrate --model mlp --machine here.json\n"
         "  mpidl simulate --model mlp --machine here.json --ranks 2 --algorithm ring\n"
