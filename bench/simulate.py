@@ -42,11 +42,12 @@ Scale (writes bench/results/simulate_scale.json + .png): ``mpidl simulate --rank
 bench/machines/gpu_cluster.json (8 GPUs per node, 200 Gbit/s between nodes), under each
 modelled strategy (``STRATEGIES``: the ring, hierarchical and recursive-doubling
 all-reduce, ZeRO 3, DiLoCo every 32 steps, the parameter server with a node of 8
-servers, tensor parallelism over 4 ranks of a node with data parallelism across), with the rank count where the predicted efficiency falls below 50 %. No
-compressor: the model times a compressor's own work on the machine it runs on (this
-CPU), which says nothing of a GPU cluster's. The mlp's and the cnn's compute is what mpidl measured on an H100; gpt-tiny's was
-not measured there, so it stands in: the mlp's measured seconds per sample scaled by
-the ratio of their training FLOPs (``gpt_pace``).
+servers, tensor parallelism over 4 ranks of a node with data parallelism across), with
+the rank count where the predicted efficiency falls below 50 %. No compressor: the model
+times a compressor's own work on the machine it runs on (this CPU), which says nothing
+of a GPU cluster's. The mlp's and the cnn's compute is what mpidl measured on an H100;
+gpt-tiny's was not measured there, so it stands in: the mlp's measured seconds per
+sample scaled by the ratio of their training FLOPs (``gpt_pace``).
 """
 
 import argparse

@@ -240,13 +240,17 @@ def prepare(args, world):
         from mpidl.runtime.tensor_parallel import TensorParallel  # noqa: PLC0415
 
         TensorParallel(degree).check(model)
-        cfg.make_model = lambda: build_model_and_optimizer(
-            cfg, dataset, steps=planned_steps(cfg, dataset, max(ranks)))[0]
 
     if args.calibrate:
         return lambda: calibrate_job(args, cfg, world, model, optimizer, dataset)
     lr = getattr(optimizer, "lr", None)
-    return lambda: predict_job(args, cfg, world, model, dataset, machine, ranks, lr)
+
+    def make_model():  # (tensor parallelism cuts fresh models)
+        return build_model_and_optimizer(cfg, dataset,
+                                         steps=planned_steps(cfg, dataset, max(ranks)))[0]
+
+    return lambda: predict_job(args, cfg, world, model, dataset, machine, ranks, lr,
+                               make_model)
 
 
 def _overlap(cfg):
@@ -316,9 +320,10 @@ def compute_of(args, cfg, model, machine):
                    "none given: communication only")
 
 
-def predict(args, cfg, model, dataset, machine, ranks, lr=None):
+def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None):
     """The prediction as a dict (what --json prints). ``lr``: the optimizer's (the
-    parameter server's pushes carry it)."""
+    parameter server's pushes carry it); ``make_model``: builds the model afresh (tensor
+    parallelism cuts one per tp rank)."""
     from mpidl.data.loader import BatchLoader  # noqa: PLC0415
     from mpidl.runtime.sync.fused import check_bucket_mb  # noqa: PLC0415
     from mpidl.runtime.sync.rowsparse import check_sparse_mode, sparse_param_names  # noqa
@@ -341,7 +346,7 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None):
     shape = layout_options(cfg, model, accumulate, grads)
     pushes = server_pushes(cfg, model, dataset, accumulate, lr)
     degree = cfg.tensor_parallel or 1
-    pieces = tensor_pieces(cfg, dataset, degree) if degree > 1 else None
+    pieces = tensor_pieces(cfg, model, dataset, degree, make_model) if degree > 1 else None
     base = None
     out = []
     for p in sorted(set(ranks) | {1}):
@@ -357,14 +362,15 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None):
             counted = tensor.traffic(lay, per_node,
                                      ranks=None if p <= MAX_PER_RANK else [0, p - 1],
                                      seg_bytes=seg)
-        else:
-            if pushes is not None and p > 1:
-                from mpidl.simulate import server  # noqa: PLC0415
+        elif pushes is not None and p > 1:
+            from mpidl.simulate import server  # noqa: PLC0415
 
-                lay, _ = server.layout(named, p, int(cfg.servers or 1), pushes)
-            else:
-                lay = st.layout(named, p, algorithm, bucket_mb, sparse,
-                                {n: [r] * p for n, r in rows.items()}, **shape)
+            lay, _ = server.layout(named, p, int(cfg.servers or 1), pushes)
+            t = server.step_time(lay, compute, cfg.batch_size, accumulate, links)
+            counted = server.traffic(lay, ranks=None if p <= MAX_PER_RANK else [0, p - 1])
+        else:
+            lay = st.layout(named, p, algorithm, bucket_mb, sparse,
+                            {n: [r] * p for n, r in rows.items()}, **shape)
             t = st.step_time(lay, compute, cfg.batch_size, accumulate, links, overlap, seg)
             counted = st.traffic(lay, topo.per_node,
                                  ranks=None if p <= MAX_PER_RANK else [0, p - 1],
@@ -443,7 +449,7 @@ def layout_options(cfg, model, accumulate, grads=None):
     return out
 
 
-def tensor_pieces(cfg, dataset, degree):
+def tensor_pieces(cfg, model, dataset, degree, make_model):
     """``--tensor-parallel T``: ``mpidl.simulate.tensor.pieces_of`` for a micro-batch of the
     training set (its shape sets the all-reduces; its ids, the rows)."""
     import numpy as np  # noqa: PLC0415
@@ -452,10 +458,9 @@ def tensor_pieces(cfg, dataset, degree):
     from mpidl.simulate import tensor  # noqa: PLC0415
     from mpidl.training.tasks import task_for  # noqa: PLC0415
 
-    probe = cfg.make_model()
     x, idx = draw_batch(dataset, np.random.default_rng(cfg.seed), cfg.batch_size,
-                        _param_dtype(probe))
-    return tensor.pieces_of(cfg.make_model, degree, (x, to_device(dataset.train_y[idx])),
+                        _param_dtype(model))
+    return tensor.pieces_of(make_model, degree, (x, to_device(dataset.train_y[idx])),
                             task_for(dataset).loss)
 
 
@@ -576,8 +581,8 @@ def plot(result, path):
     plt.close(fig)
 
 
-def predict_job(args, cfg, world, model, dataset, machine, ranks, lr=None):
-    result = predict(args, cfg, model, dataset, machine, ranks, lr)
+def predict_job(args, cfg, world, model, dataset, machine, ranks, lr=None, make_model=None):
+    result = predict(args, cfg, model, dataset, machine, ranks, lr, make_model)
     if world.rank == 0:
         if args.plot:
             plot(result, args.plot)

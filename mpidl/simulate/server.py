@@ -28,7 +28,7 @@ a message on average half a poll interval late (the waits sleep between probes, 
 a sync step.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mpidl.comm.counters import FIELDS, KINDS
 from mpidl.ps.protocol import message_bytes, params_header, push_header
@@ -59,6 +59,22 @@ class Pushes:
     poll_s: float = 1e-3
 
 
+@dataclass
+class ServerStep:
+    """One step of ``p`` ranks, the first ``servers`` serving: its point-to-point
+    ``messages``, the bytes of each server's shard, the waits' poll interval."""
+
+    p: int
+    servers: int
+    messages: list = field(default_factory=list)
+    shard_bytes: tuple = ()
+    poll_s: float = 0.0
+    dense_bytes: int = 0
+    what: str = ""
+    every: int = 1
+    calls: tuple = ()  # (no collectives: --json's list of them stays empty)
+
+
 def updates_per_step(mode, workers, wait=0):
     """The server versions one step makes under ``mode`` (``Pushes``)."""
     if mode in ("async", "ssp"):
@@ -84,11 +100,9 @@ def pushed_arrays(grads):
 
 
 def layout(named_params, p, servers, pushes):
-    """``(StepLayout, ShardLayout)`` of one step on ``p`` ranks of which the first
-    ``servers`` serve: the layout's ``messages`` (module doc)."""
+    """``(ServerStep, ShardLayout)`` of one step on ``p`` ranks of which the first
+    ``servers`` serve (module doc)."""
     from mpidl.backend import to_numpy  # noqa: PLC0415
-
-    from .step import StepLayout  # noqa: PLC0415
 
     named_params = list(named_params)
     shards = shard_parameters(named_params, servers)
@@ -98,8 +112,8 @@ def layout(named_params, p, servers, pushes):
     per_step = updates_per_step(pushes.mode, p - servers, pushes.wait)
     known = int(round(step * per_step))  # (the version a worker holds)
     after = int(round((step + 1) * per_step))
-    out = StepLayout(p, what=f"parameter server ({servers} server(s), {p - servers} "
-                     "worker(s))")
+    out = ServerStep(p, servers, shard_bytes=shards.nbytes, poll_s=float(pushes.poll_s),
+                     what=f"parameter server ({servers} server(s), {p - servers} worker(s))")
     for s, names in enumerate(shards.names):
         tensors, arrays = [], []
         for name in names:
@@ -116,14 +130,13 @@ def layout(named_params, p, servers, pushes):
         for w in workers:
             out.messages += [Message(s, w, n, "answer") for n in answer]
         out.dense_bytes += sum(push[1:])
-    out.servers, out.shard_bytes = servers, shards.nbytes
-    out.poll_s = float(pushes.poll_s)
     return out, shards
 
 
 def traffic(step, ranks=None):
     """``{rank: {kind: {calls, messages, bytes, native_calls}, "total": ...}}`` of the
-    step's messages (``step.traffic``'s form: only ``p2p`` is non-zero)."""
+    step's messages (``step.traffic``'s form: only ``p2p`` is non-zero; the ranks'
+    placement does not change what a message counts)."""
     ranks = range(step.p) if ranks is None else ranks
     want = set(ranks)
     p2p = {r: [0, 0, 0, 0] for r in ranks}
@@ -142,6 +155,20 @@ def traffic(step, ranks=None):
         summary["total"] = dict(summary["p2p"])
         out[r] = summary
     return out
+
+
+def step_time(step, compute, batch, accumulate, links):
+    """Predicted seconds of one step (``step.step_time``'s keys): the workers' passes,
+    then the exchange (``exchange_time``), and the slowest worker's lead lost."""
+    from .step import slowest_of  # noqa: PLC0415
+
+    compute_s = accumulate * (compute.forward(batch) + compute.backward(batch))
+    skew = compute.cv * compute_s * slowest_of(step.p - step.servers)
+    comm = exchange_time(step, links, compute.update_s)
+    return {"forward": accumulate * compute.forward(batch),
+            "backward": accumulate * compute.backward(batch), "comm": comm,
+            "exposed_comm": comm, "update": 0.0, "compression": 0.0, "skew": skew,
+            "total": compute_s + comm + skew}
 
 
 def exchange_time(step, links, update_s):

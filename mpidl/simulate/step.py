@@ -94,12 +94,7 @@ class StepLayout:
     overlap: bool = True
     update_share: float = 1.0
     what: str = "data parallelism"
-    # the parameter server (``server.py``): its point-to-point messages, the servers
-    # (ranks 0 .. servers-1) and the bytes of each one's shard
-    messages: list = field(default_factory=list)
-    servers: int = 0
-    shard_bytes: tuple = ()
-    poll_s: float = 0.0
+    servers: int = 0  # (ranks that do not train: none here; ``server.ServerStep`` has some)
 
 
 def segment_bytes():
@@ -280,10 +275,6 @@ def traffic(step, per_node=1, ranks=None, seg_bytes=None):
     communicator's counters show on each rank after the step (``ranks``: which ranks,
     default all)."""
     p = step.p
-    if step.servers:
-        from .server import traffic as server_traffic  # noqa: PLC0415
-
-        return server_traffic(step, ranks)
     seg_bytes = segment_bytes() if seg_bytes is None else seg_bytes
     topo = col.Topology(p, per_node)
     return {r: calls_traffic(step.calls, r, topo, seg_bytes)
@@ -397,15 +388,6 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None,
     bwd = bwd0 + in_pass["backward-bn"] + extra[1]
     before = passes(fwd, "forward-gather") + passes(bwd, "backward-gather") - bwd
     buckets = by["backward"]
-    if step.servers:  # the parameter server: push, the servers' update, answers
-        from .server import exchange_time  # noqa: PLC0415
-
-        skew = compute.cv * accumulate * (fwd0 + bwd0) * slowest_of(step.p - step.servers)
-        comm = exchange_time(step, links, compute.update_s)
-        compute_s = accumulate * (fwd0 + bwd0)
-        return {"forward": accumulate * fwd0, "backward": accumulate * bwd0, "comm": comm,
-                "exposed_comm": comm, "update": 0.0, "compression": 0.0, "skew": skew,
-                "total": compute_s + comm + skew}
     if overlap and step.overlap and buckets:
         ready = {}
         t = before

@@ -253,7 +253,7 @@ def check_ps(kind, how):
     arrays = ps_model.pushed_arrays({n: q.grad for n, q in probe.named_parameters()})
     step, _ = ps_model.layout(make(kind).named_parameters(), p, servers,
                               ps_model.Pushes(arrays, lr=0.01, step=1, mode=mode))
-    predicted = traffic(step, ranks=[rank])[rank]
+    predicted = ps_model.traffic(step, ranks=[rank])[rank]
     if counted is not None and predicted != counted:
         diff = {k: (predicted[k], counted[k]) for k in counted if predicted.get(k) != counted[k]}
         raise AssertionError(f"rank {rank} of {p}, {kind} {how}: predicted != counted {diff}")
