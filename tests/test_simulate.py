@@ -7,8 +7,8 @@
   segments of 64 KiB (several per chunk), odd p, nodes of 2 ranks for the hierarchical
   all-reduce; ZeRO stages 1-3, model averaging (local SGD, DiLoCo) and mixed precision's
   2-byte buckets, compression, ``--sync-bn``; the parameter server in every mode, with
-  one to three servers. A representative slice here; the grid for p = 2, 3, 4, 8 is
-  ``slow``.
+  one to three servers; tensor parallelism and pipeline parallelism (every schedule),
+  group by group. A representative slice here; the grid for p = 2, 3, 4, 8 is ``slow``.
 * the command: ``--json`` is one object whose ``bytes_per_step`` is what the epoch
   line's ``bytes_sent_per_step`` reports for the ring; ``--ranks 1-4096`` is fast;
   ``--calibrate`` writes a machine file the next run reads.
@@ -63,6 +63,8 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (4, "ring", "4", "mlp,gpt", "ps-sync,ps-async,ps-backup-2", None),
     (4, "ring,auto", "0.001,4", "mlp,gpt", "tp2", 2),
     (3, "recursive_doubling,mpi", "4", "mlp", "tp3", None),
+    (4, "ring,hierarchical", "0.001,4", "mlp,gpt", "pp2,pp4-zb-4,pp2-async-2", 2),
+    (3, "tree,auto", "0.001", "mlp,gpt", "pp3-gpipe-3,pp3-interleaved:2-3", None),
 ])
 def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts, per_node):
     """ZeRO stages 1-3 (reduce-scatter or all-reduce per bucket, all-gathers of shards
@@ -72,7 +74,9 @@ def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts
     statistics all-reduced in every pass), the parameter server (``ps-MODE[-S]``:
     each worker's pushes and each server's answers, pickled headers included) and tensor
     parallelism (``tpT``: the tp group's all-reduces in the passes, the dp group's buckets
-    of the slices; uneven at T = 3), counted exactly, group by group."""
+    of the slices; uneven at T = 3) and pipeline parallelism (``ppP-SCHEDULE-M``: each
+    stage's sends and receives of activations and gradients, walking the schedule, and
+    its dp group's buckets of its layers), counted exactly, group by group."""
     check_ranks(n, algs, buckets, models, per_node=per_node, layouts=layouts)
 
 
@@ -90,6 +94,12 @@ def test_other_layouts_grid(n):
                 "mlp", layouts=tp, timeout=2400)
     if n % 2 == 0:
         check_ranks(n, ALL, "0.001,4", "gpt", layouts="tp2", timeout=2400)
+    pp = {2: "pp2,pp2-gpipe-3,pp2-interleaved:2-4,pp2-zb-4,pp2-async-1",
+          3: "pp3,pp3-gpipe-1,pp3-interleaved:2-3,pp3-zb-3,pp3-async-2",
+          4: "pp2,pp4-1f1b-4,pp2-interleaved:2-4,pp4-zb-5,pp2-async-3",
+          8: "pp2,pp4-1f1b-4,pp4-gpipe-2,pp2-interleaved:3-4,pp4-zb-4,pp4-async-3"}[n]
+    check_ranks(n, ALL.replace(",hierarchical", "") if n == 3 else ALL, "0.001,4",
+                "mlp,gpt", layouts=pp, timeout=2400)
 
 
 @pytest.mark.slow
@@ -155,6 +165,34 @@ def test_json_of_tensor_parallelism():
         groups[g]["total"]["bytes"] for g in ("tp", "dp"))
     assert row["steps_per_epoch"] == -(-512 // (out["batch_size"] * 2 * 2))
     assert 0 < row["efficiency"] <= 1
+
+
+def test_json_of_pipeline_parallelism():
+    """--pipeline-stages 2 with 4 micro-batches on 4 ranks, the ring: each stage sends one
+    message per micro-batch to the other (activations forward, gradients back) and
+    receives one; its dp group 2 (D - 1)/D of its layers' parameters; the cut is the
+    runtime's over the costs given; one process is the efficiency's baseline (a rank's
+    share of the samples: 1/P of a replica's)."""
+    from mpidl.engine.models import build_model
+    from mpidl.runtime.pipeline import partition
+
+    costs = "1,1,1,1,1,1"
+    out = json_of(simulate("--model", "mlp", "--pipeline-stages", "2", "--micro-batches",
+                           "4", "--algorithm", "ring", "--ranks", "1,2,3,4",
+                           "--stage-costs", costs, "--limit-train", "512",
+                           "--compute-s-per-sample", "1e-4", "--json").check())
+    assert [r["ranks"] for r in out["predictions"]] == [2, 4]
+    row = out["predictions"][-1]
+    cut = row["pipeline"]
+    assert cut["bounds"] == partition([1.0] * 6, 2) and cut["stage_messages"] == [4, 4]
+    model = build_model("mlp")
+    first = [q for n, q in model.named_parameters() if int(n.split(".")[0]) < cut["bounds"][1]]
+    groups = row["counters"]["groups"]
+    assert groups["pp"]["p2p"] == {"calls": 8, "messages": 4,
+                                   "bytes": 4 * cut["boundary_bytes"][0], "native_calls": 0}
+    assert groups["dp"]["allreduce"]["bytes"] == sum(q.data.nbytes for q in first)
+    assert row["steps_per_epoch"] == -(-512 // (out["batch_size"] * 4 * 2))
+    assert 0 < row["efficiency"] <= 1 and 0 < cut["bubble"] < 1
 
 
 def test_json_of_the_parameter_server():
@@ -251,7 +289,15 @@ def test_calibrate_then_predict(tmp_path):
     (["--strategy", "ps", "--servers", "2", "--ranks", "2"], ["--servers", "3 ranks"]),
     (["--strategy", "ps", "--staleness", "2"], ["--staleness applies to --mode ssp"]),
     (["--algorithm", "shared"], ["--algorithm shared is not modelled yet"]),
-    (["--pipeline-stages", "2"], ["--pipeline-stages 2 is not modelled yet"]),
+    (["--pipeline-stages", "2", "--tensor-parallel", "2", "--ranks", "4"],
+     ["--pipeline-stages with --tensor-parallel (3-D parallelism) is not modelled yet"]),
+    (["--pipeline-stages", "2", "--zero", "1", "--ranks", "4"],
+     ["--zero 1 with --pipeline-stages is not modelled yet"]),
+    (["--pipeline-stages", "4", "--ranks", "2,6"], ["--pipeline-stages 4 divides none"]),
+    (["--pipeline-stages", "8", "--ranks", "8"], ["needs at least 8 top-level layers"]),
+    (["--pipeline-stages", "2", "--stage-costs", "1,2"], ["--stage-costs", "6 costs"]),
+    (["--pipeline-stages", "4", "--schedule", "async", "--micro-batches", "2", "--ranks",
+      "4"], ["--micro-batches M >= 3"]),
     (["--tensor-parallel", "2", "--zero", "1", "--ranks", "4"],
      ["--zero 1 with --tensor-parallel is not modelled yet"]),
     (["--tensor-parallel", "3", "--ranks", "4"], ["--tensor-parallel 3 divides none"]),

@@ -18,10 +18,11 @@ local-sgd|diloco``, the steps after its warm-up), mixed precision's 2-byte bucke
 a real gradient), and ``--sync-bn``; the parameter server (``--strategy ps``,
 ``--servers``, every ``--mode``: its pushes and answers, ``mpidl.simulate.server``);
 tensor parallelism with data parallelism (``--tensor-parallel T``,
-``mpidl.simulate.tensor``). Other strategies, the parameter server's worker groups,
-dealt portions and compression, tensor parallelism combined with more than data
-parallelism, and pipeline parallelism are refused with one line until they are
-modelled.
+``mpidl.simulate.tensor``); pipeline parallelism with data parallelism
+(``--pipeline-stages P``, every ``--schedule``, ``mpidl.simulate.pipeline``). Other
+strategies, the parameter server's worker groups, dealt portions and compression, and
+tensor or pipeline parallelism combined with more than data parallelism are refused
+with one line until they are modelled.
 """
 
 import argparse
@@ -39,6 +40,10 @@ MODELLED = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
 #: ... of which --tensor-parallel combines with these only (the rest is refused)
 MODELLED_TP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
                "sparse_grads", "tensor_parallel")
+#: ... and --pipeline-stages with these only
+MODELLED_PP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
+               "sparse_grads", "pipeline_stages", "pipeline_schedule", "stage_costs",
+               "recompute", "emulate_compute")
 #: ... and under --strategy ps (the servers' settings; the rest is refused)
 MODELLED_PS = ("accumulate", "micro_batches", "servers", "mode", "staleness", "wait",
                "staleness_aware_lr", "epoch_quorum", "trace", "poll_max_ms")
@@ -53,8 +58,8 @@ def register(subparsers):
     p = subparsers.add_parser(
         "simulate", parents=[base], conflict_handler="resolve",
         help="predict messages, bytes and time per step of a data-parallel, "
-        "parameter-server or tensor-parallel run (ZeRO, model averaging, mixed precision, "
-        "compression)",
+        "parameter-server, tensor- or pipeline-parallel run (ZeRO, model averaging, mixed "
+        "precision, compression)",
         description="Predict what mpidl train with the same arguments would send and how "
         "long its steps would take on a described machine, for one or many rank counts: "
         "messages and bytes per rank per step (exactly what the communicator's counters "
@@ -64,7 +69,8 @@ def register(subparsers):
         "instead and write them to --machine FILE. Data parallelism (--strategy "
         "allreduce), with --zero, --sync local-sgd|diloco, --precision, --compression and "
         "--sync-bn; the parameter server (--strategy ps, --servers, --mode); tensor "
-        "parallelism with data parallelism (--tensor-parallel).",
+        "parallelism (--tensor-parallel) or pipeline parallelism (--pipeline-stages, "
+        "--schedule, --micro-batches, --stage-costs) with data parallelism.",
         epilog="examples:\n"
         "  mpiexec -n 2 mpidl simulate --calibrate --model mlp --machine here.json\n"
         "  mpidl simulate --model mlp --machine here.json --ranks 2 --algorithm ring\n"
@@ -108,18 +114,24 @@ def _refuse_unmodelled(cfg):
         raise ConfigError(f"mpidl simulate: --strategy {strategy} is not modelled yet "
                           "(modelled: allreduce, ps)")
     modelled = MODELLED if strategy == "allreduce" else MODELLED_PS
-    if (cfg.tensor_parallel or 1) > 1:
-        modelled = MODELLED_TP
+    stages, degree = cfg.pipeline_stages or 1, cfg.tensor_parallel or 1
+    if stages > 1 and degree > 1:
+        raise ConfigError("mpidl simulate: --pipeline-stages with --tensor-parallel (3-D "
+                          "parallelism) is not modelled yet (each is, with data parallelism)")
+    split = None
+    if strategy == "allreduce" and degree > 1:
+        modelled, split = MODELLED_TP, "--tensor-parallel"
+    elif strategy == "allreduce" and stages > 1:
+        modelled, split = MODELLED_PP, "--pipeline-stages"
     for name, value in strategy_kwargs(cfg).items():
         if name == "group_size" and value in (None, 1):
             continue
-        if modelled is MODELLED_TP and name not in modelled and value not in (
+        if split and name not in modelled and value not in (
                 None, False, "none", "allreduce", "fp32", 0):
             flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"mpidl simulate: {flag} {value} with --tensor-parallel is not "
-                              "modelled yet (tensor parallelism with data parallelism's "
-                              "buckets: " + ", ".join("--" + m.replace("_", "-")
-                                                      for m in MODELLED_TP) + ")")
+            raise ConfigError(f"mpidl simulate: {flag} {value} with {split} is not modelled "
+                              "yet (with data parallelism's buckets: "
+                              + ", ".join("--" + m.replace("_", "-") for m in modelled) + ")")
         if name not in modelled and value not in (None, False, "none", "allreduce", "fp32"):
             if strategy == "ps":
                 flag = "--" + name.replace("_", "-")
@@ -135,8 +147,8 @@ def _refuse_unmodelled(cfg):
                               f"{', '.join('--' + m.replace('_', '-') for m in MODELLED)})")
     from mpidl.runtime import build  # noqa: PLC0415
 
-    if strategy == "allreduce" and (cfg.tensor_parallel or 1) == 1:
-        # (ps, tensor parallelism: checked for the rank counts, in prepare)
+    if strategy == "allreduce" and degree == 1 and stages == 1:
+        # (ps, tensor and pipeline parallelism: checked for the rank counts, in prepare)
         build(strategy, None, **strategy_kwargs(cfg))  # mpidl train's refusals, word for word
     return strategy
 
@@ -216,6 +228,12 @@ def prepare(args, world):
             raise ConfigError(f"--ranks {args.ranks}: --tensor-parallel {degree} divides none "
                               "of these rank counts; give multiples of it")
         ranks = [p for p in ranks if p % degree == 0]
+    stages = cfg.pipeline_stages or 1
+    if stages > 1:  # (rank counts it does not divide are left out)
+        if not any(p % stages == 0 for p in ranks):
+            raise ConfigError(f"--ranks {args.ranks}: --pipeline-stages {stages} divides none "
+                              "of these rank counts; give multiples of it")
+        ranks = [p for p in ranks if p % stages == 0]
     if strategy == "ps":  # (rank counts without a worker are left out)
         from mpidl.runtime.sync.pushpull import check_servers, mode_config  # noqa: PLC0415
 
@@ -240,6 +258,8 @@ def prepare(args, world):
         from mpidl.runtime.tensor_parallel import TensorParallel  # noqa: PLC0415
 
         TensorParallel(degree).check(model)
+    if stages > 1:  # ... and the pipeline's (the schedule, too few layers, tied weights)
+        pipeline_of(cfg).check(model)
 
     if args.calibrate:
         return lambda: calibrate_job(args, cfg, world, model, optimizer, dataset)
@@ -347,6 +367,7 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
     pushes = server_pushes(cfg, model, dataset, accumulate, lr)
     degree = cfg.tensor_parallel or 1
     pieces = tensor_pieces(cfg, model, dataset, degree, make_model) if degree > 1 else None
+    stages = cfg.pipeline_stages or 1
     base = None
     out = []
     for p in sorted(set(ranks) | {1}):
@@ -362,6 +383,16 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
             counted = tensor.traffic(lay, per_node,
                                      ranks=None if p <= MAX_PER_RANK else [0, p - 1],
                                      seg_bytes=seg)
+        elif stages > 1 and p > 1:
+            from mpidl.simulate import pipeline  # noqa: PLC0415
+
+            lay = pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb,
+                                sparse, rows)
+            t = pipeline.step_time(lay, compute, cfg.batch_size, machine, per_node,
+                                   recompute=bool(cfg.recompute), seg_bytes=seg)
+            counted = pipeline.traffic(lay, per_node,
+                                       ranks=None if p <= MAX_PER_RANK else [0, p - 1],
+                                       seg_bytes=seg)
         elif pushes is not None and p > 1:
             from mpidl.simulate import server  # noqa: PLC0415
 
@@ -381,7 +412,7 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
                 continue
         msgs = [c["total"]["messages"] for c in counted.values()]
         nbytes = [c["total"]["bytes"] for c in counted.values()]
-        shards = (p - lay.servers) // (degree if p > 1 else 1)  # (the data's shares)
+        shards = (p - lay.servers) // (degree * stages if p > 1 else 1)  # (data shares)
         steps = BatchLoader(dataset.train_x, dataset.train_y, cfg.batch_size * accumulate,
                             shard=(0, shards), drop_last=cfg.drop_last).steps_per_epoch
         every = lay.every
@@ -398,6 +429,12 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
             row["tp_calls"] = [{"kind": c.kind, "name": c.name, "algorithm": c.algorithm,
                                 "bytes": c.nbytes(), "phase": c.phase}
                                for c in lay.pieces[0].calls]
+        if stages > 1 and p > 1:
+            row["pipeline"] = {"bounds": lay.bounds, "cost": lay.cost_source,
+                               "bubble": t["bubble"],
+                               "stage_messages": [sum(1 for m in lay.messages if m.src == s)
+                                                  for s in range(stages)],
+                               "boundary_bytes": lay.boundary_bytes}
         if p <= MAX_PER_RANK:
             row["per_rank"] = {"messages": msgs, "bytes": nbytes}
             row["counters"] = counted[0]
@@ -447,6 +484,35 @@ def layout_options(cfg, model, accumulate, grads=None):
     if (cfg.precision or "fp32") != "fp32":
         out["wire"] = Wire(cfg.precision).dtype
     return out
+
+
+def pipeline_of(cfg):
+    """The runtime's ``Pipeline`` for the run's pipeline flags (its plan built: one line
+    for a schedule that cannot run)."""
+    from mpidl.runtime.pipeline import Pipeline  # noqa: PLC0415
+
+    micro = max(getattr(cfg, "accumulate", 1) or 1, cfg.micro_batches or 1)
+    return Pipeline(cfg.pipeline_stages, cfg.pipeline_schedule or "1f1b", micro,
+                    stage_costs=cfg.stage_costs)
+
+
+def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse, rows):
+    """``--pipeline-stages P``: ``mpidl.simulate.pipeline.layout`` for ``p`` ranks, cut by
+    the costs the run would balance (``pipeline.stage_costs``: the machine's measured
+    compute per layer by default) and messages of a training micro-batch's shape."""
+    import numpy as np  # noqa: PLC0415
+
+    from mpidl.simulate import pipeline  # noqa: PLC0415
+
+    plan = pipeline_of(cfg).plan
+    measured = [f + b for f, b in compute.layers.values()]
+    costs, source = pipeline.stage_costs(cfg.stage_costs, len(model.layers),
+                                         measured if any(measured) else None)
+    x, _ = draw_batch(dataset, np.random.default_rng(cfg.seed), cfg.batch_size,
+                      _param_dtype(model))
+    d = p // plan.P
+    return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, sparse,
+                           {n: [r] * d for n, r in rows.items()}, cost_source=source)
 
 
 def tensor_pieces(cfg, model, dataset, degree, make_model):
@@ -512,6 +578,11 @@ def describe_layout(cfg):
 
     if (cfg.tensor_parallel or 1) > 1:
         return f"tensor parallelism {cfg.tensor_parallel} x data parallelism"
+    if (cfg.pipeline_stages or 1) > 1:
+        M = max(getattr(cfg, "accumulate", 1) or 1, cfg.micro_batches or 1)
+        return (f"pipeline {cfg.pipeline_stages} stages ({cfg.pipeline_schedule or '1f1b'}, "
+                f"{M} micro-batches{', recomputing' if cfg.recompute else ''}) x data "
+                "parallelism")
     if ALIASES.get(cfg.strategy, cfg.strategy) == "ps":
         return (f"parameter server ({cfg.mode or 'sync'}, {cfg.servers or 1} server(s); "
                 "headers as at step 1)")

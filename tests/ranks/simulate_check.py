@@ -23,7 +23,8 @@ size depends on the values (delta-packed indices), each rank's real frame sizes 
 recorded during the counted step and given to it), ``ps-MODE[-S]`` (``--strategy ps
 --mode MODE --servers S``: point-to-point pushes and answers; algorithms and buckets do
 not apply), ``tpT`` (``--tensor-parallel T``: the tp and dp groups' counters, group by
-group). Models: ``mlp``, ``gpt``, ``cnn``.
+group), ``ppP[-SCHEDULE[-M]]`` (``--pipeline-stages P --schedule SCHEDULE
+--micro-batches M``, default 1f1b and 2: the pipeline and dp groups' counters). Models: ``mlp``, ``gpt``, ``cnn``.
 
 Any failure raises; ``python -m mpi4py`` turns it into MPI_Abort for all ranks.
 Usage: mpiexec -n N python -m mpi4py tests/ranks/simulate_check.py ALGS BUCKETS [MODELS
@@ -312,6 +313,64 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
               flush=True)
 
 
+def check_pp(kind, algorithm, bucket_mb, how, per_node):
+    """``ppP[-SCHEDULE[-M]]``: ``--pipeline-stages P --schedule SCHEDULE --micro-batches
+    M`` (default 1f1b, 2) with data parallelism over p / P, the stages cut one cost per
+    layer: each rank's pipeline group's and dp group's counters over a step must equal
+    ``mpidl.simulate.pipeline``'s layout for this rank, group by group."""
+    from mpidl.simulate import pipeline
+
+    parts = how[2:].split("-")
+    P = int(parts[0])
+    schedule = parts[1] if len(parts) > 1 else "1f1b"
+    M = int(parts[2]) if len(parts) > 2 else 2
+    tables = gathers_by(algorithm)
+    comm = Communicator(MPI.COMM_WORLD, _tables=tables)
+    p, rank = comm.size, comm.rank
+    model = make(kind)
+    opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
+    rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb,
+               pipeline_stages=P, pipeline_schedule=schedule, micro_batches=M,
+               stage_costs="layers")
+    rt.setup(model, opt, loss_of(kind))
+    i = rt.shard()[0]  # (a replica's stages share its data)
+
+    def step_batch(step):
+        xs, ys = zip(*(batch(kind, 10 * step + k, i) for k in range(M)))
+        return np.concatenate(xs), np.concatenate(ys)
+
+    rt.train_step(*step_batch(0))
+    rt.mesh.reset_counters()
+    x, y = step_batch(1)
+    rt.train_step(x, y)
+    counted = rt.mesh.counters()
+    whole = make(kind)
+    sparse = sorted(sparse_param_names(whole))
+    mine = touched_rows(whole, sparse, x)
+    everyone = MPI.COMM_WORLD.allgather((rank, i, mine))
+    d = p // P
+    rows = {n: [next(r[n] for _, ii, r in everyone if ii == k) for k in range(d)]
+            for n in sparse}
+    plan = pipeline.plan_of(P, schedule, M)
+    step = pipeline.layout(whole, p, plan, [1.0] * len(whole.layers), x[:B], algorithm,
+                           bucket_mb, sparse, rows, tables=tables)
+    assert step.bounds == rt.pp.bounds, (step.bounds, rt.pp.bounds)
+    predicted = pipeline.traffic(step, per_node, ranks=[rank])[rank]["groups"]
+    for group in ("pp", "dp"):
+        want, got = predicted[group], counted[group]
+        if want != got:
+            diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
+            raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket "
+                                 f"{bucket_mb}: {group} group predicted != counted {diff}")
+    rt.mesh.close()
+    comm.close()
+    totals = MPI.COMM_WORLD.gather(sum(counted[g]["total"]["bytes"] for g in ("pp", "dp")),
+                                   root=0)
+    if rank == 0:
+        print(f"exact p={p} {kind} {how} {algorithm} bucket {bucket_mb} MiB: "
+              f"{len(step.messages)} stage messages, bytes per rank {totals}", flush=True)
+
+
 def loss_of(kind):
     return TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy()
 
@@ -331,10 +390,13 @@ def main():
                 check_ps(kind, how)
                 i += 1
                 continue
-            if how.startswith("tp"):
+            if how.startswith(("tp", "pp")):
                 for alg in algs:
                     for mb in buckets:
-                        check_tp(kind, alg, mb, ("on", "off")[i % 2], how, per_node)
+                        if how.startswith("pp"):
+                            check_pp(kind, alg, mb, how, per_node)
+                        else:
+                            check_tp(kind, alg, mb, ("on", "off")[i % 2], how, per_node)
                         i += 1
                 continue
             if how in ("bf16", "fp16", "c-fp16") and kind == "gpt":
