@@ -65,6 +65,7 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (3, "recursive_doubling,mpi", "4", "mlp", "tp3", None),
     (4, "ring,hierarchical", "0.001,4", "mlp,gpt", "pp2,pp4-zb-4,pp2-async-2", 2),
     (3, "tree,auto", "0.001", "mlp,gpt", "pp3-gpipe-3,pp3-interleaved:2-3", None),
+    (3, "ring,recursive_doubling", "0.001,4", "cnn", "hybrid,hybrid+syncbn", None),
 ])
 def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts, per_node):
     """ZeRO stages 1-3 (reduce-scatter or all-reduce per bucket, all-gathers of shards
@@ -76,7 +77,9 @@ def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts
     parallelism (``tpT``: the tp group's all-reduces in the passes, the dp group's buckets
     of the slices; uneven at T = 3) and pipeline parallelism (``ppP-SCHEDULE-M``: each
     stage's sends and receives of activations and gradients, walking the schedule, and
-    its dp group's buckets of its layers), counted exactly, group by group."""
+    its dp group's buckets of its layers) and the conv-DP/FC-MP hybrid (``hybrid``: the
+    boundary's all-gathers and reduce-scatter, the FC block's all-reduces, the
+    convolutions' buckets; uneven FC slices at p = 3), counted exactly, group by group."""
     check_ranks(n, algs, buckets, models, per_node=per_node, layouts=layouts)
 
 
@@ -100,6 +103,8 @@ def test_other_layouts_grid(n):
           8: "pp2,pp4-1f1b-4,pp4-gpipe-2,pp2-interleaved:3-4,pp4-zb-4,pp4-async-3"}[n]
     check_ranks(n, ALL.replace(",hierarchical", "") if n == 3 else ALL, "0.001,4",
                 "mlp,gpt", layouts=pp, timeout=2400)
+    check_ranks(n, ALL.replace(",hierarchical", "") if n == 3 else ALL, "0.001,4", "cnn",
+                layouts="hybrid,hybrid+syncbn", timeout=2400)
 
 
 @pytest.mark.slow
@@ -193,6 +198,32 @@ def test_json_of_pipeline_parallelism():
     assert groups["dp"]["allreduce"]["bytes"] == sum(q.data.nbytes for q in first)
     assert row["steps_per_epoch"] == -(-512 // (out["batch_size"] * 4 * 2))
     assert 0 < row["efficiency"] <= 1 and 0 < cut["bubble"] < 1
+
+
+def test_json_of_the_hybrid():
+    """--hybrid conv-dp-fc-mp on the cnn, the ring: a rank's bytes per step are the
+    runtime's own formula (``Hybrid.bytes_per_step``, what its start line prints) at
+    every rank count, even and uneven FC slices alike."""
+    from mpidl.data import load_dataset
+    from mpidl.engine.models import build_model
+    from mpidl.runtime.hybrid import Hybrid, buckets_bytes
+    from mpidl.simulate.tensor import RecordingGroup
+
+    out = json_of(simulate("--model", "cnn", "--hybrid", "conv-dp-fc-mp", "--algorithm",
+                           "ring", "--ranks", "2,3,4", "--batch-size", "8", "--limit-train",
+                           "512", "--json").check())
+    assert out["layout"] == "hybrid conv-dp-fc-mp"
+    label_bytes = load_dataset("fashion-mnist", None, 512, 64).train_y.itemsize
+    for row in out["predictions"]:
+        p = row["ranks"]
+        model = build_model("cnn")
+        part = Hybrid(p, "ring")
+        part.setup(model, RecordingGroup(0, p, None))
+        part._label_itemsize = lambda: label_bytes
+        conv = sum(q.data.size for n, q in model.named_parameters() if not part.in_fc(n))
+        want = [buckets_bytes([(conv, 4)], p, r) + sum(part._fc_terms([8] * p, r).values())
+                for r in range(p)]  # (the convolutions fit one 4 MiB bucket)
+        assert row["per_rank"]["bytes"] == want, (p, row["per_rank"]["bytes"], want)
 
 
 def test_json_of_the_parameter_server():
@@ -301,6 +332,11 @@ def test_calibrate_then_predict(tmp_path):
     (["--tensor-parallel", "2", "--zero", "1", "--ranks", "4"],
      ["--zero 1 with --tensor-parallel is not modelled yet"]),
     (["--tensor-parallel", "3", "--ranks", "4"], ["--tensor-parallel 3 divides none"]),
+    (["--hybrid", "conv-dp-fc-mp", "--ranks", "2"], ["no convolution before its first"]),
+    (["--model", "cnn", "--hybrid", "conv-dp-fc-mp", "--ranks", "2,256"],
+     ["on 256 ranks", "128 output features"]),
+    (["--model", "cnn", "--hybrid", "conv-dp-fc-mp", "--zero", "1", "--ranks", "2"],
+     ["--hybrid conv-dp-fc-mp with --zero 1"]),
     (["--model", "gpt-tiny", "--dataset", "text", "--heads", "2", "--width", "32",
       "--tensor-parallel", "4", "--ranks", "4"], ["2 attention heads, fewer than the 4"]),
     (["--zero", "2", "--precision", "bf16"], ["--precision bf16 cannot be used with --zero 2"]),

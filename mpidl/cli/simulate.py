@@ -19,7 +19,8 @@ a real gradient), and ``--sync-bn``; the parameter server (``--strategy ps``,
 ``--servers``, every ``--mode``: its pushes and answers, ``mpidl.simulate.server``);
 tensor parallelism with data parallelism (``--tensor-parallel T``,
 ``mpidl.simulate.tensor``); pipeline parallelism with data parallelism
-(``--pipeline-stages P``, every ``--schedule``, ``mpidl.simulate.pipeline``). Other
+(``--pipeline-stages P``, every ``--schedule``, ``mpidl.simulate.pipeline``); the
+conv-DP/FC-MP hybrid (``--hybrid conv-dp-fc-mp``, ``mpidl.simulate.hybrid``). Other
 strategies, the parameter server's worker groups, dealt portions and compression, and
 tensor or pipeline parallelism combined with more than data parallelism are refused
 with one line until they are modelled.
@@ -36,7 +37,7 @@ from mpidl.errors import ConfigError, UserError
 MODELLED = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
             "sparse_grads", "zero", "sync", "period", "warmup_steps", "outer_lr",
             "outer_momentum", "precision", "loss_scale", "loss_scale_window",
-            "compression", "ratio", "sync_bn", "tensor_parallel")
+            "compression", "ratio", "sync_bn", "tensor_parallel", "hybrid")
 #: ... of which --tensor-parallel combines with these only (the rest is refused)
 MODELLED_TP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
                "sparse_grads", "tensor_parallel")
@@ -70,7 +71,8 @@ def register(subparsers):
         "allreduce), with --zero, --sync local-sgd|diloco, --precision, --compression and "
         "--sync-bn; the parameter server (--strategy ps, --servers, --mode); tensor "
         "parallelism (--tensor-parallel) or pipeline parallelism (--pipeline-stages, "
-        "--schedule, --micro-batches, --stage-costs) with data parallelism.",
+        "--schedule, --micro-batches, --stage-costs) with data parallelism; the "
+        "conv-DP/FC-MP hybrid (--hybrid).",
         epilog="examples:\n"
         "  mpiexec -n 2 mpidl simulate --calibrate --model mlp --machine here.json\n"
         "  mpidl simulate --model mlp --machine here.json --ranks 2 --algorithm ring\n"
@@ -260,6 +262,12 @@ def prepare(args, world):
         TensorParallel(degree).check(model)
     if stages > 1:  # ... and the pipeline's (the schedule, too few layers, tied weights)
         pipeline_of(cfg).check(model)
+    if cfg.hybrid:  # ... and the hybrid's (no conv->FC boundary, FC narrower than p)
+        from mpidl.runtime.hybrid import Hybrid  # noqa: PLC0415
+
+        for p in ranks:
+            if p > 1:
+                Hybrid(p).check(model)
 
     if args.calibrate:
         return lambda: calibrate_job(args, cfg, world, model, optimizer, dataset)
@@ -381,6 +389,14 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
             t = tensor.step_time(lay, compute, cfg.batch_size, accumulate, machine, per_node,
                                  overlap, seg)
             counted = tensor.traffic(lay, per_node,
+                                     ranks=None if p <= MAX_PER_RANK else [0, p - 1],
+                                     seg_bytes=seg)
+        elif cfg.hybrid and p > 1:
+            lay = hybrid_step(cfg, dataset, p, algorithm, bucket_mb, accumulate, make_model)
+            from mpidl.simulate import hybrid  # noqa: PLC0415
+
+            t = hybrid.step_time(lay, compute, cfg.batch_size, accumulate, links, overlap, seg)
+            counted = hybrid.traffic(lay, per_node,
                                      ranks=None if p <= MAX_PER_RANK else [0, p - 1],
                                      seg_bytes=seg)
         elif stages > 1 and p > 1:
@@ -515,6 +531,23 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
                            {n: [r] * d for n, r in rows.items()}, cost_source=source)
 
 
+def hybrid_step(cfg, dataset, p, algorithm, bucket_mb, accumulate, make_model):
+    """``--hybrid conv-dp-fc-mp``: ``mpidl.simulate.hybrid.layout`` for ``p`` ranks, each
+    with a micro-batch of the training set's shape."""
+    import numpy as np  # noqa: PLC0415
+
+    from mpidl.backend import to_device  # noqa: PLC0415
+    from mpidl.simulate import hybrid  # noqa: PLC0415
+    from mpidl.training.tasks import task_for  # noqa: PLC0415
+
+    model = make_model()
+    x, idx = draw_batch(dataset, np.random.default_rng(cfg.seed), cfg.batch_size,
+                        _param_dtype(model))
+    return hybrid.layout(make_model, p, x, to_device(dataset.train_y[idx]),
+                         task_for(dataset).loss, algorithm, bucket_mb, accumulate,
+                         sync_bn=bool(getattr(cfg, "sync_bn", False)))
+
+
 def tensor_pieces(cfg, model, dataset, degree, make_model):
     """``--tensor-parallel T``: ``mpidl.simulate.tensor.pieces_of`` for a micro-batch of the
     training set (its shape sets the all-reduces; its ids, the rows)."""
@@ -578,6 +611,9 @@ def describe_layout(cfg):
 
     if (cfg.tensor_parallel or 1) > 1:
         return f"tensor parallelism {cfg.tensor_parallel} x data parallelism"
+    if cfg.hybrid:
+        return ("hybrid conv-dp-fc-mp" + (", synchronized BatchNorm"
+                                          if getattr(cfg, "sync_bn", False) else ""))
     if (cfg.pipeline_stages or 1) > 1:
         M = max(getattr(cfg, "accumulate", 1) or 1, cfg.micro_batches or 1)
         return (f"pipeline {cfg.pipeline_stages} stages ({cfg.pipeline_schedule or '1f1b'}, "

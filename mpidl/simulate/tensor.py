@@ -37,7 +37,11 @@ from .step import traffic as group_traffic
 
 class RecordingGroup:
     """Stands in for the tp group while the cut model runs one micro-batch: records each
-    all-reduce (``calls``: ``Call`` with ``phase`` the pass it is in), sums nothing."""
+    collective (``calls``: ``Call`` with ``phase`` the pass it is in), sums nothing. Its
+    all-gathers hand back ``size`` copies of this rank's part (every rank alike: only
+    shapes matter), its reduce-scatters this rank's share of the input, unsummed; each
+    call's algorithm as the communicator resolves it (``Communicator._resolve`` on the
+    sizes it would see)."""
 
     def __init__(self, rank, size, selector):
         self.rank, self.size = rank, size
@@ -50,6 +54,28 @@ class RecordingGroup:
         self.calls.append(Call("allreduce", name or "tp", alg, int(x.size), x.itemsize,
                                _dtype_name(x.dtype), phase=self.phase))
         return x if out is None else out
+
+    def allgatherv(self, x, algorithm="auto", name=None):
+        from mpidl.backend import array_module  # noqa: PLC0415
+
+        counts = [int(x.size)] * self.size
+        alg = resolve(self.selector, "allgatherv", algorithm or "auto",
+                      sum(counts) * x.itemsize // self.size, x.dtype)
+        self.calls.append(Call("allgatherv", name or "tp", alg, counts, x.itemsize,
+                               _dtype_name(x.dtype), phase=self.phase))
+        xp = array_module(x)
+        return xp.concatenate([x.reshape(-1)] * self.size), counts
+
+    def reduce_scatter(self, x, out=None, op="sum", algorithm="auto", name=None,
+                       counts=None):
+        from mpidl.comm.layout import even_split  # noqa: PLC0415
+
+        alg = resolve(self.selector, "reduce_scatter", algorithm or "auto", x.nbytes, x.dtype)
+        self.calls.append(Call("reduce_scatter", name or "tp", alg, int(x.size), x.itemsize,
+                               _dtype_name(x.dtype), phase=self.phase))
+        counts = list(counts) if counts is not None else even_split(x.size, self.size)[0]
+        lo = sum(counts[:self.rank])
+        return x.reshape(-1)[lo:lo + counts[self.rank]]
 
 
 @dataclass

@@ -24,7 +24,9 @@ recorded during the counted step and given to it), ``ps-MODE[-S]`` (``--strategy
 --mode MODE --servers S``: point-to-point pushes and answers; algorithms and buckets do
 not apply), ``tpT`` (``--tensor-parallel T``: the tp and dp groups' counters, group by
 group), ``ppP[-SCHEDULE[-M]]`` (``--pipeline-stages P --schedule SCHEDULE
---micro-batches M``, default 1f1b and 2: the pipeline and dp groups' counters). Models: ``mlp``, ``gpt``, ``cnn``.
+--micro-batches M``, default 1f1b and 2: the pipeline and dp groups' counters),
+``hybrid`` and ``hybrid+syncbn`` (``--hybrid conv-dp-fc-mp``, the cnn: the boundary's
+gathers, the FC block's all-reduces and the convolutions' buckets on the one group). Models: ``mlp``, ``gpt``, ``cnn``.
 
 Any failure raises; ``python -m mpi4py`` turns it into MPI_Abort for all ranks.
 Usage: mpiexec -n N python -m mpi4py tests/ranks/simulate_check.py ALGS BUCKETS [MODELS
@@ -371,6 +373,42 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
               f"{len(step.messages)} stage messages, bytes per rank {totals}", flush=True)
 
 
+def check_hybrid(kind, algorithm, bucket_mb, overlap, how, per_node):
+    """``hybrid`` (``--hybrid conv-dp-fc-mp``; ``hybrid+syncbn`` with ``--sync-bn``): the
+    group's counters over a step must equal ``mpidl.simulate.hybrid``'s layout for this
+    rank (every rank trains on as many rows)."""
+    from mpidl.simulate import hybrid
+
+    sync_bn = how.endswith("+syncbn")
+    tables = gathers_by(algorithm)
+    comm = Communicator(MPI.COMM_WORLD, _tables=tables)
+    p, rank = comm.size, comm.rank
+    model = make(kind)
+    opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
+    rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
+               hybrid="conv-dp-fc-mp", sync_bn=sync_bn)
+    rt.setup(model, opt, loss_of(kind))
+    rt.train_step(*batch(kind, 0, rank))
+    rt.group.reset_counters()
+    x, y = batch(kind, 1, rank)
+    rt.train_step(x, y)
+    counted = rt.group.counters()
+    step = hybrid.layout(lambda: make(kind), p, x, y, loss_of(kind), algorithm, bucket_mb,
+                         sync_bn=sync_bn, tables=tables, rank=rank)
+    predicted = hybrid.traffic(step, per_node, ranks=[rank])[rank]
+    if predicted != counted:
+        diff = {k: (predicted[k], counted[k]) for k in counted if predicted.get(k) != counted[k]}
+        raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket "
+                             f"{bucket_mb} overlap {overlap}: predicted != counted {diff}; "
+                             f"calls {[(c.kind, c.name, c.algorithm, c.size) for c in step.fc_calls]}")
+    comm.close()
+    totals = MPI.COMM_WORLD.gather(counted["total"]["bytes"], root=0)
+    if rank == 0:
+        print(f"exact p={p} {kind} {how} {algorithm} bucket {bucket_mb} MiB: "
+              f"{len(step.fc_calls)} boundary/FC calls per micro-batch, {counted['total']['calls']} "
+              f"calls, bytes per rank {totals}", flush=True)
+
+
 def loss_of(kind):
     return TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy()
 
@@ -389,6 +427,12 @@ def main():
             if how.startswith("ps-"):  # (no algorithm or bucket: point-to-point)
                 check_ps(kind, how)
                 i += 1
+                continue
+            if how.startswith("hybrid"):
+                for alg in algs:
+                    for mb in buckets:
+                        check_hybrid(kind, alg, mb, ("on", "off")[i % 2], how, per_node)
+                        i += 1
                 continue
             if how.startswith(("tp", "pp")):
                 for alg in algs:
