@@ -66,6 +66,7 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (4, "ring,hierarchical", "0.001,4", "mlp,gpt", "pp2,pp4-zb-4,pp2-async-2", 2),
     (3, "tree,auto", "0.001", "mlp,gpt", "pp3-gpipe-3,pp3-interleaved:2-3", None),
     (3, "ring,recursive_doubling", "0.001,4", "cnn", "hybrid,hybrid+syncbn", None),
+    (3, "ring,recursive_doubling", "0.001,4", "gpt,mlp", "parallax-sync,parallax-async", None),
 ])
 def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts, per_node):
     """ZeRO stages 1-3 (reduce-scatter or all-reduce per bucket, all-gathers of shards
@@ -79,7 +80,9 @@ def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts
     stage's sends and receives of activations and gradients, walking the schedule, and
     its dp group's buckets of its layers) and the conv-DP/FC-MP hybrid (``hybrid``: the
     boundary's all-gathers and reduce-scatter, the FC block's all-reduces, the
-    convolutions' buckets; uneven FC slices at p = 3), counted exactly, group by group."""
+    convolutions' buckets; uneven FC slices at p = 3) and Parallax (``parallax-MODE``:
+    gpt-tiny's Embedding, or the mlp's biases, pushed to the servers as coalesced rows or
+    whole, the rest all-reduced among the trainers), counted exactly, group by group."""
     check_ranks(n, algs, buckets, models, per_node=per_node, layouts=layouts)
 
 
@@ -105,6 +108,10 @@ def test_other_layouts_grid(n):
                 "mlp,gpt", layouts=pp, timeout=2400)
     check_ranks(n, ALL.replace(",hierarchical", "") if n == 3 else ALL, "0.001,4", "cnn",
                 layouts="hybrid,hybrid+syncbn", timeout=2400)
+    parallax = "parallax-sync,parallax-async,parallax-ssp" + (",parallax-sync-2"
+                                                              if n > 3 else "")
+    check_ranks(n, ALL.replace(",hierarchical", ""), "0.001,4", "gpt,mlp", layouts=parallax,
+                timeout=2400)
 
 
 @pytest.mark.slow
@@ -226,6 +233,28 @@ def test_json_of_the_hybrid():
         assert row["per_rank"]["bytes"] == want, (p, row["per_rank"]["bytes"], want)
 
 
+def test_json_of_parallax():
+    """--sparse-sync ps with the mlp's biases on 1 server (--ps-params), 3 trainers, the
+    ring: a trainer pushes a header and every bias and all-reduces the weights among the
+    trainers (2 (D - 1)/D of them); the server answers each trainer with a header and
+    the biases."""
+    from mpidl.engine.models import build_model
+
+    out = json_of(simulate("--model", "mlp", "--sparse-sync", "ps", "--ps-params", "*.bias",
+                           "--algorithm", "ring", "--ranks", "4", "--limit-train", "512",
+                           "--json").check())
+    assert out["layout"].startswith("Parallax (1 server(s) hold *.bias")
+    params = build_model("mlp").named_parameters()
+    biases = sum(q.data.nbytes for n, q in params if n.endswith(".bias"))
+    weights = sum(q.data.nbytes for n, q in params if n.endswith(".weight"))
+    row = out["predictions"][0]
+    msgs, nbytes = row["per_rank"]["messages"], row["per_rank"]["bytes"]
+    assert msgs[0] == 3 * 4 and 0 < nbytes[0] - 3 * biases < 3 * 200  # (pickled headers)
+    for b in nbytes[1:]:  # (+ a pickled header; the ring's uneven chunks: a few bytes)
+        assert 0 < b - biases - weights * 4 / 3 < 300, (b, biases, weights)
+    assert row["steps_per_epoch"] == -(-512 // (out["batch_size"] * 3))
+
+
 def test_json_of_the_parameter_server():
     """--strategy ps: a worker sends every gradient once (one header per server), a
     server its shard to every worker; the servers (sharded largest first) hold every
@@ -332,6 +361,11 @@ def test_calibrate_then_predict(tmp_path):
     (["--tensor-parallel", "2", "--zero", "1", "--ranks", "4"],
      ["--zero 1 with --tensor-parallel is not modelled yet"]),
     (["--tensor-parallel", "3", "--ranks", "4"], ["--tensor-parallel 3 divides none"]),
+    (["--sparse-sync", "ps", "--ranks", "3"], ["no parameter with row-sparse gradients"]),
+    (["--sparse-sync", "ps", "--ps-params", "*.bias", "--zero", "1", "--ranks", "3"],
+     ["--sparse-sync ps cannot be used with --zero 1"]),
+    (["--sparse-sync", "ps", "--ps-params", "*.bias", "--servers", "2", "--ranks", "2"],
+     ["--servers", "3 ranks"]),
     (["--hybrid", "conv-dp-fc-mp", "--ranks", "2"], ["no convolution before its first"]),
     (["--model", "cnn", "--hybrid", "conv-dp-fc-mp", "--ranks", "2,256"],
      ["on 256 ranks", "128 output features"]),

@@ -20,7 +20,8 @@ a real gradient), and ``--sync-bn``; the parameter server (``--strategy ps``,
 tensor parallelism with data parallelism (``--tensor-parallel T``,
 ``mpidl.simulate.tensor``); pipeline parallelism with data parallelism
 (``--pipeline-stages P``, every ``--schedule``, ``mpidl.simulate.pipeline``); the
-conv-DP/FC-MP hybrid (``--hybrid conv-dp-fc-mp``, ``mpidl.simulate.hybrid``). Other
+conv-DP/FC-MP hybrid (``--hybrid conv-dp-fc-mp``, ``mpidl.simulate.hybrid``); Parallax
+(``--sparse-sync ps``, ``mpidl.simulate.parallax``). Other
 strategies, the parameter server's worker groups, dealt portions and compression, and
 tensor or pipeline parallelism combined with more than data parallelism are refused
 with one line until they are modelled.
@@ -38,6 +39,9 @@ MODELLED = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
             "sparse_grads", "zero", "sync", "period", "warmup_steps", "outer_lr",
             "outer_momentum", "precision", "loss_scale", "loss_scale_window",
             "compression", "ratio", "sync_bn", "tensor_parallel", "hybrid")
+#: ... and with --sparse-sync ps (Parallax) these too
+MODELLED_PARALLAX = ("sparse_sync", "ps_params", "servers", "mode", "staleness", "wait",
+                     "staleness_aware_lr", "trace", "poll_max_ms")
 #: ... of which --tensor-parallel combines with these only (the rest is refused)
 MODELLED_TP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
                "sparse_grads", "tensor_parallel")
@@ -72,7 +76,7 @@ def register(subparsers):
         "--sync-bn; the parameter server (--strategy ps, --servers, --mode); tensor "
         "parallelism (--tensor-parallel) or pipeline parallelism (--pipeline-stages, "
         "--schedule, --micro-batches, --stage-costs) with data parallelism; the "
-        "conv-DP/FC-MP hybrid (--hybrid).",
+        "conv-DP/FC-MP hybrid (--hybrid); Parallax (--sparse-sync ps).",
         epilog="examples:\n"
         "  mpiexec -n 2 mpidl simulate --calibrate --model mlp --machine here.json\n"
         "  mpidl simulate --model mlp --machine here.json --ranks 2 --algorithm ring\n"
@@ -116,6 +120,8 @@ def _refuse_unmodelled(cfg):
         raise ConfigError(f"mpidl simulate: --strategy {strategy} is not modelled yet "
                           "(modelled: allreduce, ps)")
     modelled = MODELLED if strategy == "allreduce" else MODELLED_PS
+    if strategy == "allreduce" and getattr(cfg, "sparse_sync", None) == "ps":
+        modelled = MODELLED + MODELLED_PARALLAX
     stages, degree = cfg.pipeline_stages or 1, cfg.tensor_parallel or 1
     if stages > 1 and degree > 1:
         raise ConfigError("mpidl simulate: --pipeline-stages with --tensor-parallel (3-D "
@@ -149,7 +155,12 @@ def _refuse_unmodelled(cfg):
                               f"{', '.join('--' + m.replace('_', '-') for m in MODELLED)})")
     from mpidl.runtime import build  # noqa: PLC0415
 
-    if strategy == "allreduce" and degree == 1 and stages == 1:
+    if parallax_on(cfg):  # (its servers: checked for the rank counts, in prepare)
+        from mpidl.runtime.sync.parallax import check_composes  # noqa: PLC0415
+
+        check_composes(degree, stages, cfg.zero, cfg.compression, cfg.sync, cfg.precision,
+                       cfg.hybrid, cfg.epoch_quorum)
+    elif strategy == "allreduce" and degree == 1 and stages == 1:
         # (ps, tensor and pipeline parallelism: checked for the rank counts, in prepare)
         build(strategy, None, **strategy_kwargs(cfg))  # mpidl train's refusals, word for word
     return strategy
@@ -236,7 +247,7 @@ def prepare(args, world):
             raise ConfigError(f"--ranks {args.ranks}: --pipeline-stages {stages} divides none "
                               "of these rank counts; give multiples of it")
         ranks = [p for p in ranks if p % stages == 0]
-    if strategy == "ps":  # (rank counts without a worker are left out)
+    if strategy == "ps" or parallax_on(cfg):  # (rank counts without a worker are left out)
         from mpidl.runtime.sync.pushpull import check_servers, mode_config  # noqa: PLC0415
 
         servers = check_servers(cfg.servers, 1 << 30)
@@ -262,6 +273,10 @@ def prepare(args, world):
         TensorParallel(degree).check(model)
     if stages > 1:  # ... and the pipeline's (the schedule, too few layers, tied weights)
         pipeline_of(cfg).check(model)
+    if parallax_on(cfg):  # ... and Parallax's (no parameter, or every one, to serve)
+        from mpidl.runtime.sync.parallax import Split, parse_patterns  # noqa: PLC0415
+
+        Split(parse_patterns(cfg.ps_params)).check(model)
     if cfg.hybrid:  # ... and the hybrid's (no conv->FC boundary, FC narrower than p)
         from mpidl.runtime.hybrid import Hybrid  # noqa: PLC0415
 
@@ -391,6 +406,16 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
             counted = tensor.traffic(lay, per_node,
                                      ranks=None if p <= MAX_PER_RANK else [0, p - 1],
                                      seg_bytes=seg)
+        elif parallax_on(cfg) and p > 1:
+            from mpidl.simulate import parallax  # noqa: PLC0415
+
+            lay = parallax_step(cfg, model, dataset, p, algorithm, bucket_mb, accumulate, lr,
+                                sparse, rows)
+            t = parallax.step_time(lay, compute, cfg.batch_size, accumulate, machine,
+                                   per_node, overlap, seg)
+            counted = parallax.traffic(lay, per_node,
+                                       ranks=None if p <= MAX_PER_RANK else [0, p - 1],
+                                       seg_bytes=seg)
         elif cfg.hybrid and p > 1:
             lay = hybrid_step(cfg, dataset, p, algorithm, bucket_mb, accumulate, make_model)
             from mpidl.simulate import hybrid  # noqa: PLC0415
@@ -531,6 +556,38 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
                            {n: [r] * d for n, r in rows.items()}, cost_source=source)
 
 
+def parallax_on(cfg):
+    return getattr(cfg, "sparse_sync", None) == "ps"
+
+
+def parallax_step(cfg, model, dataset, p, algorithm, bucket_mb, accumulate, lr, sparse, rows):
+    """``--sparse-sync ps``: ``mpidl.simulate.parallax.layout`` for ``p`` ranks: the
+    remote parameters as ``Split`` chooses them, pushed as one batch of the training set
+    leaves their gradients (row-sparse ones coalesced, the same on every trainer: an
+    estimate, as the row gathers'); row-sparse ones left on the trainers gathered."""
+    from mpidl.runtime.sync.parallax import Split, parse_patterns  # noqa: PLC0415
+    from mpidl.runtime.sync.rowsparse import as_rows  # noqa: PLC0415
+    from mpidl.simulate import parallax, server  # noqa: PLC0415
+
+    split = Split(parse_patterns(cfg.ps_params))
+    split.bind(model)
+    grads = sample_grads(model, dataset, cfg.batch_size * accumulate, cfg.seed, dense=False)
+    named = dict(model.named_parameters())
+    mine = {}
+    for name in split.remote:
+        if name in split.rows:  # (the arrays as_rows makes of this gradient)
+            q = type("Probe", (), {"grad": grads[name], "data": named[name].data})()
+            mine[name] = as_rows(q)
+        else:
+            mine[name] = grads[name]
+    pushes = server.Pushes(server.pushed_arrays(mine), lr=lr, step=1,
+                           mode=cfg.mode or "sync", wait=int(cfg.wait or 0))
+    trainers = p - int(cfg.servers or 1)
+    kept = {n: [rows[n]] * trainers for n in sparse if n not in split.remote}
+    return parallax.layout(model.named_parameters(), p, int(cfg.servers or 1), pushes,
+                           split.remote, algorithm, bucket_mb, kept)
+
+
 def hybrid_step(cfg, dataset, p, algorithm, bucket_mb, accumulate, make_model):
     """``--hybrid conv-dp-fc-mp``: ``mpidl.simulate.hybrid.layout`` for ``p`` ranks, each
     with a micro-batch of the training set's shape."""
@@ -622,6 +679,10 @@ def describe_layout(cfg):
     if ALIASES.get(cfg.strategy, cfg.strategy) == "ps":
         return (f"parameter server ({cfg.mode or 'sync'}, {cfg.servers or 1} server(s); "
                 "headers as at step 1)")
+    if parallax_on(cfg):
+        return (f"Parallax ({cfg.servers or 1} server(s) hold "
+                + (cfg.ps_params or "the row-sparse parameters")
+                + f", {cfg.mode or 'sync'}; the rest all-reduced among the trainers)")
     parts = []
     if cfg.compression not in (None, "none"):
         parts.append(f"compression {cfg.compression}"

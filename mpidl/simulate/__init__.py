@@ -12,6 +12,7 @@
   dp group.
 - ``pipeline``: pipeline parallelism's messages between stages (walking the schedule's
   lists) and each stage's dp group.
+- ``parallax``: Parallax's pushes of the remote parameters and the trainers' buckets.
 - ``hybrid``: the conv-DP/FC-MP hybrid's boundary, FC block and convolutions' buckets.
 - ``machine``: the machine description (links, reductions, measured compute) and its file.
 - ``calibrate``: the measurements ``mpidl simulate --calibrate`` makes.

@@ -57,6 +57,8 @@ class Pushes:
     mode: str = "sync"
     wait: int = 0
     poll_s: float = 1e-3
+    by_worker: dict = None  # {worker rank: arrays} where workers push differently sized
+                            # arrays (Parallax's coalesced rows): instead of ``arrays``
 
 
 @dataclass
@@ -115,21 +117,25 @@ def layout(named_params, p, servers, pushes):
     out = ServerStep(p, servers, shard_bytes=shards.nbytes, poll_s=float(pushes.poll_s),
                      what=f"parameter server ({servers} server(s), {p - servers} worker(s))")
     for s, names in enumerate(shards.names):
-        tensors, arrays = [], []
-        for name in names:
-            sent = pushes.arrays.get(name)
-            if sent is None:
-                continue  # (no gradient: not pushed)
-            tensors.append((name, "sparse" if len(sent) == 2 else "dense", None, len(sent)))
-            arrays += sent
-        push = message_bytes(push_header(step, known, pushes.lr, tensors), arrays)
+        pushed = {}
+        for w in workers:
+            tensors, arrays = [], []
+            given = (pushes.by_worker or {}).get(w, pushes.arrays)
+            for name in names:
+                sent = given.get(name)
+                if sent is None:
+                    continue  # (no gradient: not pushed)
+                tensors.append((name, "sparse" if len(sent) == 2 else "dense", None,
+                                len(sent)))
+                arrays += sent
+            pushed[w] = message_bytes(push_header(step, known, pushes.lr, tensors), arrays)
         values = [to_numpy(params[n].data) for n in names]
         answer = message_bytes(params_header(after, list(names)), values)
         for w in workers:
-            out.messages += [Message(w, s, n, "push") for n in push]
+            out.messages += [Message(w, s, n, "push") for n in pushed[w]]
         for w in workers:
             out.messages += [Message(s, w, n, "answer") for n in answer]
-        out.dense_bytes += sum(push[1:])
+        out.dense_bytes += sum(pushed[workers[0]][1:]) if len(workers) else 0
     return out, shards
 
 

@@ -25,7 +25,9 @@ recorded during the counted step and given to it), ``ps-MODE[-S]`` (``--strategy
 not apply), ``tpT`` (``--tensor-parallel T``: the tp and dp groups' counters, group by
 group), ``ppP[-SCHEDULE[-M]]`` (``--pipeline-stages P --schedule SCHEDULE
 --micro-batches M``, default 1f1b and 2: the pipeline and dp groups' counters),
-``hybrid`` and ``hybrid+syncbn`` (``--hybrid conv-dp-fc-mp``, the cnn: the boundary's
+``parallax-MODE[-S]`` (``--sparse-sync ps``: gpt-tiny's Embeddings, or the mlp's
+biases with ``--ps-params '*.bias'``, on S servers; the rest all-reduced among the
+trainers), ``hybrid`` and ``hybrid+syncbn`` (``--hybrid conv-dp-fc-mp``, the cnn: the boundary's
 gathers, the FC block's all-reduces and the convolutions' buckets on the one group). Models: ``mlp``, ``gpt``, ``cnn``.
 
 Any failure raises; ``python -m mpi4py`` turns it into MPI_Abort for all ranks.
@@ -268,6 +270,81 @@ def check_ps(kind, how):
               f"{[t and t['bytes'] for t in totals]}", flush=True)
 
 
+def check_parallax(kind, algorithm, bucket_mb, overlap, how):
+    """``parallax-MODE[-S]``: ``--sparse-sync ps --mode MODE --servers S`` (default 1;
+    gpt-tiny: its Embeddings on the servers; the mlp: ``--ps-params '*.bias'``). Every
+    trainer's world (pushes, answers) and dp group's counters over its second step, and
+    (sync) every server's between the updates that end the first and the second step,
+    must equal ``mpidl.simulate.parallax``'s layout for that rank."""
+    from mpidl.runtime.sync.rowsparse import as_rows
+    from mpidl.simulate import parallax
+    from mpidl.simulate import server as ps_model
+
+    parts = how.split("-")
+    mode, servers = parts[1], int(parts[2]) if len(parts) > 2 else 1
+    patterns = "*.bias" if kind == "mlp" else None
+    tables = gathers_by(algorithm)
+    comm = Communicator(MPI.COMM_WORLD, _tables=tables)
+    p, rank = comm.size, comm.rank
+    model = make(kind)
+    opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
+    rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
+               sparse_sync="ps", ps_params=patterns, servers=servers, mode=mode)
+    rt.setup(model, opt, loss_of(kind))
+    together = MPI.COMM_WORLD.Split(int(rt.trains_on_data), rank)
+    counted = arrays = None
+    x, y = batch(kind, 1, rank)
+    if rt.trains_on_data:
+        rt.train_step(*batch(kind, 0, rank))
+        together.Barrier()
+        rt.comm.reset_counters()
+        rt.group.reset_counters()
+        rt.train_step(x, y)
+        counted = {"world": rt.comm.counters(), "dp": rt.group.counters()}
+        together.Barrier()
+    else:
+        marks = {}
+
+        def mark(srv):
+            if srv.version in (1, 2):
+                marks[srv.version] = rt.comm.counters()
+        rt.server.server.on_update = mark
+        rt.serve()
+        if mode == "sync":
+            counted = {"world": {k: {f: marks[2][k][f] - marks[1][k][f] for f in v}
+                                 for k, v in marks[2].items()}}
+    rt.finish()
+    together.Free()
+    remote = sorted(rt.syncs[0][1].split.remote) if rt.trains_on_data else None
+    if rt.trains_on_data:  # what this trainer pushed: one backward of its batch
+        probe = make(kind)
+        loss = loss_of(kind)
+        loss.forward(probe(x), y)
+        probe.backward(loss.backward())
+        arrays = ps_model.pushed_arrays({n: as_rows(q) if n in sparse_param_names(probe)
+                                         else q.grad for n, q in probe.named_parameters()
+                                         if n in remote})
+    everyone = MPI.COMM_WORLD.allgather((rank, remote, arrays))
+    remote = next(r for _, r, _ in everyone if r is not None)
+    by_worker = {r: a for r, _, a in everyone if a is not None}
+    pushes = ps_model.Pushes({}, lr=0.01, step=1, mode=mode, by_worker=by_worker)
+    step = parallax.layout(make(kind).named_parameters(), p, servers, pushes, remote,
+                           algorithm, bucket_mb, tables=tables)
+    predicted = parallax.traffic(step, ranks=[rank])[rank]["groups"]
+    for group, got in (counted or {}).items():
+        want = predicted[group]
+        if want != got:
+            diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
+            raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket "
+                                 f"{bucket_mb}: {group} predicted != counted {diff}")
+    comm.close()
+    totals = MPI.COMM_WORLD.gather(None if counted is None else
+                                   sum(g["total"]["bytes"] for g in counted.values()), root=0)
+    if rank == 0:
+        print(f"exact p={p} {kind} {how} {algorithm} bucket {bucket_mb} MiB: remote "
+              f"{remote}, bytes per rank {totals}", flush=True)
+
+
 def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     """``tpT``: ``--tensor-parallel T`` (data parallelism over p / T): each rank's tp
     group's and dp group's counters over a step must equal ``mpidl.simulate.tensor``'s
@@ -427,6 +504,12 @@ def main():
             if how.startswith("ps-"):  # (no algorithm or bucket: point-to-point)
                 check_ps(kind, how)
                 i += 1
+                continue
+            if how.startswith("parallax-"):
+                for alg in algs:
+                    for mb in buckets:
+                        check_parallax(kind, alg, mb, ("on", "off")[i % 2], how)
+                        i += 1
                 continue
             if how.startswith("hybrid"):
                 for alg in algs:
