@@ -61,6 +61,7 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (2, "ring", "4", "mlp,gpt", "c-fp16,c-qsgd,c-threshold", None),
     (3, "ring,auto", "4", "cnn", "syncbn,syncbn+local-sgd", None),
     (4, "ring", "4", "mlp,gpt", "ps-sync,ps-async,ps-backup-2", None),
+    (5, "ring,tree,recursive_doubling", "4", "mlp,gpt", "groups2-sync,groups4-async", None),
     (4, "ring,auto", "0.001,4", "mlp,gpt", "tp2", 2),
     (3, "recursive_doubling,mpi", "4", "mlp", "tp3", None),
     (4, "ring,hierarchical", "0.001,4", "mlp,gpt", "pp2,pp4-zb-4,pp2-async-2", 2),
@@ -74,7 +75,9 @@ def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts
     parameters per period), 2-byte mixed-precision buckets, compression (all-reduced
     or all-gathered payloads, PowerSGD's rounds), synchronized BatchNorm (the cnn's
     statistics all-reduced in every pass), the parameter server (``ps-MODE[-S]``:
-    each worker's pushes and each server's answers, pickled headers included) and tensor
+    each worker's pushes and each server's answers, pickled headers included; worker
+    groups, ``groupsG-MODE``: a group's all-reduce and broadcasts, its leader's pushes)
+    and tensor
     parallelism (``tpT``: the tp group's all-reduces in the passes, the dp group's buckets
     of the slices; uneven at T = 3) and pipeline parallelism (``ppP-SCHEDULE-M``: each
     stage's sends and receives of activations and gradients, walking the schedule, and
@@ -95,6 +98,10 @@ def test_other_layouts_grid(n):
     ps = "ps-sync,ps-async,ps-ssp,ps-backup,ps-softsync" + (",ps-sync-2,ps-async-3"
                                                             if n > 3 else "")
     check_ranks(n, "ring", "4", layouts=ps, timeout=2400)
+    groups = {3: "groups2-sync,groups2-async", 4: "groups3-sync,groups3-ssp",
+              8: "groups7-sync,groups3-sync-2"}.get(n)  # (2 ranks: one worker, no group)
+    if groups:
+        check_ranks(n, ALL, "0.001,4", layouts=groups, timeout=2400)
     tp = {2: "tp2", 3: "tp3", 4: "tp2,tp4", 8: "tp2,tp4,tp8"}[n]
     check_ranks(n, ALL.replace(",hierarchical", "") if n == 3 else ALL, "0.001,4",
                 "mlp", layouts=tp, timeout=2400)
@@ -233,6 +240,28 @@ def test_json_of_the_hybrid():
         assert row["per_rank"]["bytes"] == want, (p, row["per_rank"]["bytes"], want)
 
 
+def test_json_of_worker_groups():
+    """--strategy ps --group-size 2 on 5 ranks (1 server, 2 groups of 2), the ring: the
+    server answers the 2 leaders only; a group's ranks all-reduce every gradient alike
+    and the leader broadcasts the parameters (``auto``: MPI's own broadcast by default,
+    calls only), so a leader sends a member's bytes plus its push (every gradient and a
+    header)."""
+    from mpidl.engine.models import build_model
+
+    out = json_of(simulate("--model", "mlp", "--strategy", "ps", "--group-size", "2",
+                           "--algorithm", "ring", "--ranks", "4,5", "--limit-train", "512",
+                           "--json").check())
+    assert [r["ranks"] for r in out["predictions"]] == [5]
+    params = build_model("mlp").named_parameters()
+    dense = sum(q.data.nbytes for _, q in params)
+    row = out["predictions"][0]
+    msgs, nbytes = row["per_rank"]["messages"], row["per_rank"]["bytes"]
+    assert msgs[0] == 2 * (1 + len(params))           # the server answers 2 leaders
+    assert nbytes[2] == nbytes[4] and nbytes[1] == nbytes[3]  # leaders alike, members alike
+    assert 0 < nbytes[1] - nbytes[2] - dense < 2000   # + the push (and a header)
+    assert "worker groups of 2" in out["layout"]
+
+
 def test_json_of_parallax():
     """--sparse-sync ps with the mlp's biases on 1 server (--ps-params), 3 trainers, the
     ring: a trainer pushes a header and every bias and all-reduces the weights among the
@@ -343,8 +372,10 @@ def test_calibrate_then_predict(tmp_path):
     (["--ranks", "0"], ["--ranks '0'", "rank count >= 1"]),
     (["--algorithm", "fast"], ["--algorithm", "fast"]),
     (["--strategy", "hogwild"], ["--strategy hogwild is not modelled yet"]),
-    (["--strategy", "ps", "--group-size", "2"],
-     ["--group-size 2 with --strategy ps is not modelled yet", "--servers"]),
+    (["--strategy", "ps", "--group-size", "2", "--ranks", "2,4"],
+     ["--group-size 2 does not divide the 1 worker(s)"]),
+    (["--strategy", "ps", "--deal", "portions", "--ranks", "3"],
+     ["--deal portions with --strategy ps is not modelled yet", "--servers"]),
     (["--strategy", "ps", "--compression", "topk"], ["--compression topk with --strategy ps"]),
     (["--strategy", "ps", "--servers", "2", "--ranks", "2"], ["--servers", "3 ranks"]),
     (["--strategy", "ps", "--staleness", "2"], ["--staleness applies to --mode ssp"]),

@@ -16,15 +16,16 @@ row-sparse gathers, ZeRO (``--zero 1|2|3``), model averaging (``--sync
 local-sgd|diloco``, the steps after its warm-up), mixed precision's 2-byte buckets
 (``--precision bf16|fp16``) and compression (``--compression``, the compressor run on
 a real gradient), and ``--sync-bn``; the parameter server (``--strategy ps``,
-``--servers``, every ``--mode``: its pushes and answers, ``mpidl.simulate.server``);
+``--servers``, every ``--mode``, ``--group-size``: its pushes and answers, worker groups'
+all-reduce and broadcast, ``mpidl.simulate.server``);
 tensor parallelism with data parallelism (``--tensor-parallel T``,
 ``mpidl.simulate.tensor``); pipeline parallelism with data parallelism
 (``--pipeline-stages P``, every ``--schedule``, ``mpidl.simulate.pipeline``); the
 conv-DP/FC-MP hybrid (``--hybrid conv-dp-fc-mp``, ``mpidl.simulate.hybrid``); Parallax
 (``--sparse-sync ps``, ``mpidl.simulate.parallax``). Other
-strategies, the parameter server's worker groups, dealt portions and compression, and
-tensor or pipeline parallelism combined with more than data parallelism are refused
-with one line until they are modelled.
+strategies, the parameter server's dealt portions and compression, and tensor or
+pipeline parallelism combined with more than data parallelism are refused with one
+line until they are modelled.
 """
 
 import argparse
@@ -51,7 +52,8 @@ MODELLED_PP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches
                "recompute", "emulate_compute")
 #: ... and under --strategy ps (the servers' settings; the rest is refused)
 MODELLED_PS = ("accumulate", "micro_batches", "servers", "mode", "staleness", "wait",
-               "staleness_aware_lr", "epoch_quorum", "trace", "poll_max_ms")
+               "staleness_aware_lr", "epoch_quorum", "trace", "poll_max_ms", "group_size",
+               "algorithm", "bucket_mb", "overlap")
 MAX_PER_RANK = 1024  # per-rank lists in --json up to this many ranks
 
 
@@ -255,8 +257,16 @@ def prepare(args, world):
             raise ConfigError(f"--ranks {args.ranks}: --strategy ps with --servers {servers} "
                               f"needs at least {servers + 1} ranks (the servers and a worker)")
         ranks = [p for p in ranks if p > servers]
-        mode_config(min(ranks) - servers, cfg.mode, cfg.staleness, cfg.wait,
-                    cfg.staleness_aware_lr, cfg.epoch_quorum)
+        size = cfg.group_size or 1
+        if size > 1:  # (worker groups: rank counts whose workers they do not divide too)
+            from mpidl.runtime.sync.groups import check_group_size  # noqa: PLC0415
+
+            fits = [p for p in ranks if (p - servers) % size == 0]
+            if not fits:
+                check_group_size(size, list(range(servers, ranks[0])), servers)
+            ranks = fits
+        mode_config((min(ranks) - servers) // size, cfg.mode, cfg.staleness, cfg.wait,
+                    cfg.staleness_aware_lr, cfg.epoch_quorum)  # (the servers see groups)
     machine = machine_of(args) if not args.calibrate else None
     if args.compute_s_per_sample is not None and not 0 <= args.compute_s_per_sample < \
             float("inf"):
@@ -434,6 +444,16 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
             counted = pipeline.traffic(lay, per_node,
                                        ranks=None if p <= MAX_PER_RANK else [0, p - 1],
                                        seg_bytes=seg)
+        elif pushes is not None and p > 1 and (cfg.group_size or 1) > 1:
+            from mpidl.simulate import server  # noqa: PLC0415
+
+            lay = server.grouped_layout(named, p, int(cfg.servers or 1), cfg.group_size,
+                                        pushes, algorithm, bucket_mb)
+            t = server.grouped_step_time(lay, compute, cfg.batch_size, accumulate, machine,
+                                         per_node, overlap, seg)
+            counted = server.grouped_traffic(lay, per_node,
+                                             ranks=None if p <= MAX_PER_RANK else [0, p - 1],
+                                             seg_bytes=seg)
         elif pushes is not None and p > 1:
             from mpidl.simulate import server  # noqa: PLC0415
 
@@ -622,15 +642,16 @@ def tensor_pieces(cfg, model, dataset, degree, make_model):
 
 def server_pushes(cfg, model, dataset, accumulate, lr):
     """``--strategy ps``: what a worker's push holds (``mpidl.simulate.server.Pushes``:
-    the gradient arrays of one batch, row-sparse ones as the engine leaves them), else
-    None."""
+    the gradient arrays of one batch, row-sparse ones as the engine leaves them; a
+    worker group's leader pushes its group's mean, every gradient dense), else None."""
     from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
 
     if ALIASES.get(cfg.strategy, cfg.strategy) != "ps":
         return None
     from mpidl.simulate import server  # noqa: PLC0415
 
-    grads = sample_grads(model, dataset, cfg.batch_size * accumulate, cfg.seed, dense=False)
+    grads = sample_grads(model, dataset, cfg.batch_size * accumulate, cfg.seed,
+                         dense=(cfg.group_size or 1) > 1)
     return server.Pushes(server.pushed_arrays(grads), lr=lr, step=1, mode=cfg.mode or "sync",
                          wait=int(cfg.wait or 0))
 
@@ -677,8 +698,10 @@ def describe_layout(cfg):
                 f"{M} micro-batches{', recomputing' if cfg.recompute else ''}) x data "
                 "parallelism")
     if ALIASES.get(cfg.strategy, cfg.strategy) == "ps":
-        return (f"parameter server ({cfg.mode or 'sync'}, {cfg.servers or 1} server(s); "
-                "headers as at step 1)")
+        groups = (f", worker groups of {cfg.group_size}" if (cfg.group_size or 1) > 1
+                  else "")
+        return (f"parameter server ({cfg.mode or 'sync'}, {cfg.servers or 1} server(s)"
+                f"{groups}; headers as at step 1)")
     if parallax_on(cfg):
         return (f"Parallax ({cfg.servers or 1} server(s) hold "
                 + (cfg.ps_params or "the row-sparse parameters")

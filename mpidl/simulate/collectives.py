@@ -24,6 +24,10 @@ functions follow the modules line by line, without running them:
   leader, leaders run the ring all-reduce on each piece among themselves, then send
   every piece to every member; the all-gather gathers blocks on the leaders, passes
   node blocks round the leaders' ring and broadcasts inside the node with the tree.
+- broadcasts (from rank 0): the tree's binomial broadcast of the whole buffer; the
+  ring's and recursive doubling's binomial scatter of ``even_split``'s chunks (a rank
+  sends each child its subtree's span, when not empty) and then their all-gather; the
+  hierarchical's tree among the nodes' leaders and a tree inside each node.
 - ``mpi``: a call of MPI's own collective: counted as a call, no messages, no bytes.
 
 Time (a prediction): the alpha-beta(-gamma) model of Thakur, Rabenseifner and Gropp
@@ -51,7 +55,7 @@ from mpidl.comm.layout import displacements, even_split
 ALGORITHMS = ("ring", "tree", "recursive_doubling", "hierarchical", "mpi")
 #: the collective kinds modelled (an "allgather" is counted and timed as an all-gather of
 #: its counts: ``allgather_shards`` runs the algorithms' ``allgatherv``)
-KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv")
+KINDS = ("allreduce", "reduce_scatter", "allgather", "allgatherv", "bcast")
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,46 @@ def _tree_children(v, p):
             out += 1
         mask <<= 1
     return out
+
+
+def tree_scatter(v, counts):
+    """(messages, elements) relative rank ``v`` sends in ``tree.scatter``: each child its
+    subtree's span of blocks, when not empty."""
+    p = len(counts)
+    low = v & -v if v else 1 << max(p - 1, 0).bit_length()
+    messages = elements = 0
+    mask = 1
+    while mask < low and mask < p:
+        child = v + mask
+        if child < p:
+            span = sum(counts[child:min(child + mask, p)])
+            if span:
+                messages += 1
+                elements += span
+        mask <<= 1
+    return messages, elements
+
+
+def bcast_count(algorithm, r, topo, n, itemsize, seg):
+    """(messages, bytes) rank ``r`` sends in a broadcast of ``n`` elements from rank 0."""
+    p = topo.p
+    if p == 1 or n == 0:
+        return 0, 0
+    if algorithm == "tree":
+        kids = _tree_children(r, p)
+        return kids, kids * n * itemsize
+    if algorithm == "hierarchical":
+        by_node, leaders = _hier_groups(topo)
+        local = by_node[topo.node(r)]
+        kids = _tree_children(local.index(r), len(local))
+        if r == local[0] and len(leaders) > 1:
+            kids += _tree_children(leaders.index(r), len(leaders))
+        return kids, kids * n * itemsize
+    counts = tuple(even_split(n, p)[0])
+    m, elements = tree_scatter(r, counts)
+    gather = ring_allgatherv(r, counts, itemsize, seg) if algorithm == "ring" else \
+        rd_allgatherv(r, counts, itemsize)
+    return m + gather[0], elements * itemsize + gather[1]
 
 
 def tree_allreduce(r, p, n, itemsize, seg=None):
@@ -304,6 +348,8 @@ def count(kind, algorithm, r, topo, n_or_counts, itemsize, seg_bytes):
     if algorithm == "mpi":
         return 0, 0
     seg = max(1, seg_bytes // itemsize)
+    if kind == "bcast":
+        return bcast_count(algorithm, r, topo, n_or_counts, itemsize, seg)
     if kind == "allreduce" or (kind == "reduce_scatter" and algorithm == "hierarchical"):
         # (the hierarchical reduce-scatter is its all-reduce, each rank keeping its chunk)
         if algorithm == "hierarchical":
@@ -492,6 +538,32 @@ def time_reduce_scatter(algorithm, links, n, itemsize, seg_bytes):
     if algorithm == "hierarchical":
         return _hier_time(links, n, itemsize, seg_bytes)
     raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def time_bcast(algorithm, links, n, itemsize, seg_bytes):
+    """Predicted seconds of one broadcast of ``n`` elements from rank 0: the tree's
+    rounds of the whole buffer; the ring's and recursive doubling's scatter (halving
+    spans) and all-gather; the hierarchical's tree among the leaders, then inside the
+    nodes; MPI's own taken to be MPICH's (binomial below 12 KiB, else scatter and ring
+    all-gather)."""
+    p = links.topo.p
+    if p == 1 or n == 0:
+        return 0.0
+    nbytes = n * itemsize
+    if algorithm == "mpi":
+        algorithm = "tree" if nbytes < 12 * 1024 else "ring"
+    if algorithm == "tree":
+        return sum(links.cost(links.crosses(1 << k), nbytes) for k in range(_log2ceil(p)))
+    if algorithm == "hierarchical":
+        topo, m = links.topo, links.m
+        members = min(topo.per_node, p)
+        t = _log2ceil(members) * (m.alpha_intra + nbytes * m.beta_intra)
+        return t + _log2ceil(topo.nodes) * links.cost(True, nbytes)
+    counts = list(even_split(n, p)[0])
+    scatter = sum(links.cost(links.crosses(1 << k), nbytes / (2 << k))
+                  for k in range(_log2ceil(p)))
+    gather = time_allgatherv(algorithm, links, counts, itemsize, seg_bytes)
+    return scatter + gather
 
 
 def time_allgatherv(algorithm, links, counts, itemsize, seg_bytes):

@@ -101,17 +101,18 @@ def pushed_arrays(grads):
     return out
 
 
-def layout(named_params, p, servers, pushes):
+def layout(named_params, p, servers, pushes, workers=None):
     """``(ServerStep, ShardLayout)`` of one step on ``p`` ranks of which the first
-    ``servers`` serve (module doc)."""
+    ``servers`` serve (module doc); ``workers``: the ranks that push (default: every
+    other rank; worker groups: their leaders)."""
     from mpidl.backend import to_numpy  # noqa: PLC0415
 
     named_params = list(named_params)
     shards = shard_parameters(named_params, servers)
     params = dict(named_params)
-    workers = range(servers, p)
+    workers = range(servers, p) if workers is None else list(workers)
     step = int(pushes.step)
-    per_step = updates_per_step(pushes.mode, p - servers, pushes.wait)
+    per_step = updates_per_step(pushes.mode, len(workers), pushes.wait)
     known = int(round(step * per_step))  # (the version a worker holds)
     after = int(round((step + 1) * per_step))
     out = ServerStep(p, servers, shard_bytes=shards.nbytes, poll_s=float(pushes.poll_s),
@@ -137,6 +138,100 @@ def layout(named_params, p, servers, pushes):
             out.messages += [Message(s, w, n, "answer") for n in answer]
         out.dense_bytes += sum(pushed[workers[0]][1:]) if len(workers) else 0
     return out, shards
+
+
+@dataclass
+class GroupedStep:
+    """A step of worker groups (``--group-size G``): the leaders' pushes and the servers'
+    answers (``ps``: a ``ServerStep`` whose workers are the leaders) and each group's
+    collectives (``group``: a ``step.StepLayout`` on ``G`` ranks: the gradient buckets'
+    all-reduce, then the leader's parameters broadcast in buffers of the buckets'
+    layout, the last one element longer: the epoch's "stop")."""
+
+    p: int
+    servers: int
+    group_size: int
+    ps: ServerStep
+    group: object
+    what: str = ""
+    every: int = 1
+    calls: list = field(default_factory=list)  # (a group's collectives, for --json)
+
+
+def grouped_layout(named_params, p, servers, group_size, pushes, algorithm="auto",
+                   bucket_mb=4.0, tables=None):
+    """``GroupedStep`` of ``p`` ranks, the workers in consecutive groups of
+    ``group_size`` (``mpidl.runtime.sync.groups``). ``pushes``: what a leader pushes,
+    its group's mean gradient (every parameter dense: the buckets densify row-sparse
+    ones)."""
+    import numpy as np  # noqa: PLC0415
+
+    from mpidl.comm import auto  # noqa: PLC0415
+    from mpidl.runtime.fusion import MiB, plan  # noqa: PLC0415
+
+    from .step import Call, _dtype_name, resolve  # noqa: PLC0415
+    from .step import layout as group_layout  # noqa: PLC0415
+
+    named = list(named_params)
+    leaders = list(range(servers, p))[::group_size]
+    ps, _ = layout(named, p, servers, pushes, workers=leaders)
+    group = group_layout(named, group_size, algorithm, bucket_mb, tables=tables)
+    group.update_share = 0.0  # (the servers update: their share is in the exchange)
+    selector = auto.Selector(group_size, auto.load() if tables is None else tables)
+    buffers = plan(named, int(bucket_mb * MiB))
+    for i, pairs in enumerate(buffers):
+        dtype = np.dtype(pairs[0][1].data.dtype)
+        n = sum(q.data.size for _, q in pairs) + (i == len(buffers) - 1)
+        alg = resolve(selector, "bcast", "auto", n * dtype.itemsize, dtype)
+        group.calls.append(Call("bcast", f"params{i}", alg, n, dtype.itemsize,
+                                _dtype_name(dtype), tuple(name for name, _ in pairs),
+                                phase="update"))
+    return GroupedStep(p, servers, group_size, ps, group,
+                       what=f"parameter server ({servers} server(s), {len(leaders)} worker "
+                       f"group(s) of {group_size})", calls=group.calls)
+
+
+def grouped_traffic(step, per_node=1, ranks=None, seg_bytes=None):
+    """``{rank: {kind: {...}, "total": ..., "groups": {"world": ..., "group": ...}}}``:
+    the world group's point-to-point counters (a leader's pushes, a server's answers)
+    and a worker's group's collectives."""
+    from .step import traffic as group_traffic  # noqa: PLC0415
+
+    ranks = list(range(step.p) if ranks is None else ranks)
+    world = traffic(step.ps, ranks=ranks)
+    g = step.group_size
+    out = {}
+    for r in ranks:
+        summary = {k: dict(v) for k, v in world[r].items()}
+        groups = {"world": world[r]}
+        if r >= step.servers:
+            i = (r - step.servers) % g
+            mine = group_traffic(step.group, max(1, min(per_node, g)), ranks=[i],
+                                 seg_bytes=seg_bytes)[i]
+            for k, row in mine.items():
+                for f, v in row.items():
+                    summary[k][f] += v
+            groups["group"] = mine
+        summary["groups"] = groups
+        out[r] = summary
+    return out
+
+
+def grouped_step_time(step, compute, batch, accumulate, machine, per_node, overlap,
+                      seg_bytes=None):
+    """Predicted seconds of one step: a group's passes and all-reduce
+    (``step.step_time``), the leader's exchange with the servers, the broadcast."""
+    from . import collectives as col  # noqa: PLC0415
+    from .step import step_time as group_time  # noqa: PLC0415
+
+    g = step.group_size
+    links = col.Links(machine, col.Topology(g, max(1, min(per_node, g))))
+    t = group_time(step.group, compute, batch, accumulate, links, overlap, seg_bytes)
+    world = col.Links(machine, col.Topology(step.p, max(1, min(per_node, step.p))))
+    exchange = exchange_time(step.ps, world, compute.update_s)
+    t.update(comm=t["comm"] + exchange, exposed_comm=t["exposed_comm"] + exchange,
+             total=t["total"] + exchange)
+    return t
 
 
 def traffic(step, ranks=None):

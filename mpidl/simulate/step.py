@@ -64,7 +64,8 @@ class Call:
     local_s: float = 0.0  # a compressor's own seconds around the call (compression.py)
 
     def nbytes(self):
-        n = self.size if self.kind in ("allreduce", "reduce_scatter") else sum(self.size)
+        n = self.size if self.kind in ("allreduce", "reduce_scatter", "bcast") \
+            else sum(self.size)
         return n * self.itemsize
 
 
@@ -302,6 +303,8 @@ def calls_traffic(calls, rank, topo, seg_bytes):
 
 
 def call_time(c, links, seg_bytes):
+    if c.kind == "bcast":
+        return col.time_bcast(c.algorithm, links, c.size, c.itemsize, seg_bytes)
     if c.kind == "allreduce":
         return col.time_allreduce(c.algorithm, links, c.size, c.itemsize, seg_bytes)
     if c.kind == "reduce_scatter":

@@ -27,7 +27,8 @@ group), ``ppP[-SCHEDULE[-M]]`` (``--pipeline-stages P --schedule SCHEDULE
 --micro-batches M``, default 1f1b and 2: the pipeline and dp groups' counters),
 ``parallax-MODE[-S]`` (``--sparse-sync ps``: gpt-tiny's Embeddings, or the mlp's
 biases with ``--ps-params '*.bias'``, on S servers; the rest all-reduced among the
-trainers), ``hybrid`` and ``hybrid+syncbn`` (``--hybrid conv-dp-fc-mp``, the cnn: the boundary's
+trainers), ``groupsG-MODE[-S]`` (``--strategy ps --group-size G``: a group's all-reduce and
+broadcast, its leader's pushes), ``hybrid`` and ``hybrid+syncbn`` (``--hybrid conv-dp-fc-mp``, the cnn: the boundary's
 gathers, the FC block's all-reduces and the convolutions' buckets on the one group). Models: ``mlp``, ``gpt``, ``cnn``.
 
 Any failure raises; ``python -m mpi4py`` turns it into MPI_Abort for all ranks.
@@ -71,9 +72,11 @@ def batch(kind, step, rank):
 
 
 def gathers_by(algorithm):
-    """Tuning tables under which ``auto`` runs the row gathers with ``algorithm`` (they
-    always ask for ``auto``; by default they would be MPI's own at these sizes)."""
-    return None if algorithm == "auto" else {"allgather": {"1": [[None, algorithm]]}}
+    """Tuning tables under which ``auto`` runs the row gathers and the worker groups'
+    broadcasts with ``algorithm`` (they always ask for ``auto``; by default they would
+    be MPI's own at these sizes)."""
+    return None if algorithm == "auto" else {"allgather": {"1": [[None, algorithm]]},
+                                             "bcast": {"1": [[None, algorithm]]}}
 
 
 PERIOD = 3
@@ -345,6 +348,69 @@ def check_parallax(kind, algorithm, bucket_mb, overlap, how):
               f"{remote}, bytes per rank {totals}", flush=True)
 
 
+def check_groups(kind, algorithm, bucket_mb, overlap, how, per_node):
+    """``groupsG-MODE[-S]``: ``--strategy ps --group-size G --mode MODE --servers S``
+    (default 1). Every worker's world (a leader's pushes) and group's counters over its
+    second step, and (sync) every server's between the updates that end the first and
+    the second step, must equal ``mpidl.simulate.server.grouped_layout``'s for it."""
+    from mpidl.simulate import server as ps_model
+
+    parts = how.split("-")
+    size, mode = int(parts[0][len("groups"):]), parts[1]
+    servers = int(parts[2]) if len(parts) > 2 else 1
+    tables = gathers_by(algorithm)
+    comm = Communicator(MPI.COMM_WORLD, _tables=tables)
+    p, rank = comm.size, comm.rank
+    model = make(kind)
+    opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
+    rt = build("ps", comm, servers=servers, mode=mode, group_size=size, algorithm=algorithm,
+               bucket_mb=bucket_mb, overlap=overlap)
+    rt.setup(model, opt, loss_of(kind))
+    together = MPI.COMM_WORLD.Split(int(rt.trains_on_data), rank)
+    counted = None
+    if rt.trains_on_data:
+        sync = rt.syncs[0][1]
+        rt.train_step(*batch(kind, 0, rank))
+        together.Barrier()
+        rt.comm.reset_counters()
+        sync.comm.reset_counters()
+        rt.train_step(*batch(kind, 1, rank))
+        counted = {"world": rt.comm.counters(), "group": sync.comm.counters()}
+        together.Barrier()
+    else:
+        marks = {}
+
+        def mark(srv):
+            if srv.version in (1, 2):
+                marks[srv.version] = rt.comm.counters()
+        rt.server.server.on_update = mark
+        rt.serve()
+        if mode == "sync":
+            counted = {"world": {k: {f: marks[2][k][f] - marks[1][k][f] for f in v}
+                                 for k, v in marks[2].items()}}
+    rt.finish()
+    together.Free()
+    named = make(kind).named_parameters()
+    arrays = ps_model.pushed_arrays({n: np.zeros(q.data.shape, q.data.dtype)
+                                     for n, q in named})
+    step = ps_model.grouped_layout(named, p, servers, size,
+                                   ps_model.Pushes(arrays, lr=0.01, step=1, mode=mode),
+                                   algorithm, bucket_mb, tables=tables)
+    predicted = ps_model.grouped_traffic(step, per_node, ranks=[rank])[rank]["groups"]
+    for group, got in (counted or {}).items():
+        want = predicted[group]
+        if want != got:
+            diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
+            raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket "
+                                 f"{bucket_mb}: {group} predicted != counted {diff}")
+    comm.close()
+    totals = MPI.COMM_WORLD.gather(None if counted is None else
+                                   sum(g["total"]["bytes"] for g in counted.values()), root=0)
+    if rank == 0:
+        print(f"exact p={p} {kind} {how} {algorithm} bucket {bucket_mb} MiB: bytes per rank "
+              f"{totals}", flush=True)
+
+
 def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     """``tpT``: ``--tensor-parallel T`` (data parallelism over p / T): each rank's tp
     group's and dp group's counters over a step must equal ``mpidl.simulate.tensor``'s
@@ -504,6 +570,12 @@ def main():
             if how.startswith("ps-"):  # (no algorithm or bucket: point-to-point)
                 check_ps(kind, how)
                 i += 1
+                continue
+            if how.startswith("groups"):
+                for alg in algs:
+                    for mb in buckets:
+                        check_groups(kind, alg, mb, ("on", "off")[i % 2], how, per_node)
+                        i += 1
                 continue
             if how.startswith("parallax-"):
                 for alg in algs:
