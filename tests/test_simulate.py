@@ -61,6 +61,7 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (2, "ring", "4", "mlp,gpt", "c-fp16,c-qsgd,c-threshold", None),
     (3, "ring,auto", "4", "cnn", "syncbn,syncbn+local-sgd", None),
     (4, "ring", "4", "mlp,gpt", "ps-sync,ps-async,ps-backup-2", None),
+    (3, "ring", "4", "mlp,gpt", "psc-onebit,psc-dgc,psc-qsgd", None),
     (5, "ring,tree,recursive_doubling", "4", "mlp,gpt", "groups2-sync,groups4-async", None),
     (4, "ring,auto", "0.001,4", "mlp,gpt", "tp2", 2),
     (3, "recursive_doubling,mpi", "4", "mlp", "tp3", None),
@@ -75,7 +76,8 @@ def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts
     parameters per period), 2-byte mixed-precision buckets, compression (all-reduced
     or all-gathered payloads, PowerSGD's rounds), synchronized BatchNorm (the cnn's
     statistics all-reduced in every pass), the parameter server (``ps-MODE[-S]``:
-    each worker's pushes and each server's answers, pickled headers included; worker
+    each worker's pushes and each server's answers, pickled headers included; with
+    compression, ``psc-NAME``, the compressed payloads and their contexts; worker
     groups, ``groupsG-MODE``: a group's all-reduce and broadcasts, its leader's pushes)
     and tensor
     parallelism (``tpT``: the tp group's all-reduces in the passes, the dp group's buckets
@@ -98,6 +100,8 @@ def test_other_layouts_grid(n):
     ps = "ps-sync,ps-async,ps-ssp,ps-backup,ps-softsync" + (",ps-sync-2,ps-async-3"
                                                             if n > 3 else "")
     check_ranks(n, "ring", "4", layouts=ps, timeout=2400)
+    check_ranks(n, "ring", "4", layouts=COMPRESSORS.replace("c-", "psc-").replace(
+        ",psc-powersgd", ""), timeout=2400)
     groups = {3: "groups2-sync,groups2-async", 4: "groups3-sync,groups3-ssp",
               8: "groups7-sync,groups3-sync-2"}.get(n)  # (2 ranks: one worker, no group)
     if groups:
@@ -376,7 +380,10 @@ def test_calibrate_then_predict(tmp_path):
      ["--group-size 2 does not divide the 1 worker(s)"]),
     (["--strategy", "ps", "--deal", "portions", "--ranks", "3"],
      ["--deal portions with --strategy ps is not modelled yet", "--servers"]),
-    (["--strategy", "ps", "--compression", "topk"], ["--compression topk with --strategy ps"]),
+    (["--strategy", "ps", "--compression", "topk", "--group-size", "2", "--ranks", "5"],
+     ["--compression topk with --group-size 2 is not modelled yet"]),
+    (["--strategy", "ps", "--compression", "powersgd", "--ranks", "3"],
+     ["--compression powersgd needs all-reduces between the workers"]),
     (["--strategy", "ps", "--servers", "2", "--ranks", "2"], ["--servers", "3 ranks"]),
     (["--strategy", "ps", "--staleness", "2"], ["--staleness applies to --mode ssp"]),
     (["--algorithm", "shared"], ["--algorithm shared is not modelled yet"]),

@@ -119,3 +119,29 @@ def layout(step, named_params, grads, spec, ratio, selector, algorithm, bucket_m
                 step.dense_bytes += g.nbytes
     step.what = f"compression {spec}"
     return step
+
+
+def pushed(spec, ratio, grads, worker=0, workers=1):
+    """What a parameter server's worker pushes under ``--compression`` (``server.Pushes``'
+    arrays): per parameter ``(encoding, meta, arrays)`` as ``mpidl.ps.worker`` encodes
+    it: a row-sparse gradient's rows uncompressed, a dense one compressed by a fresh
+    compressor of worker ``worker`` of ``workers`` (its memory included), its context
+    travelling in the header. ``grads``: as the engine leaves them (``SparseGrad`` for
+    an Embedding's)."""
+    from mpidl.backend import to_numpy  # noqa: PLC0415
+    from mpidl.engine.module import SparseGrad  # noqa: PLC0415
+
+    c = build_compression(spec, ratio)
+    c.bind(worker, workers)
+    memory = getattr(c, "memory", None)
+    out = {}
+    for name, g in grads.items():
+        if g is None:
+            continue
+        if isinstance(g, SparseGrad):
+            out[name] = ("sparse", None, [to_numpy(g.indices), to_numpy(g.values)])
+            continue
+        payload, ctx = memory.compress(c, g, name) if memory is not None \
+            else c.compress(g, name)
+        out[name] = ("compressed", ctx, [to_numpy(a) for a in payload])
+    return out

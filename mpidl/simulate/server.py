@@ -47,7 +47,8 @@ class Message:
 class Pushes:
     """What a worker's push holds beside the shapes: ``arrays[name]``, the arrays it sends
     for that parameter (a dense gradient's one, a row-sparse one's indices and rows: any
-    arrays of their shapes and dtypes), ``lr`` (a float, or None without one), ``step``
+    arrays of their shapes and dtypes; or ``(encoding, meta, arrays)``: a compressed
+    one's, ``compression.pushed``), ``lr`` (a float, or None without one), ``step``
     (the step's index from 0: its clock), ``mode`` and ``wait`` (``--mode``, ``--wait``:
     how many server versions a step makes, ``updates_per_step``)."""
 
@@ -126,8 +127,11 @@ def layout(named_params, p, servers, pushes, workers=None):
                 sent = given.get(name)
                 if sent is None:
                     continue  # (no gradient: not pushed)
-                tensors.append((name, "sparse" if len(sent) == 2 else "dense", None,
-                                len(sent)))
+                if isinstance(sent, tuple):  # (encoding, meta, arrays): compressed
+                    enc, meta, sent = sent
+                else:
+                    enc, meta = "sparse" if len(sent) == 2 else "dense", None
+                tensors.append((name, enc, meta, len(sent)))
                 arrays += sent
             pushed[w] = message_bytes(push_header(step, known, pushes.lr, tensors), arrays)
         values = [to_numpy(params[n].data) for n in names]

@@ -20,7 +20,7 @@ low-precision path), ``syncbn`` (``--sync-bn``: the cnn's BatchNorms all-reduce 
 statistics in every pass; ``syncbn+local-sgd`` combines two), ``c-NAME`` (``--compression NAME``: the simulation runs its own
 compressor on made-up gradients; for ``topk``, ``threshold`` and ``dgc``, whose payload
 size depends on the values (delta-packed indices), each rank's real frame sizes are
-recorded during the counted step and given to it), ``ps-MODE[-S]`` (``--strategy ps
+recorded during the counted step and given to it), ``psc-NAME`` (``--strategy ps --compression NAME``, sync, 1 server), ``ps-MODE[-S]`` (``--strategy ps
 --mode MODE --servers S``: point-to-point pushes and answers; algorithms and buckets do
 not apply), ``tpT`` (``--tensor-parallel T``: the tp and dp groups' counters, group by
 group), ``ppP[-SCHEDULE[-M]]`` (``--pipeline-stages P --schedule SCHEDULE
@@ -216,16 +216,31 @@ def check_ps(kind, how):
     step, must equal ``mpidl.simulate.server``'s messages for that rank."""
     from mpidl.simulate import server as ps_model
 
+    from mpidl.ps import worker as ps_worker
+    from mpidl.simulate import compression
+
     parts = how.split("-")
-    mode, servers = parts[1], int(parts[2]) if len(parts) > 2 else 1
+    if parts[0] == "psc":  # --compression NAME, sync, 1 server
+        mode, servers, spec = "sync", 1, parts[1]
+    else:
+        mode, servers, spec = parts[1], int(parts[2]) if len(parts) > 2 else 1, None
     comm = Communicator(MPI.COMM_WORLD)
     p, rank = comm.size, comm.rank
     workers = p - servers
     model = make(kind)
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
     loss = TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy()
-    rt = build("ps", comm, servers=servers, mode=mode)
+    rt = build("ps", comm, servers=servers, mode=mode, compression=spec)
     rt.setup(model, opt, loss)
+    encoded = {}  # the data-dependent compressors' real pushes, recorded (they still go)
+    if spec in DATA_DEPENDENT:
+        real = ps_worker.PSWorker._encode
+
+        def record(worker, name, g):
+            out = real(worker, name, g)
+            encoded[name] = (out[0], out[1], [np.asarray(a).copy() for a in out[2]])
+            return out
+        ps_worker.PSWorker._encode = record
     per_step = ps_model.updates_per_step(mode, workers)
     counted = None
     # the workers wait for each other after each step (not through the counted
@@ -253,14 +268,26 @@ def check_ps(kind, how):
                        for k, v in marks[second].items()}
     rt.finish()
     together.Free()
-    # the arrays a push holds: one backward of a batch of the same shape
+    if spec in DATA_DEPENDENT:
+        ps_worker.PSWorker._encode = real
+    # the arrays a push holds: one backward of a batch of the same shape (compressed: of
+    # this worker's batch, by a fresh compressor of this worker)
     probe = make(kind)
-    x, y = batch(kind, 1, 0)
+    x, y = batch(kind, 1, rank if spec else 0)
     loss.forward(probe(x), y)
     probe.backward(loss.backward())
-    arrays = ps_model.pushed_arrays({n: q.grad for n, q in probe.named_parameters()})
+    grads = {n: q.grad for n, q in probe.named_parameters()}
+    if spec is None:
+        arrays, by_worker = ps_model.pushed_arrays(grads), None
+    else:
+        mine = encoded or (compression.pushed(spec, None, grads, rank - servers, workers)
+                           if rank >= servers else None)
+        by_worker = {r: a for r, a in enumerate(MPI.COMM_WORLD.allgather(mine))
+                     if a is not None}
+        arrays = {}
     step, _ = ps_model.layout(make(kind).named_parameters(), p, servers,
-                              ps_model.Pushes(arrays, lr=0.01, step=1, mode=mode))
+                              ps_model.Pushes(arrays, lr=0.01, step=1, mode=mode,
+                                              by_worker=by_worker))
     predicted = ps_model.traffic(step, ranks=[rank])[rank]
     if counted is not None and predicted != counted:
         diff = {k: (predicted[k], counted[k]) for k in counted if predicted.get(k) != counted[k]}
@@ -567,7 +594,7 @@ def main():
     i = 0
     for how in hows:
         for kind in kinds:
-            if how.startswith("ps-"):  # (no algorithm or bucket: point-to-point)
+            if how.startswith(("ps-", "psc-")):  # (no algorithm or bucket: point to point)
                 check_ps(kind, how)
                 i += 1
                 continue
