@@ -66,6 +66,7 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (4, "ring,auto", "0.001,4", "mlp,gpt", "tp2", 2),
     (3, "recursive_doubling,mpi", "4", "mlp", "tp3", None),
     (4, "ring,hierarchical", "0.001,4", "mlp,gpt", "pp2,pp4-zb-4,pp2-async-2", 2),
+    (4, "ring,tree", "4", "mlp,gpt", "pp2-1f1b-2-t2,pp2-interleaved:2-4-t2", None),
     (3, "tree,auto", "0.001", "mlp,gpt", "pp3-gpipe-3,pp3-interleaved:2-3", None),
     (3, "ring,recursive_doubling", "0.001,4", "cnn", "hybrid,hybrid+syncbn", None),
     (3, "ring,recursive_doubling", "0.001,4", "gpt,mlp", "parallax-sync,parallax-async", None),
@@ -117,6 +118,12 @@ def test_other_layouts_grid(n):
           8: "pp2,pp4-1f1b-4,pp4-gpipe-2,pp2-interleaved:3-4,pp4-zb-4,pp4-async-3"}[n]
     check_ranks(n, ALL.replace(",hierarchical", "") if n == 3 else ALL, "0.001,4",
                 "mlp,gpt", layouts=pp, timeout=2400)
+    three_d = {4: "pp2-1f1b-2-t2,pp2-interleaved:2-4-t2,pp2-async-2-t2",
+               8: "pp2-1f1b-2-t2,pp4-async-3-t2,pp2-interleaved:2-4-t2"}.get(n)
+    if three_d:  # (pipeline x tensor x data parallelism: 3-D)
+        check_ranks(n, ALL, "0.001,4", "mlp,gpt", layouts=three_d, timeout=2400)
+    if n == 8:
+        check_ranks(n, ALL, "0.001,4", "mlp", layouts="pp2-zb-3-t4", timeout=2400)
     check_ranks(n, ALL.replace(",hierarchical", "") if n == 3 else ALL, "0.001,4", "cnn",
                 layouts="hybrid,hybrid+syncbn", timeout=2400)
     parallax = "parallax-sync,parallax-async,parallax-ssp" + (",parallax-sync-2"
@@ -387,8 +394,10 @@ def test_calibrate_then_predict(tmp_path):
     (["--strategy", "ps", "--servers", "2", "--ranks", "2"], ["--servers", "3 ranks"]),
     (["--strategy", "ps", "--staleness", "2"], ["--staleness applies to --mode ssp"]),
     (["--algorithm", "shared"], ["--algorithm shared is not modelled yet"]),
-    (["--pipeline-stages", "2", "--tensor-parallel", "2", "--ranks", "4"],
-     ["--pipeline-stages with --tensor-parallel (3-D parallelism) is not modelled yet"]),
+    (["--pipeline-stages", "2", "--tensor-parallel", "2", "--ranks", "2,6"],
+     ["--pipeline-stages 2 x --tensor-parallel 2 divides none"]),
+    (["--pipeline-stages", "2", "--tensor-parallel", "2", "--zero", "1", "--ranks", "4"],
+     ["--zero 1 with --pipeline-stages is not modelled yet"]),
     (["--pipeline-stages", "2", "--zero", "1", "--ranks", "4"],
      ["--zero 1 with --pipeline-stages is not modelled yet"]),
     (["--pipeline-stages", "4", "--ranks", "2,6"], ["--pipeline-stages 4 divides none"]),

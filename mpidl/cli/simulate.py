@@ -20,12 +20,13 @@ a real gradient), and ``--sync-bn``; the parameter server (``--strategy ps``,
 answers, worker groups' all-reduce and broadcast, ``mpidl.simulate.server``);
 tensor parallelism with data parallelism (``--tensor-parallel T``,
 ``mpidl.simulate.tensor``); pipeline parallelism with data parallelism
-(``--pipeline-stages P``, every ``--schedule``, ``mpidl.simulate.pipeline``); the
+(``--pipeline-stages P``, every ``--schedule``, with ``--tensor-parallel T`` too: 3-D,
+``mpidl.simulate.pipeline``); the
 conv-DP/FC-MP hybrid (``--hybrid conv-dp-fc-mp``, ``mpidl.simulate.hybrid``); Parallax
 (``--sparse-sync ps``, ``mpidl.simulate.parallax``). Other
 strategies, the parameter server's dealt portions, and tensor or pipeline parallelism
-combined with more than data parallelism are refused with one line until they are
-modelled.
+combined with ZeRO, averaging, mixed precision or compression are refused with one line
+until they are modelled.
 """
 
 import argparse
@@ -125,14 +126,11 @@ def _refuse_unmodelled(cfg):
     if strategy == "allreduce" and getattr(cfg, "sparse_sync", None) == "ps":
         modelled = MODELLED + MODELLED_PARALLAX
     stages, degree = cfg.pipeline_stages or 1, cfg.tensor_parallel or 1
-    if stages > 1 and degree > 1:
-        raise ConfigError("mpidl simulate: --pipeline-stages with --tensor-parallel (3-D "
-                          "parallelism) is not modelled yet (each is, with data parallelism)")
     split = None
-    if strategy == "allreduce" and degree > 1:
+    if strategy == "allreduce" and stages > 1:  # (with or without tensor parallelism)
+        modelled, split = MODELLED_PP + ("tensor_parallel",), "--pipeline-stages"
+    elif strategy == "allreduce" and degree > 1:
         modelled, split = MODELLED_TP, "--tensor-parallel"
-    elif strategy == "allreduce" and stages > 1:
-        modelled, split = MODELLED_PP, "--pipeline-stages"
     for name, value in strategy_kwargs(cfg).items():
         if name == "group_size" and value in (None, 1):
             continue
@@ -245,10 +243,13 @@ def prepare(args, world):
         ranks = [p for p in ranks if p % degree == 0]
     stages = cfg.pipeline_stages or 1
     if stages > 1:  # (rank counts it does not divide are left out)
-        if not any(p % stages == 0 for p in ranks):
-            raise ConfigError(f"--ranks {args.ranks}: --pipeline-stages {stages} divides none "
-                              "of these rank counts; give multiples of it")
-        ranks = [p for p in ranks if p % stages == 0]
+        width = stages * degree
+        what = f"--pipeline-stages {stages}" + (f" x --tensor-parallel {degree}"
+                                                if degree > 1 else "")
+        if not any(p % width == 0 for p in ranks):
+            raise ConfigError(f"--ranks {args.ranks}: {what} divides none of these rank "
+                              "counts; give multiples of it")
+        ranks = [p for p in ranks if p % width == 0]
     if strategy == "ps" or parallax_on(cfg):  # (rank counts without a worker are left out)
         from mpidl.runtime.sync.pushpull import check_servers, mode_config  # noqa: PLC0415
 
@@ -411,8 +412,9 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
     shape = layout_options(cfg, model, accumulate, grads)
     pushes = server_pushes(cfg, model, dataset, accumulate, lr)
     degree = cfg.tensor_parallel or 1
-    pieces = tensor_pieces(cfg, model, dataset, degree, make_model) if degree > 1 else None
     stages = cfg.pipeline_stages or 1
+    pieces = tensor_pieces(cfg, model, dataset, degree, make_model) \
+        if degree > 1 and stages == 1 else None
     base = None
     out = []
     for p in sorted(set(ranks) | {1}):
@@ -450,7 +452,7 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
             from mpidl.simulate import pipeline  # noqa: PLC0415
 
             lay = pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb,
-                                sparse, rows)
+                                sparse, rows, make_model)
             t = pipeline.step_time(lay, compute, cfg.batch_size, machine, per_node,
                                    recompute=bool(cfg.recompute), seg_bytes=seg)
             counted = pipeline.traffic(lay, per_node,
@@ -505,9 +507,10 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
         if stages > 1 and p > 1:
             row["pipeline"] = {"bounds": lay.bounds, "cost": lay.cost_source,
                                "bubble": t["bubble"],
-                               "stage_messages": [sum(1 for m in lay.messages if m.src == s)
+                               "stage_messages": [sum(1 for m in lay.messages[0]
+                                                      if m.src == s)
                                                   for s in range(stages)],
-                               "boundary_bytes": lay.boundary_bytes}
+                               "boundary_bytes": lay.boundary_bytes[0]}
         if p <= MAX_PER_RANK:
             row["per_rank"] = {"messages": msgs, "bytes": nbytes}
             row["counters"] = counted[0]
@@ -569,23 +572,42 @@ def pipeline_of(cfg):
                     stage_costs=cfg.stage_costs)
 
 
-def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse, rows):
+def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse, rows,
+                  make_model):
     """``--pipeline-stages P``: ``mpidl.simulate.pipeline.layout`` for ``p`` ranks, cut by
     the costs the run would balance (``pipeline.stage_costs``: the machine's measured
-    compute per layer by default) and messages of a training micro-batch's shape."""
+    compute per layer by default) and messages of a training micro-batch's shape; with
+    ``--tensor-parallel T`` each tp rank's piece cut chunk by chunk (its row-sparse rows
+    those of a step's batch, in its slice)."""
     import numpy as np  # noqa: PLC0415
 
-    from mpidl.simulate import pipeline  # noqa: PLC0415
+    from mpidl.backend import to_device  # noqa: PLC0415
+    from mpidl.simulate import pipeline, tensor  # noqa: PLC0415
+    from mpidl.training.tasks import task_for  # noqa: PLC0415
 
     plan = pipeline_of(cfg).plan
     measured = [f + b for f, b in compute.layers.values()]
     costs, source = pipeline.stage_costs(cfg.stage_costs, len(model.layers),
                                          measured if any(measured) else None)
-    x, _ = draw_batch(dataset, np.random.default_rng(cfg.seed), cfg.batch_size,
-                      _param_dtype(model))
-    d = p // plan.P
-    return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, sparse,
-                           {n: [r] * d for n, r in rows.items()}, cost_source=source)
+    rng = np.random.default_rng(cfg.seed)
+    x, idx = draw_batch(dataset, rng, cfg.batch_size, _param_dtype(model))
+    T = cfg.tensor_parallel or 1
+    d = p // (plan.P * T)
+    if T == 1:
+        return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, sparse,
+                               {0: {n: [r] * d for n, r in rows.items()}},
+                               cost_source=source)
+    loss = task_for(dataset).loss
+    y = to_device(dataset.train_y[idx])
+    xs, ids = draw_batch(dataset, rng, cfg.batch_size * plan.M, _param_dtype(model))
+    ys = to_device(dataset.train_y[ids])
+    tp_rows = {j: {n: [r] * d for n, r in tensor.cut(make_model, T, j, xs, ys, loss).rows
+                   .items()} for j in range(T)} if sparse else {j: {} for j in range(T)}
+    names = sorted({n for r in tp_rows.values() for n in r})
+    return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, names, tp_rows,
+                           cost_source=source,
+                           pieces=lambda bounds: tensor.pieces_of(make_model, T, (x, y), loss,
+                                                                  chunks=bounds)[0])
 
 
 def parallax_on(cfg):
@@ -705,16 +727,18 @@ def sample_grads(model, dataset, batch, seed, dense=True):
 def describe_layout(cfg):
     from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
 
+    if (cfg.pipeline_stages or 1) > 1:
+        M = max(getattr(cfg, "accumulate", 1) or 1, cfg.micro_batches or 1)
+        tp = (f" x tensor parallelism {cfg.tensor_parallel}"
+              if (cfg.tensor_parallel or 1) > 1 else "")
+        return (f"pipeline {cfg.pipeline_stages} stages ({cfg.pipeline_schedule or '1f1b'}, "
+                f"{M} micro-batches{', recomputing' if cfg.recompute else ''}){tp} x data "
+                "parallelism")
     if (cfg.tensor_parallel or 1) > 1:
         return f"tensor parallelism {cfg.tensor_parallel} x data parallelism"
     if cfg.hybrid:
         return ("hybrid conv-dp-fc-mp" + (", synchronized BatchNorm"
                                           if getattr(cfg, "sync_bn", False) else ""))
-    if (cfg.pipeline_stages or 1) > 1:
-        M = max(getattr(cfg, "accumulate", 1) or 1, cfg.micro_batches or 1)
-        return (f"pipeline {cfg.pipeline_stages} stages ({cfg.pipeline_schedule or '1f1b'}, "
-                f"{M} micro-batches{', recomputing' if cfg.recompute else ''}) x data "
-                "parallelism")
     if ALIASES.get(cfg.strategy, cfg.strategy) == "ps":
         groups = (f", worker groups of {cfg.group_size}" if (cfg.group_size or 1) > 1
                   else "") + (f", compression {cfg.compression}"

@@ -63,11 +63,13 @@ class Message:
 
 @dataclass
 class PipelineStep:
-    """A step on a ``pp x dp`` mesh of ``p`` ranks: the plan, the cut (``bounds``: the
-    layer boundaries of the ``P * v`` pieces), every pipeline rank's messages of one
-    step (``messages``), held parameters (``named[s]``) and data-parallel layout
-    (``dp[s]``); ``boundary_bytes[v]``: the bytes of the message between virtual stages
-    ``v`` and ``v + 1``."""
+    """A step on a ``pp x dp x tp`` mesh of ``p`` ranks (``tp`` = 1 without tensor
+    parallelism): the plan, the cut (``bounds``: the layer boundaries of the ``P * v``
+    pieces) and, for every pipeline rank ``s`` and tp rank ``j``: the parameters held
+    (``named[s][j]``), the data-parallel layout (``dp[s][j]``), the tp group's calls for
+    one micro-batch (``tp_calls[s][j]``) and the layer compute factors (``share[j]``);
+    per tp rank, the pipeline ranks' messages of one step (``messages[j]``) and each
+    boundary's bytes (``boundary_bytes[j][v]``: between virtual stages ``v``, ``v + 1``)."""
 
     p: int
     degree: int
@@ -77,6 +79,10 @@ class PipelineStep:
     named: list
     dp: list
     boundary_bytes: list
+    tp: int = 1
+    tp_calls: list = None
+    share: list = None
+    micro: int = 1
     whole_params: int = 0
     cost_source: str = ""
     what: str = ""
@@ -149,92 +155,165 @@ def held_names(named, bounds, plan, rank):
     by_layer = {}
     for name, q in named:
         by_layer.setdefault(name.split(".", 1)[0], []).append((name, q))
-    out = []
-    for c in range(plan.v):
-        v = c * plan.P + rank
-        for i in range(bounds[v], bounds[v + 1]):
-            out += by_layer.get(str(i), [])
-    return out
+    return [item for i in layers_of(bounds, plan, rank) for item in by_layer.get(str(i), [])]
 
 
 def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
-           rows=None, tables=None, cost_source=""):
+           rows=None, tables=None, cost_source="", pieces=None):
     """``PipelineStep`` of ``p`` ranks for ``model`` (whole, built from the seed) cut by
     ``costs`` over ``plan``; ``x``: one micro-batch of input (its shape sets the
-    messages). ``sparse``: the row-sparse parameters gathered as rows; ``rows[name]``:
-    the rows each dp rank's gradient of it holds after a step (a count per dp rank)."""
+    messages). ``sparse``: the row-sparse parameters gathered as rows; ``rows[j][name]``:
+    the rows each dp rank's gradient of it holds after a step on tp rank ``j`` (a count
+    per dp rank). ``pieces``: with tensor parallelism, ``tensor.pieces_of``'s pieces, one
+    per tp rank (the model cut, its calls, its layers' outputs), or a function of the
+    cut's boundaries returning them (``tensor.pieces_of(..., chunks=bounds)``: the pass
+    run chunk by chunk, as the stages run it)."""
     from mpidl.runtime.pipeline import partition  # noqa: PLC0415
 
-    P = plan.P
-    if p % P:
-        raise ConfigError(f"--pipeline-stages {P} does not divide {p} ranks")
-    d = p // P
-    layers = list(model.layers)
-    if len(costs) != len(layers):
-        raise ConfigError(f"pipeline: {len(costs)} layer costs for {len(layers)} top-level "
-                          "layers")
+    n = len(model.layers)
+    if len(costs) != n:
+        raise ConfigError(f"pipeline: {len(costs)} layer costs for {n} top-level layers")
     bounds = partition(costs, plan.virtual_stages)
-    messages, sizes = messages_of(plan, bounds, layer_outputs(model, x))
-    named_all = model.named_parameters()
-    named, dp = [], []
+    if callable(pieces):
+        pieces = pieces(bounds)
+    P, T = plan.P, len(pieces) if pieces else 1
+    if p % (P * T):
+        raise ConfigError(f"--pipeline-stages {P} x --tensor-parallel {T} does not divide "
+                          f"{p} ranks")
+    d = p // (P * T)
+    if pieces:
+        per_tp = [(pc.named, pc.outputs, pc.calls, pc.share) for pc in pieces]
+    else:
+        per_tp = [(model.named_parameters(), layer_outputs(model, x), [], None)]
+    messages, sizes, named, dp, tp_calls = [], [], [], [], []
+    for named_j, outputs, _, _ in per_tp:
+        m, b = messages_of(plan, bounds, outputs)
+        messages.append(m)
+        sizes.append(b)
     for s in range(P):
-        mine = held_names(named_all, bounds, plan, s)
-        names = sorted(n for n, _ in mine if n in set(sparse))
-        named.append(mine)
-        dp.append(group_layout(mine, d, algorithm, bucket_mb, names,
-                               {n: list(rows[n]) for n in names}, tables=tables,
-                               alone=True))
+        mine = set(layers_of(bounds, plan, s))
+        named.append([])
+        dp.append([])
+        tp_calls.append([])
+        for j, (named_j, _, calls, _) in enumerate(per_tp):
+            held = held_names(named_j, bounds, plan, s)
+            names = sorted(k for k, _ in held if k in set(sparse))
+            named[s].append(held)
+            dp[s].append(group_layout(held, d, algorithm, bucket_mb, names,
+                                      {k: list(rows[j][k]) for k in names}, tables=tables,
+                                      alone=True))
+            tp_calls[s].append([c for c in calls if call_layer(c.name, n) in mine])
     kind = plan.kind + (f":{plan.v}" if plan.v > 1 else "")
-    return PipelineStep(p, P, plan, bounds, messages, named, dp, sizes,
-                        whole_params=sum(q.data.size for _, q in named_all),
-                        cost_source=cost_source,
-                        what=f"pipeline {P} stages ({kind}, {plan.M} micro-batches) x data "
-                        f"parallelism {d}", calls=dp[0].calls)
+    whole = sum(q.data.size for _, q in model.named_parameters())
+    tp_text = f" x tensor parallelism {T}" if T > 1 else ""
+    return PipelineStep(p, P, plan, bounds, messages, named, dp, sizes, tp=T,
+                        tp_calls=tp_calls, share=[sh for *_, sh in per_tp], micro=plan.M,
+                        whole_params=whole, cost_source=cost_source,
+                        what=f"pipeline {P} stages ({kind}, {plan.M} micro-batches)"
+                        f"{tp_text} x data parallelism {d}", calls=dp[0][0].calls)
+
+
+def layers_of(bounds, plan, rank):
+    """The top-level layers pipeline rank ``rank`` holds (its chunks', in order)."""
+    out = []
+    for c in range(plan.v):
+        v = c * plan.P + rank
+        out += list(range(bounds[v], bounds[v + 1]))
+    return out
+
+
+def call_layer(name, n):
+    """The top-level layer a tensor-parallel call belongs to, from its name
+    (``tp.<layer>...``; the parallel cross-entropy's ``tp.loss...``: the last layer's)."""
+    part = name.split(".")[1] if "." in name else ""
+    return int(part) if part.isdigit() else n - 1
 
 
 def groups_of(rank, step):
-    """``(pipeline rank, dp rank)`` of a world rank (the pipeline axis outermost)."""
-    d = step.p // step.degree
-    return rank // d, rank % d
+    """``(pipeline rank, dp rank, tp rank)`` of a world rank (pp outermost, tp innermost)."""
+    d = step.p // (step.degree * step.tp)
+    return rank // (d * step.tp), (rank // step.tp) % d, rank % step.tp
 
 
 def traffic(step, per_node=1, ranks=None, seg_bytes=None):
-    """``{rank: {kind: {...}, "total": ..., "groups": {"pp": ..., "dp": ...}}}``: what
-    ``Mesh.counters()`` shows for the pipeline and data-parallel groups, and their sum."""
-    d = step.p // step.degree
-    dp_per_node = max(1, min(per_node, d))
-    p2p = {s: [0, 0, 0, 0] for s in range(step.degree)}
-    for m in step.messages:
-        row = p2p[m.src]
-        row[0] += 1
-        row[1] += 1
-        row[2] += m.nbytes
-        p2p[m.dest][0] += 1
+    """``{rank: {kind: {...}, "total": ..., "groups": {"pp": ..., "dp": ... [, "tp":
+    ...]}}}``: what ``Mesh.counters()`` shows for each group, and their sum."""
+    from .step import calls_traffic  # noqa: PLC0415
+    from .tensor import topologies  # noqa: PLC0415
+
+    seg_bytes = segment_bytes() if seg_bytes is None else seg_bytes
+    T = step.tp
+    d = step.p // (step.degree * T)
+    tp_topo, dp_topo = topologies(d * T, T, per_node)
+    p2p = []
+    for msgs in step.messages:
+        table = {s: [0, 0, 0, 0] for s in range(step.degree)}
+        for m in msgs:
+            row = table[m.src]
+            row[0] += 1
+            row[1] += 1
+            row[2] += m.nbytes
+            table[m.dest][0] += 1
+        p2p.append(table)
     out = {}
     for r in (range(step.p) if ranks is None else ranks):
-        s, i = groups_of(r, step)
-        pp = {kind: dict(zip(FIELDS, p2p[s] if kind == "p2p" else [0, 0, 0, 0]))
+        s, i, j = groups_of(r, step)
+        pp = {kind: dict(zip(FIELDS, p2p[j][s] if kind == "p2p" else [0, 0, 0, 0]))
               for kind in KINDS}
         pp["total"] = dict(pp["p2p"])
-        dp = group_traffic(step.dp[s], dp_per_node, ranks=[i], seg_bytes=seg_bytes)[i]
-        summary = {k: {f: pp[k][f] + dp[k][f] for f in FIELDS} for k in (*KINDS, "total")}
-        summary["groups"] = {"pp": pp, "dp": dp}
+        groups = {"pp": pp, "dp": group_traffic(step.dp[s][j], dp_topo.per_node, ranks=[i],
+                                                seg_bytes=seg_bytes)[i]}
+        if T > 1:
+            groups["tp"] = calls_traffic(step.tp_calls[s][j] * step.micro, j, tp_topo,
+                                         seg_bytes)
+        summary = {k: {f: sum(g[k][f] for g in groups.values()) for f in FIELDS}
+                   for k in (*KINDS, "total")}
+        summary["groups"] = groups
         out[r] = summary
     return out
 
 
 def step_time(step, compute, micro, machine, per_node, recompute=False, seg_bytes=None):
     """Predicted seconds of one step (``step.step_time``'s keys, and ``bubble``: the
-    schedule's idle fraction) (module doc)."""
+    schedule's idle fraction), the slowest tp rank's (module doc)."""
+    from .tensor import topologies  # noqa: PLC0415
+
+    seg_bytes = segment_bytes() if seg_bytes is None else seg_bytes
+    worst = None
+    T = step.tp
+    d = step.p // (step.degree * T)
+    tp_topo, dp_topo = topologies(d * T, T, per_node)
+    tp_links, dp_links = col.Links(machine, tp_topo), col.Links(machine, dp_topo)
+    for j in range(T):
+        t = _step_time(step, j, compute, micro, machine, per_node, recompute, seg_bytes,
+                       tp_links, dp_links)
+        if worst is None or t["total"] > worst["total"]:
+            worst = t
+    return worst
+
+
+def _step_time(step, j, compute, micro, machine, per_node, recompute, seg_bytes, tp_links,
+               dp_links):
     plan, P = step.plan, step.degree
-    d = step.p // P
+    d = step.p // (P * step.tp)
     S = plan.virtual_stages
     keys = list(compute.layers)
+    share = step.share[j] if step.share and step.share[j] else {}
+    n = len(keys)
+    in_pass = [[0.0, 0.0] for _ in range(S)]  # tp all-reduces per virtual stage and pass
+    for s in range(P):
+        for c in step.tp_calls[s][j]:
+            layer = call_layer(c.name, n)
+            v = next(v for v in range(S) if step.bounds[v] <= layer < step.bounds[v + 1])
+            in_pass[v][c.phase != "forward-tp"] += col.time_allreduce(
+                c.algorithm, tp_links, c.size, c.itemsize, seg_bytes)
     fwd, bwd = [], []
     for v in range(S):
         lo, hi = step.bounds[v], step.bounds[v + 1]
-        fwd.append(micro * sum(compute.layers[k][0] for k in keys[lo:hi]))
-        bwd.append(micro * sum(compute.layers[k][1] for k in keys[lo:hi]))
+        fwd.append(micro * sum(compute.layers[k][0] * share.get(k, 1.0) for k in keys[lo:hi])
+                   + in_pass[v][0])
+        bwd.append(micro * sum(compute.layers[k][1] * share.get(k, 1.0) for k in keys[lo:hi])
+                   + in_pass[v][1])
     if recompute:
         bwd = [b + f for f, b in zip(fwd, bwd)]
     weight = [0.0] * S
@@ -244,12 +323,11 @@ def step_time(step, compute, micro, machine, per_node, recompute=False, seg_byte
     world = col.Topology(step.p, max(1, min(per_node, step.p)))
     links = col.Links(machine, world)
     latency = 0.0
-    for v, nbytes in enumerate(step.boundary_bytes):  # (replica 0's stages: d ranks apart)
-        a, b = plan.place(v)[0] * d, plan.place(v + 1)[0] * d
+    for v, nbytes in enumerate(step.boundary_bytes[j]):  # (replica 0's stages)
+        a = plan.place(v)[0] * d * step.tp
+        b = plan.place(v + 1)[0] * d * step.tp
         latency = max(latency, links.message(world.node(a) != world.node(b), nbytes))
     timeline = plan.simulate(fwd, bwd, weight, latency)
-    dp_links = col.Links(machine, col.Topology(d, max(1, min(per_node, d))))
-    seg_bytes = segment_bytes() if seg_bytes is None else seg_bytes
     loss_bcast = math.ceil(math.log2(P)) * links.message(world.nodes > 1, 64)
     worst = None
     for s in range(P):
@@ -257,17 +335,19 @@ def step_time(step, compute, micro, machine, per_node, recompute=False, seg_byte
         done = max((sp[5] for sp in spans), default=0.0)
         busy = sum(sp[5] - sp[4] for sp in spans)
         f_s = sum(sp[5] - sp[4] for sp in spans if sp[1] == "F")
-        dp_s = sum(call_time(c, dp_links, seg_bytes) for c in step.dp[s].calls) \
+        dp_s = sum(call_time(c, dp_links, seg_bytes) for c in step.dp[s][j].calls) \
             if d > 1 else 0.0
-        held = sum(q.data.size for _, q in step.named[s]) / max(step.whole_params, 1)
+        held = sum(q.data.size for _, q in step.named[s][j]) / max(step.whole_params, 1)
         update = compute.update_s * held
         skew = compute.cv * busy * slowest_of(d)
         total = done + dp_s + update + skew + loss_bcast
-        sends = sum(1 for m in step.messages if m.src == s)
-        t = {"forward": f_s, "backward": busy - f_s, "comm": dp_s + sends * latency,
-             "exposed_comm": total - busy - update - skew, "update": update,
-             "compression": 0.0, "skew": skew, "total": total,
-             "bubble": timeline.bubble}
+        sends = sum(1 for m in step.messages[j] if m.src == s)
+        tp_f, tp_b = (step.micro * sum(x[k] for v, x in enumerate(in_pass)
+                                       if plan.place(v)[0] == s) for k in (0, 1))
+        t = {"forward": f_s - tp_f, "backward": busy - f_s - tp_b,
+             "comm": dp_s + sends * latency + tp_f + tp_b,
+             "exposed_comm": total - busy - update - skew + tp_f + tp_b, "update": update,
+             "compression": 0.0, "skew": skew, "total": total, "bubble": timeline.bubble}
         if worst is None or t["total"] > worst["total"]:
             worst = t
     return worst

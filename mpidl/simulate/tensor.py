@@ -82,18 +82,25 @@ class RecordingGroup:
 class Piece:
     """One tp rank's share: its tp group's calls for one micro-batch, the parameters it
     holds after the cut (``named``: name -> Parameter), the rows its row-sparse
-    gradients hold for the batch given (name -> count), and each top-level layer's
-    fraction of the whole layer's parameters (its compute share)."""
+    gradients hold for the batch given (name -> count), each top-level layer's fraction
+    of the whole layer's parameters (its compute share) and output ``(shape, itemsize)``
+    on this rank (a column-parallel layer's is its slice: what a pipeline stage ending
+    there sends)."""
 
     calls: list
     named: list
     rows: dict
     share: dict
+    outputs: list = field(default_factory=list)
 
 
-def cut(make_model, degree, rank, x, y, loss, tables=None):
+def cut(make_model, degree, rank, x, y, loss, tables=None, chunks=None):
     """``Piece`` of tp rank ``rank`` of ``degree``: a fresh model from ``make_model()`` cut
-    as the runtime cuts it, one micro-batch ``(x, y)`` through it (module doc)."""
+    as the runtime cuts it, one micro-batch ``(x, y)`` through it (module doc).
+    ``chunks``: a pipeline's layer boundaries (``pipeline.partition``'s): the pass then
+    runs chunk by chunk as the stages run them, each after the first wanting its input's
+    gradient (a column-parallel layer opening a chunk all-reduces its input gradient,
+    for the stage before, where the whole model would skip it)."""
     from mpidl.runtime.sync.rowsparse import as_rows, sparse_param_names  # noqa: PLC0415
     from mpidl.runtime.tensor_parallel import TensorParallel  # noqa: PLC0415
 
@@ -107,9 +114,28 @@ def cut(make_model, degree, rank, x, y, loss, tables=None):
     tp.setup(model, group)
     loss = tp.loss(loss)
     model.zero_grad()
-    loss.forward(model(x), y)
-    group.phase = "backward-tp"
-    model.backward(loss.backward())
+    if chunks is None:
+        loss.forward(model(x), y)
+        group.phase = "backward-tp"
+        model.backward(loss.backward())
+    else:
+        from mpidl.engine.module import Sequential  # noqa: PLC0415
+
+        pieces = []
+        h = x
+        for v in range(len(chunks) - 1):
+            chunk = Sequential(*model.layers[chunks[v]:chunks[v + 1]],
+                               names=range(chunks[v], chunks[v + 1]))
+            chunk.needs_input_grad = v > 0
+            h = chunk(h)
+            pieces.append(chunk)
+        loss.forward(h, y)
+        group.phase = "backward-tp"
+        dy = loss.backward()
+        for chunk in reversed(pieces):
+            if dy is None:
+                break
+            dy = chunk.backward(dy)
     sparse = sparse_param_names(model)
     rows = {name: int(as_rows(q).indices.size) for name, q in model.named_parameters()
             if name in sparse}
@@ -118,7 +144,11 @@ def cut(make_model, degree, rank, x, y, loss, tables=None):
     for key, layer in model.children():
         mine = sum(q.data.size for _, q in layer.named_parameters())
         share[key] = mine / whole[key] if whole.get(key) else 1.0
-    return Piece(group.calls, model.named_parameters(), rows, share)
+    from .pipeline import layer_outputs  # noqa: PLC0415
+
+    calls, group.calls = group.calls, []
+    outputs = layer_outputs(model, x)  # (the all-reduces of this pass are dropped)
+    return Piece(calls, model.named_parameters(), rows, share, outputs)
 
 
 @dataclass
@@ -193,9 +223,10 @@ def step_time(step, compute, batch, accumulate, machine, per_node, overlap, seg_
     return worst
 
 
-def pieces_of(make_model, degree, batch, loss, tables=None):
+def pieces_of(make_model, degree, batch, loss, tables=None, chunks=None):
     """Every tp rank's ``Piece`` (``cut``), and the uncut model's parameter count."""
-    pieces = [cut(make_model, degree, j, *batch, loss, tables) for j in range(degree)]
+    pieces = [cut(make_model, degree, j, *batch, loss, tables, chunks)
+              for j in range(degree)]
     return pieces, sum(q.data.size for _, q in make_model().named_parameters())
 
 

@@ -23,8 +23,9 @@ size depends on the values (delta-packed indices), each rank's real frame sizes 
 recorded during the counted step and given to it), ``psc-NAME`` (``--strategy ps --compression NAME``, sync, 1 server), ``ps-MODE[-S]`` (``--strategy ps
 --mode MODE --servers S``: point-to-point pushes and answers; algorithms and buckets do
 not apply), ``tpT`` (``--tensor-parallel T``: the tp and dp groups' counters, group by
-group), ``ppP[-SCHEDULE[-M]]`` (``--pipeline-stages P --schedule SCHEDULE
---micro-batches M``, default 1f1b and 2: the pipeline and dp groups' counters),
+group), ``ppP[-SCHEDULE[-M]][-tT]`` (``--pipeline-stages P --schedule SCHEDULE
+--micro-batches M [--tensor-parallel T]``, default 1f1b, 2 and 1: the pipeline, dp and
+tp groups' counters),
 ``parallax-MODE[-S]`` (``--sparse-sync ps``: gpt-tiny's Embeddings, or the mlp's
 biases with ``--ps-params '*.bias'``, on S servers; the rest all-reduced among the
 trainers), ``groupsG-MODE[-S]`` (``--strategy ps --group-size G``: a group's all-reduce and
@@ -486,13 +487,17 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
 
 
 def check_pp(kind, algorithm, bucket_mb, how, per_node):
-    """``ppP[-SCHEDULE[-M]]``: ``--pipeline-stages P --schedule SCHEDULE --micro-batches
-    M`` (default 1f1b, 2) with data parallelism over p / P, the stages cut one cost per
-    layer: each rank's pipeline group's and dp group's counters over a step must equal
-    ``mpidl.simulate.pipeline``'s layout for this rank, group by group."""
+    """``ppP[-SCHEDULE[-M]][-tT]``: ``--pipeline-stages P --schedule SCHEDULE
+    --micro-batches M --tensor-parallel T`` (default 1f1b, 2, 1) with data parallelism
+    over p / (P T), the stages cut one cost per layer: each rank's pipeline, dp (and tp)
+    groups' counters over a step must equal ``mpidl.simulate.pipeline``'s layout for
+    this rank, group by group."""
     from mpidl.simulate import pipeline
 
+    from mpidl.simulate import tensor
+
     parts = how[2:].split("-")
+    T = int(parts.pop()[1:]) if parts[-1].startswith("t") else 1
     P = int(parts[0])
     schedule = parts[1] if len(parts) > 1 else "1f1b"
     M = int(parts[2]) if len(parts) > 2 else 2
@@ -500,10 +505,11 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     comm = Communicator(MPI.COMM_WORLD, _tables=tables)
     p, rank = comm.size, comm.rank
     model = make(kind)
+    model.needs_input_grad = False
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb,
                pipeline_stages=P, pipeline_schedule=schedule, micro_batches=M,
-               stage_costs="layers")
+               stage_costs="layers", tensor_parallel=T)
     rt.setup(model, opt, loss_of(kind))
     i = rt.shard()[0]  # (a replica's stages share its data)
 
@@ -518,17 +524,25 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     counted = rt.mesh.counters()
     whole = make(kind)
     sparse = sorted(sparse_param_names(whole))
-    mine = touched_rows(whole, sparse, x)
-    everyone = MPI.COMM_WORLD.allgather((rank, i, mine))
-    d = p // P
-    rows = {n: [next(r[n] for _, ii, r in everyone if ii == k) for k in range(d)]
-            for n in sparse}
+    j = rank % T
+    if T == 1:
+        mine = touched_rows(whole, sparse, x)
+    else:  # (the rows of this tp rank's slice of a vocabulary-parallel embedding)
+        mine = tensor.cut(lambda: make(kind), T, j, x, y, loss_of(kind), tables).rows
+    everyone = MPI.COMM_WORLD.allgather((j, i, mine))
+    d = p // (P * T)
+    rows = {t: {n: [next(r[n] for tt, ii, r in everyone if ii == k and tt == t)
+                    for k in range(d)] for n in mine} for t in range(T)}
     plan = pipeline.plan_of(P, schedule, M)
+    pieces = (lambda bounds: tensor.pieces_of(lambda: make(kind), T, (x[:B], y[:B]),
+                                              loss_of(kind), tables, bounds)[0]) \
+        if T > 1 else None
     step = pipeline.layout(whole, p, plan, [1.0] * len(whole.layers), x[:B], algorithm,
-                           bucket_mb, sparse, rows, tables=tables)
+                           bucket_mb, sparse if T == 1 else sorted(mine), rows,
+                           tables=tables, pieces=pieces)
     assert step.bounds == rt.pp.bounds, (step.bounds, rt.pp.bounds)
     predicted = pipeline.traffic(step, per_node, ranks=[rank])[rank]["groups"]
-    for group in ("pp", "dp"):
+    for group in ("pp", "dp") + (("tp",) if T > 1 else ()):
         want, got = predicted[group], counted[group]
         if want != got:
             diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
@@ -536,11 +550,11 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
                                  f"{bucket_mb}: {group} group predicted != counted {diff}")
     rt.mesh.close()
     comm.close()
-    totals = MPI.COMM_WORLD.gather(sum(counted[g]["total"]["bytes"] for g in ("pp", "dp")),
+    totals = MPI.COMM_WORLD.gather(sum(counted[g]["total"]["bytes"] for g in predicted),
                                    root=0)
     if rank == 0:
         print(f"exact p={p} {kind} {how} {algorithm} bucket {bucket_mb} MiB: "
-              f"{len(step.messages)} stage messages, bytes per rank {totals}", flush=True)
+              f"{len(step.messages[0])} stage messages, bytes per rank {totals}", flush=True)
 
 
 def check_hybrid(kind, algorithm, bucket_mb, overlap, how, per_node):
