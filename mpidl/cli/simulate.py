@@ -46,11 +46,11 @@ MODELLED_PARALLAX = ("sparse_sync", "ps_params", "servers", "mode", "staleness",
                      "staleness_aware_lr", "trace", "poll_max_ms")
 #: ... of which --tensor-parallel combines with these only (the rest is refused)
 MODELLED_TP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
-               "sparse_grads", "tensor_parallel")
+               "sparse_grads", "tensor_parallel", "zero")
 #: ... and --pipeline-stages with these only
 MODELLED_PP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
                "sparse_grads", "pipeline_stages", "pipeline_schedule", "stage_costs",
-               "recompute", "emulate_compute")
+               "recompute", "emulate_compute", "zero")
 #: ... and under --strategy ps (the servers' settings; the rest is refused)
 MODELLED_PS = ("accumulate", "micro_batches", "servers", "mode", "staleness", "wait",
                "staleness_aware_lr", "epoch_quorum", "trace", "poll_max_ms", "group_size",
@@ -131,6 +131,9 @@ def _refuse_unmodelled(cfg):
         modelled, split = MODELLED_PP + ("tensor_parallel",), "--pipeline-stages"
     elif strategy == "allreduce" and degree > 1:
         modelled, split = MODELLED_TP, "--tensor-parallel"
+    if split and (cfg.zero or 0) > 2:  # (stages 1-2 compose with them: mpidl train's words)
+        raise ConfigError(f"{split} {stages if stages > 1 else degree} with --zero "
+                          f"{cfg.zero} is not built yet: drop one of them")
     for name, value in strategy_kwargs(cfg).items():
         if name == "group_size" and value in (None, 1):
             continue
@@ -424,7 +427,7 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
             from mpidl.simulate import tensor  # noqa: PLC0415
 
             lay = tensor.layout(*pieces, p, algorithm, bucket_mb, accumulate,
-                                sparse=bool(sparse))
+                                sparse=bool(sparse), zero=int(cfg.zero or 0))
             t = tensor.step_time(lay, compute, cfg.batch_size, accumulate, machine, per_node,
                                  overlap, seg)
             counted = tensor.traffic(lay, per_node,
@@ -593,10 +596,11 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
     x, idx = draw_batch(dataset, rng, cfg.batch_size, _param_dtype(model))
     T = cfg.tensor_parallel or 1
     d = p // (plan.P * T)
+    zero = int(cfg.zero or 0)
     if T == 1:
         return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, sparse,
                                {0: {n: [r] * d for n, r in rows.items()}},
-                               cost_source=source)
+                               cost_source=source, zero=zero)
     loss = task_for(dataset).loss
     y = to_device(dataset.train_y[idx])
     xs, ids = draw_batch(dataset, rng, cfg.batch_size * plan.M, _param_dtype(model))
@@ -605,7 +609,7 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
                    .items()} for j in range(T)} if sparse else {j: {} for j in range(T)}
     names = sorted({n for r in tp_rows.values() for n in r})
     return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, names, tp_rows,
-                           cost_source=source,
+                           cost_source=source, zero=zero,
                            pieces=lambda bounds: tensor.pieces_of(make_model, T, (x, y), loss,
                                                                   chunks=bounds)[0])
 
@@ -727,15 +731,16 @@ def sample_grads(model, dataset, batch, seed, dense=True):
 def describe_layout(cfg):
     from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
 
+    zero = f" (ZeRO stage {cfg.zero})" if cfg.zero else ""
     if (cfg.pipeline_stages or 1) > 1:
         M = max(getattr(cfg, "accumulate", 1) or 1, cfg.micro_batches or 1)
         tp = (f" x tensor parallelism {cfg.tensor_parallel}"
               if (cfg.tensor_parallel or 1) > 1 else "")
         return (f"pipeline {cfg.pipeline_stages} stages ({cfg.pipeline_schedule or '1f1b'}, "
                 f"{M} micro-batches{', recomputing' if cfg.recompute else ''}){tp} x data "
-                "parallelism")
+                f"parallelism{zero}")
     if (cfg.tensor_parallel or 1) > 1:
-        return f"tensor parallelism {cfg.tensor_parallel} x data parallelism"
+        return f"tensor parallelism {cfg.tensor_parallel} x data parallelism{zero}"
     if cfg.hybrid:
         return ("hybrid conv-dp-fc-mp" + (", synchronized BatchNorm"
                                           if getattr(cfg, "sync_bn", False) else ""))

@@ -159,7 +159,7 @@ def held_names(named, bounds, plan, rank):
 
 
 def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
-           rows=None, tables=None, cost_source="", pieces=None):
+           rows=None, tables=None, cost_source="", pieces=None, zero=0):
     """``PipelineStep`` of ``p`` ranks for ``model`` (whole, built from the seed) cut by
     ``costs`` over ``plan``; ``x``: one micro-batch of input (its shape sets the
     messages). ``sparse``: the row-sparse parameters gathered as rows; ``rows[j][name]``:
@@ -167,7 +167,8 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
     per dp rank). ``pieces``: with tensor parallelism, ``tensor.pieces_of``'s pieces, one
     per tp rank (the model cut, its calls, its layers' outputs), or a function of the
     cut's boundaries returning them (``tensor.pieces_of(..., chunks=bounds)``: the pass
-    run chunk by chunk, as the stages run it)."""
+    run chunk by chunk, as the stages run it). ``zero``: each stage's dp group's ZeRO
+    stage (1 or 2)."""
     from mpidl.runtime.pipeline import partition  # noqa: PLC0415
 
     n = len(model.layers)
@@ -201,7 +202,7 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
             named[s].append(held)
             dp[s].append(group_layout(held, d, algorithm, bucket_mb, names,
                                       {k: list(rows[j][k]) for k in names}, tables=tables,
-                                      alone=True))
+                                      alone=True, zero=zero, micro=plan.M))
             tp_calls[s].append([c for c in calls if call_layer(c.name, n) in mine])
     kind = plan.kind + (f":{plan.v}" if plan.v > 1 else "")
     whole = sum(q.data.size for _, q in model.named_parameters())
@@ -338,7 +339,7 @@ def _step_time(step, j, compute, micro, machine, per_node, recompute, seg_bytes,
         dp_s = sum(call_time(c, dp_links, seg_bytes) for c in step.dp[s][j].calls) \
             if d > 1 else 0.0
         held = sum(q.data.size for _, q in step.named[s][j]) / max(step.whole_params, 1)
-        update = compute.update_s * held
+        update = compute.update_s * held * step.dp[s][j].update_share
         skew = compute.cv * busy * slowest_of(d)
         total = done + dp_s + update + skew + loss_bcast
         sends = sum(1 for m in step.messages[j] if m.src == s)

@@ -25,7 +25,8 @@ recorded during the counted step and given to it), ``psc-NAME`` (``--strategy ps
 not apply), ``tpT`` (``--tensor-parallel T``: the tp and dp groups' counters, group by
 group), ``ppP[-SCHEDULE[-M]][-tT]`` (``--pipeline-stages P --schedule SCHEDULE
 --micro-batches M [--tensor-parallel T]``, default 1f1b, 2 and 1: the pipeline, dp and
-tp groups' counters),
+tp groups' counters; ``tp...`` and ``pp...`` take ``+zeroK``: ZeRO stage K, 1 or 2, on
+the dp group),
 ``parallax-MODE[-S]`` (``--sparse-sync ps``: gpt-tiny's Embeddings, or the mlp's
 biases with ``--ps-params '*.bias'``, on S servers; the rest all-reduced among the
 trainers), ``groupsG-MODE[-S]`` (``--strategy ps --group-size G``: a group's all-reduce and
@@ -445,7 +446,8 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     layout for this rank, group by group."""
     from mpidl.simulate import tensor
 
-    degree = int(how[2:])
+    base, _, stage = how.partition("+zero")
+    degree, zero = int(base[2:]), int(stage or 0)
     tables = gathers_by(algorithm)
     comm = Communicator(MPI.COMM_WORLD, _tables=tables)
     p, rank = comm.size, comm.rank
@@ -455,7 +457,8 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
     loss = TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy()
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
-               tensor_parallel=degree)
+               tensor_parallel=degree, zero=zero,
+               sparse_grads="dense" if zero else "allgather")
     rt.setup(model, opt, loss)
     rt.train_step(*batch(kind, 0, i))  # (a tp group's ranks share their data: dp index)
     rt.mesh.reset_counters()
@@ -467,7 +470,8 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     rows = {t: {name: [r[name] for tt, r in everyone if tt == t] for name in mine}
             for t in range(degree)}
     pieces, whole = tensor.pieces_of(lambda: make(kind), degree, (x, y), loss_of(kind), tables)
-    step = tensor.layout(pieces, whole, p, algorithm, bucket_mb, tables=tables, rows=rows)
+    step = tensor.layout(pieces, whole, p, algorithm, bucket_mb, tables=tables, rows=rows,
+                         sparse=not zero, zero=zero)
     predicted = tensor.traffic(step, per_node, ranks=[rank])[rank]["groups"]
     for group in ("tp", "dp"):
         want, got = predicted[group], counted[group]
@@ -496,7 +500,9 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
 
     from mpidl.simulate import tensor
 
-    parts = how[2:].split("-")
+    base, _, stage = how.partition("+zero")
+    zero = int(stage or 0)
+    parts = base[2:].split("-")
     T = int(parts.pop()[1:]) if parts[-1].startswith("t") else 1
     P = int(parts[0])
     schedule = parts[1] if len(parts) > 1 else "1f1b"
@@ -509,7 +515,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb,
                pipeline_stages=P, pipeline_schedule=schedule, micro_batches=M,
-               stage_costs="layers", tensor_parallel=T)
+               stage_costs="layers", tensor_parallel=T, zero=zero,
+               sparse_grads="dense" if zero else "allgather")
     rt.setup(model, opt, loss_of(kind))
     i = rt.shard()[0]  # (a replica's stages share its data)
 
@@ -538,8 +545,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
                                               loss_of(kind), tables, bounds)[0]) \
         if T > 1 else None
     step = pipeline.layout(whole, p, plan, [1.0] * len(whole.layers), x[:B], algorithm,
-                           bucket_mb, sparse if T == 1 else sorted(mine), rows,
-                           tables=tables, pieces=pieces)
+                           bucket_mb, () if zero else sparse if T == 1 else sorted(mine),
+                           rows, tables=tables, pieces=pieces, zero=zero)
     assert step.bounds == rt.pp.bounds, (step.bounds, rt.pp.bounds)
     predicted = pipeline.traffic(step, per_node, ranks=[rank])[rank]["groups"]
     for group in ("pp", "dp") + (("tp",) if T > 1 else ()):
