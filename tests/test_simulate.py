@@ -61,7 +61,7 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (2, "ring", "4", "mlp,gpt", "c-fp16,c-qsgd,c-threshold", None),
     (3, "ring,auto", "4", "cnn", "syncbn,syncbn+local-sgd", None),
     (4, "ring", "4", "mlp,gpt", "ps-sync,ps-async,ps-backup-2", None),
-    (3, "ring", "4", "mlp,gpt", "psc-onebit,psc-dgc,psc-qsgd", None),
+    (3, "ring", "4", "mlp,gpt", "psc-onebit,psc-dgc,psc-qsgd,hogwild,hogwild-2", None),
     (5, "ring,tree,recursive_doubling", "4", "mlp,gpt", "groups2-sync,groups4-async", None),
     (4, "ring,auto", "0.001,4", "mlp,gpt", "tp2", 2),
     (3, "recursive_doubling,mpi", "4", "mlp", "tp3", None),
@@ -79,7 +79,8 @@ def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts
     or all-gathered payloads, PowerSGD's rounds), synchronized BatchNorm (the cnn's
     statistics all-reduced in every pass), the parameter server (``ps-MODE[-S]``:
     each worker's pushes and each server's answers, pickled headers included; with
-    compression, ``psc-NAME``, the compressed payloads and their contexts; worker
+    compression, ``psc-NAME``, the compressed payloads and their contexts; Hogwild,
+    ``hogwild-S``: a worker's one-sided reads, adds and version fetches; worker
     groups, ``groupsG-MODE``: a group's all-reduce and broadcasts, its leader's pushes)
     and tensor
     parallelism (``tpT``: the tp group's all-reduces in the passes, the dp group's buckets
@@ -104,6 +105,8 @@ def test_other_layouts_grid(n):
     check_ranks(n, "ring", "4", layouts=ps, timeout=2400)
     check_ranks(n, "ring", "4", layouts=COMPRESSORS.replace("c-", "psc-").replace(
         ",psc-powersgd", ""), timeout=2400)
+    check_ranks(n, "ring", "4", layouts="hogwild" + (",hogwild-2" if n > 2 else "")
+                + (",hogwild-3" if n > 3 else ""), timeout=2400)
     groups = {3: "groups2-sync,groups2-async", 4: "groups3-sync,groups3-ssp",
               8: "groups7-sync,groups3-sync-2"}.get(n)  # (2 ranks: one worker, no group)
     if groups:
@@ -387,7 +390,9 @@ def test_calibrate_then_predict(tmp_path):
 @pytest.mark.parametrize("args, needles", [
     (["--ranks", "0"], ["--ranks '0'", "rank count >= 1"]),
     (["--algorithm", "fast"], ["--algorithm", "fast"]),
-    (["--strategy", "hogwild"], ["--strategy hogwild is not modelled yet"]),
+    (["--strategy", "hogwild", "--ranks", "3"], ["plain SGD only", "--momentum 0"]),
+    (["--strategy", "hogwild", "--momentum", "0", "--compression", "topk", "--ranks", "3"],
+     ["--compression topk with --strategy hogwild is not modelled yet"]),
     (["--strategy", "ps", "--group-size", "2", "--ranks", "2,4"],
      ["--group-size 2 does not divide the 1 worker(s)"]),
     (["--strategy", "ps", "--deal", "portions", "--ranks", "3"],

@@ -23,7 +23,8 @@ tensor parallelism with data parallelism (``--tensor-parallel T``,
 (``--pipeline-stages P``, every ``--schedule``, with ``--tensor-parallel T`` too: 3-D,
 ``mpidl.simulate.pipeline``); the
 conv-DP/FC-MP hybrid (``--hybrid conv-dp-fc-mp``, ``mpidl.simulate.hybrid``); Parallax
-(``--sparse-sync ps``, ``mpidl.simulate.parallax``). Other
+(``--sparse-sync ps``, ``mpidl.simulate.parallax``); Hogwild (``--strategy hogwild``: its
+one-sided reads and adds, ``mpidl.simulate.hogwild``). Other
 strategies, the parameter server's dealt portions, and tensor or pipeline parallelism
 combined with ZeRO, averaging, mixed precision or compression are refused with one line
 until they are modelled.
@@ -41,6 +42,8 @@ MODELLED = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
             "sparse_grads", "zero", "sync", "period", "warmup_steps", "outer_lr",
             "outer_momentum", "precision", "loss_scale", "loss_scale_window",
             "compression", "ratio", "sync_bn", "tensor_parallel", "hybrid")
+#: ... and under --strategy hogwild
+MODELLED_HOGWILD = ("accumulate", "micro_batches", "servers", "locks")
 #: ... and with --sparse-sync ps (Parallax) these too
 MODELLED_PARALLAX = ("sparse_sync", "ps_params", "servers", "mode", "staleness", "wait",
                      "staleness_aware_lr", "trace", "poll_max_ms")
@@ -79,7 +82,8 @@ def register(subparsers):
         "--sync-bn; the parameter server (--strategy ps, --servers, --mode); tensor "
         "parallelism (--tensor-parallel) or pipeline parallelism (--pipeline-stages, "
         "--schedule, --micro-batches, --stage-costs) with data parallelism; the "
-        "conv-DP/FC-MP hybrid (--hybrid); Parallax (--sparse-sync ps).",
+        "conv-DP/FC-MP hybrid (--hybrid); Parallax (--sparse-sync ps); Hogwild (--strategy "
+        "hogwild).",
         epilog="examples:\n"
         "  mpiexec -n 2 mpidl simulate --calibrate --model mlp --machine here.json\n"
         "  mpidl simulate --model mlp --machine here.json --ranks 2 --algorithm ring\n"
@@ -119,10 +123,11 @@ def _refuse_unmodelled(cfg):
     from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
 
     strategy = ALIASES.get(cfg.strategy, cfg.strategy) or "allreduce"
-    if strategy not in ("allreduce", "ps"):
+    if strategy not in ("allreduce", "ps", "hogwild"):
         raise ConfigError(f"mpidl simulate: --strategy {strategy} is not modelled yet "
-                          "(modelled: allreduce, ps)")
-    modelled = MODELLED if strategy == "allreduce" else MODELLED_PS
+                          "(modelled: allreduce, ps, hogwild)")
+    modelled = {"allreduce": MODELLED, "ps": MODELLED_PS,
+                "hogwild": MODELLED_HOGWILD}[strategy]
     if strategy == "allreduce" and getattr(cfg, "sparse_sync", None) == "ps":
         modelled = MODELLED + MODELLED_PARALLAX
     stages, degree = cfg.pipeline_stages or 1, cfg.tensor_parallel or 1
@@ -144,6 +149,12 @@ def _refuse_unmodelled(cfg):
                               "yet (with data parallelism's buckets: "
                               + ", ".join("--" + m.replace("_", "-") for m in modelled) + ")")
         if name not in modelled and value not in (None, False, "none", "allreduce", "fp32"):
+            if strategy == "hogwild":
+                raise ConfigError(f"mpidl simulate: --{name.replace('_', '-')} {value} with "
+                                  "--strategy hogwild is not modelled yet (its one-sided "
+                                  "reads and adds: " + ", ".join(
+                                      "--" + m.replace("_", "-") for m in MODELLED_HOGWILD)
+                                  + ")")
             if strategy == "ps":
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"mpidl simulate: {flag} {value} with --strategy ps is "
@@ -179,6 +190,12 @@ def _check_model(cfg, model, optimizer):
     zero.check_setup(zero.check_stage(cfg.zero or 0), model, optimizer,
                      check_sparse_mode(cfg.sparse_grads))
     precision.check_model(model, cfg.precision)
+    from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
+
+    if ALIASES.get(cfg.strategy, cfg.strategy) == "hogwild":  # (plain SGD only)
+        from mpidl.runtime.hogwild import check_optimizer  # noqa: PLC0415
+
+        check_optimizer(optimizer)
 
 
 def machine_of(args):
@@ -253,7 +270,7 @@ def prepare(args, world):
             raise ConfigError(f"--ranks {args.ranks}: {what} divides none of these rank "
                               "counts; give multiples of it")
         ranks = [p for p in ranks if p % width == 0]
-    if strategy == "ps" or parallax_on(cfg):  # (rank counts without a worker are left out)
+    if strategy in ("ps", "hogwild") or parallax_on(cfg):  # (ranks without a worker: out)
         from mpidl.runtime.sync.pushpull import check_servers, mode_config  # noqa: PLC0415
 
         servers = check_servers(cfg.servers, 1 << 30)
@@ -269,8 +286,9 @@ def prepare(args, world):
             if not fits:
                 check_group_size(size, list(range(servers, ranks[0])), servers)
             ranks = fits
-        mode_config((min(ranks) - servers) // size, cfg.mode, cfg.staleness, cfg.wait,
-                    cfg.staleness_aware_lr, cfg.epoch_quorum)  # (the servers see groups)
+        if strategy != "hogwild":
+            mode_config((min(ranks) - servers) // size, cfg.mode, cfg.staleness, cfg.wait,
+                        cfg.staleness_aware_lr, cfg.epoch_quorum)  # (the servers see groups)
         if strategy == "ps" and cfg.compression not in (None, "none"):
             if size > 1:
                 raise ConfigError(f"mpidl simulate: --compression {cfg.compression} with "
@@ -396,9 +414,11 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
     from mpidl.data.loader import BatchLoader  # noqa: PLC0415
     from mpidl.runtime.sync.fused import check_bucket_mb  # noqa: PLC0415
     from mpidl.runtime.sync.rowsparse import check_sparse_mode, sparse_param_names  # noqa
+    from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
     from mpidl.simulate import collectives as col  # noqa: PLC0415
     from mpidl.simulate import step as st  # noqa: PLC0415
 
+    strategy = ALIASES.get(cfg.strategy, cfg.strategy) or "allreduce"
     accumulate = max(getattr(cfg, "accumulate", 1) or 1, getattr(cfg, "micro_batches", 1) or 1)
     bucket_mb = check_bucket_mb(cfg.bucket_mb)
     algorithm = cfg.algorithm or "auto"
@@ -461,6 +481,13 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
             counted = pipeline.traffic(lay, per_node,
                                        ranks=None if p <= MAX_PER_RANK else [0, p - 1],
                                        seg_bytes=seg)
+        elif strategy == "hogwild" and p > 1:
+            from mpidl.simulate import hogwild  # noqa: PLC0415
+
+            lay = hogwild.layout(named, p, int(cfg.servers or 1))
+            t = hogwild.step_time(lay, compute, cfg.batch_size, accumulate, links,
+                                  locks=bool(cfg.locks))
+            counted = hogwild.traffic(lay, ranks=None if p <= MAX_PER_RANK else [0, p - 1])
         elif pushes is not None and p > 1 and (cfg.group_size or 1) > 1:
             from mpidl.simulate import server  # noqa: PLC0415
 
@@ -744,6 +771,9 @@ def describe_layout(cfg):
     if cfg.hybrid:
         return ("hybrid conv-dp-fc-mp" + (", synchronized BatchNorm"
                                           if getattr(cfg, "sync_bn", False) else ""))
+    if ALIASES.get(cfg.strategy, cfg.strategy) == "hogwild":
+        return (f"hogwild ({cfg.servers or 1} server(s), "
+                + ("exclusive locks" if cfg.locks else "lock-free") + ")")
     if ALIASES.get(cfg.strategy, cfg.strategy) == "ps":
         groups = (f", worker groups of {cfg.group_size}" if (cfg.group_size or 1) > 1
                   else "") + (f", compression {cfg.compression}"
@@ -771,7 +801,7 @@ def describe_layout(cfg):
 
 
 def _table(result):
-    collectives = "" if result["layout"].startswith("parameter server") else (
+    collectives = "" if result["layout"].startswith(("parameter server", "hogwild")) else (
         f", algorithm {result['algorithm']}, buckets of {result['bucket_mb']:g} MiB, overlap "
         f"{result['overlap']}")
     lines = [f"mpidl simulate: {result['model']} on {result['dataset']}, batch "

@@ -329,10 +329,16 @@ class Communicator(PointToPoint):
     def segment_bytes(self, value):
         self._ctx.segment_bytes = int(value)
 
+    def counter(self, kind):
+        """The counter list (``[calls, messages, bytes, native_calls]``) of ``kind`` on the
+        point-to-point channel, for traffic that does not go through the communicator's
+        own calls: one-sided windows over its ranks count there (``rma.SharedVector``)."""
+        return self._p2p.stats[kind]
+
     def counters(self):
         """Traffic this rank sent on this communicator: ``{kind: {"calls", "messages",
-        "bytes", "native_calls"}}`` for every collective kind and ``"p2p"``, plus
-        ``"total"``. ``messages``/``bytes`` are payload sends through mpidl's transports
+        "bytes", "native_calls"}}`` for every collective kind, ``"p2p"`` and ``"rma"``
+        (one-sided), plus ``"total"``. ``messages``/``bytes`` are payload sends through mpidl's transports
         (a sendrecv is one message); MPI's own collectives (``algorithm="mpi"``) count in
         ``calls`` and ``native_calls`` only, because what MPI sends inside them cannot be
         observed; consistency checks and count exchanges are control traffic, not

@@ -15,12 +15,19 @@ What is not counted, on purpose:
 - Control traffic: the consistency check's description exchange and ``allgatherv``'s
   exchange of counts (MPI Allgather calls on small fixed-size records) are not payload.
 
+One-sided traffic (``rma``): what a ``rma.SharedVector`` does on windows this
+communicator's ranks expose, counted by the vector itself into the communicator's
+``counter("rma")``: a call per ``read``, ``add`` or ``versions``, a message per MPI
+one-sided operation it issues (a get, an accumulate, a version's fetch-and-op), and the
+bytes each moves (fetched or sent: the elements, 8 per version).
+
 Each list is ``[calls, messages, bytes, native_calls]``.
 """
 
 from .transport import new_count
 
-KINDS = ("allreduce", "reduce_scatter", "reduce", "bcast", "allgather", "allgatherv", "p2p")
+KINDS = ("allreduce", "reduce_scatter", "reduce", "bcast", "allgather", "allgatherv", "p2p",
+         "rma")
 FIELDS = ("calls", "messages", "bytes", "native_calls")
 
 

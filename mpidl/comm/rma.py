@@ -62,10 +62,14 @@ class SharedVector:
 
     Collective to make and to ``close``; ``read``, ``add`` and ``versions`` are one-sided
     (only the caller takes part). ``local`` is an owner's own chunk (a NumPy view of the
-    window's memory, which the owner may read at any time)."""
+    window's memory, which the owner may read at any time). ``count``: where the traffic
+    is counted (``counters.py``: a call per read, add or versions, a message per one-sided
+    operation, the bytes it moves)."""
 
-    def __init__(self, comm, owners, n, dtype, locks=False, poll_s=2e-4):
+    def __init__(self, comm, owners, n, dtype, locks=False, poll_s=2e-4, count=None):
         self.comm = comm
+        # [calls, messages, bytes, native_calls]: a Communicator's counter("rma"), or own
+        self.count = count if count is not None else [0, 0, 0, 0]
         self.owners = list(owners)
         if not self.owners or len(set(self.owners)) != len(self.owners) or not all(
                 0 <= o < comm.size for o in self.owners):
@@ -164,12 +168,20 @@ class SharedVector:
             return _NO_EPOCH
         return _Shared(self)
 
+    def _counted(self, nbytes):
+        c = self.count
+        c[1] += 1
+        c[2] += int(nbytes)
+
     def _read(self, out, idx):
+        self.count[0] += 1
+        item = self.dtype.itemsize
         if idx is None:
             if out is None:
                 out = np.empty(self.n, dtype=self.dtype)
             for i, at, pos, count in self._pieces():
                 o = self.owners[i]
+                self._counted(count * item)
                 self.win.Get_accumulate([out[pos:pos + count], self.mpi_type],
                                         [out[pos:pos + count], self.mpi_type], o,
                                         target=(at, count, self.mpi_type), op=MPI.NO_OP)
@@ -182,6 +194,7 @@ class SharedVector:
             o = self.owners[i]
             dt = self.mpi_type.Create_indexed_block(1, offsets.tolist()).Commit()
             part = np.empty(len(where), dtype=self.dtype)
+            self._counted(part.nbytes)
             self.win.Get_accumulate([part, self.mpi_type], [part, self.mpi_type], o,
                                     target=(0, 1, dt), op=MPI.NO_OP)
             pending.append((dt, where, part))
@@ -193,10 +206,12 @@ class SharedVector:
 
     def _add(self, values, idx):
         values = np.ascontiguousarray(values, dtype=self.dtype)
+        self.count[0] += 1
         before = []
         if idx is None:
             for i, at, pos, count in self._pieces():
                 o = self.owners[i]
+                self._counted(count * self.dtype.itemsize)
                 self.win.Accumulate([values[pos:pos + count], self.mpi_type], o,
                                     target=(at, count, self.mpi_type), op=MPI.SUM)
                 before.append(self._bump(o))
@@ -207,6 +222,7 @@ class SharedVector:
             o = self.owners[i]
             dt = self.mpi_type.Create_indexed_block(1, offsets.tolist()).Commit()
             part = np.ascontiguousarray(values[where])
+            self._counted(part.nbytes)
             self.win.Accumulate([part, self.mpi_type], o, target=(0, 1, dt), op=MPI.SUM)
             types.append((dt, part))
             before.append(self._bump(o))
@@ -216,6 +232,7 @@ class SharedVector:
         return before
 
     def _bump(self, owner):
+        self._counted(8)
         self.version_win.Fetch_and_op(self._one, self._old, owner, 0, MPI.SUM)
         self.version_win.Flush(owner)
         return int(self._old[0])
@@ -223,7 +240,9 @@ class SharedVector:
     def _versions(self):
         out = np.zeros(len(self.owners), dtype=np.int64)
         one = np.zeros(1, dtype=np.int64)
+        self.count[0] += 1
         for i, o in enumerate(self.owners):
+            self._counted(8)
             self.version_win.Fetch_and_op(one, out[i:i + 1], o, 0, MPI.NO_OP)
         for o in self.owners:
             self.version_win.Flush(o)

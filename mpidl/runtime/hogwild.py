@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpidl.engine.module import SparseGrad
 from mpidl.errors import ConfigError
 from mpidl.options import Option
 from mpidl.runtime.sync.base import GradSync
@@ -167,7 +168,7 @@ class HogwildSync(GradSync):
         self.weights = np.empty(total, dtype=dtype)
         self.delta = np.empty(total, dtype=dtype)
         self.shared = SharedVector(ctx.comm.mpi, self.server_ranks, total, dtype,
-                                   locks=self.locks)
+                                   locks=self.locks, count=ctx.comm.counter("rma"))
         self._started = False
         self._lock = None
 
@@ -205,6 +206,8 @@ class HogwildSync(GradSync):
         for p, view in self._views(self.delta):
             if p.grad is None:
                 view.fill(0)
+            elif isinstance(p.grad, SparseGrad):  # (an Embedding's rows: the whole vector)
+                view[...] = p.grad.to_dense()
             else:
                 view[...] = p.grad
             if wd:

@@ -29,7 +29,8 @@ tp groups' counters; ``tp...`` and ``pp...`` take ``+zeroK``: ZeRO stage K, 1 or
 the dp group),
 ``parallax-MODE[-S]`` (``--sparse-sync ps``: gpt-tiny's Embeddings, or the mlp's
 biases with ``--ps-params '*.bias'``, on S servers; the rest all-reduced among the
-trainers), ``groupsG-MODE[-S]`` (``--strategy ps --group-size G``: a group's all-reduce and
+trainers), ``hogwild[-S]`` (``--strategy hogwild --servers S``: a worker's one-sided
+operations), ``groupsG-MODE[-S]`` (``--strategy ps --group-size G``: a group's all-reduce and
 broadcast, its leader's pushes), ``hybrid`` and ``hybrid+syncbn`` (``--hybrid conv-dp-fc-mp``, the cnn: the boundary's
 gathers, the FC block's all-reduces and the convolutions' buckets on the one group). Models: ``mlp``, ``gpt``, ``cnn``.
 
@@ -378,7 +379,8 @@ def check_parallax(kind, algorithm, bucket_mb, overlap, how):
 
 
 def check_groups(kind, algorithm, bucket_mb, overlap, how, per_node):
-    """``groupsG-MODE[-S]``: ``--strategy ps --group-size G --mode MODE --servers S``
+    """``hogwild[-S]`` (``--strategy hogwild --servers S``: a worker's one-sided
+operations), ``groupsG-MODE[-S]``: ``--strategy ps --group-size G --mode MODE --servers S``
     (default 1). Every worker's world (a leader's pushes) and group's counters over its
     second step, and (sync) every server's between the updates that end the first and
     the second step, must equal ``mpidl.simulate.server.grouped_layout``'s for it."""
@@ -438,6 +440,41 @@ def check_groups(kind, algorithm, bucket_mb, overlap, how, per_node):
     if rank == 0:
         print(f"exact p={p} {kind} {how} {algorithm} bucket {bucket_mb} MiB: bytes per rank "
               f"{totals}", flush=True)
+
+
+def check_hogwild(kind, how):
+    """``hogwild[-S]``: ``--strategy hogwild --servers S`` (default 1). Every worker's
+    counters over its second step (its one-sided operations, ``rma``) must equal
+    ``mpidl.simulate.hogwild``'s; the servers' windows count nothing."""
+    from mpidl.simulate import hogwild
+
+    servers = int(how.split("-")[1]) if "-" in how else 1
+    comm = Communicator(MPI.COMM_WORLD)
+    p, rank = comm.size, comm.rank
+    model = make(kind)
+    opt = SGD(model.named_parameters(), lr=0.01, fused=False)
+    rt = build("hogwild", comm, servers=servers)
+    rt.setup(model, opt, loss_of(kind))
+    if rt.trains_on_data:
+        rt.train_step(*batch(kind, 0, rank))
+        rt.comm.reset_counters()
+        rt.train_step(*batch(kind, 1, rank))
+        counted = rt.comm.counters()
+    else:
+        rt.serve()
+        counted = {"rma": rt.comm.counters()["rma"]}
+    rt.finish()
+    step = hogwild.layout(make(kind).named_parameters(), p, servers)
+    predicted = hogwild.traffic(step, ranks=[rank])[rank]
+    for k, got in counted.items():
+        if predicted[k] != got:
+            raise AssertionError(f"rank {rank} of {p}, {kind} {how}: {k} predicted "
+                                 f"{predicted[k]} != counted {got}")
+    comm.close()
+    totals = MPI.COMM_WORLD.gather(counted["rma"], root=0)
+    if rank == 0:
+        print(f"exact p={p} {kind} {how}: rma per rank {[t['messages'] for t in totals]} "
+              f"messages, {[t['bytes'] for t in totals]} bytes", flush=True)
 
 
 def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
@@ -615,6 +652,10 @@ def main():
     i = 0
     for how in hows:
         for kind in kinds:
+            if how.startswith("hogwild"):
+                check_hogwild(kind, how)
+                i += 1
+                continue
             if how.startswith(("ps-", "psc-")):  # (no algorithm or bucket: point to point)
                 check_ps(kind, how)
                 i += 1
