@@ -235,21 +235,10 @@ def tree_reduce_scatter(r, p, n, itemsize, seg=None):
     other rank), then the binomial scatter of the non-empty subtree spans."""
     if p == 1 or n == 0:
         return 0, 0
-    counts, _ = even_split(n, p)
-    messages, nbytes = (1, n) if r else (0, 0)
-    mask = 1
-    while mask < p and not r & mask:
-        mask <<= 1
-    mask >>= 1
-    while mask > 0:
-        child = r + mask
-        if child < p:
-            span = sum(counts[child:min(child + mask, p)])
-            if span:
-                messages += 1
-                nbytes += span
-        mask >>= 1
-    return messages, nbytes * itemsize
+    messages, elements = tree_scatter(r, tuple(even_split(n, p)[0]))
+    if r:  # (the reduce: the whole buffer, once)
+        messages, elements = messages + 1, elements + n
+    return messages, elements * itemsize
 
 
 def rd_reduce_scatter(r, p, n, itemsize, seg=None):

@@ -28,7 +28,6 @@ from . import server as ps_model
 from .step import layout as group_layout
 from .step import segment_bytes
 from .step import step_time as group_time
-from .step import traffic as group_traffic
 
 
 @dataclass
@@ -71,24 +70,9 @@ def layout(named_params, p, servers, pushes, remote, algorithm="auto", bucket_mb
 def traffic(step, per_node=1, ranks=None, seg_bytes=None):
     """``{rank: {kind: {...}, "total": ..., "groups": {"world": ..., "dp": ...}}}``: the
     world group's point-to-point counters (pushes, answers) and the trainers' group's."""
-    ranks = list(range(step.p) if ranks is None else ranks)
-    trainers = step.p - step.servers
-    world = ps_model.traffic(step.ps, ranks=ranks)
-    out = {}
-    for r in ranks:
-        summary = {k: dict(v) for k, v in world[r].items()}
-        groups = {"world": world[r]}
-        if r >= step.servers:
-            i = r - step.servers
-            dp = group_traffic(step.dp, max(1, min(per_node, trainers)), ranks=[i],
-                               seg_bytes=seg_bytes)[i]
-            for k, row in dp.items():
-                for f, v in row.items():
-                    summary[k][f] += v
-            groups["dp"] = dp
-        summary["groups"] = groups
-        out[r] = summary
-    return out
+    return ps_model.workers_traffic(step.ps, step.dp, step.p - step.servers,
+                                    lambda r: r - step.servers, "dp", per_node, ranks,
+                                    seg_bytes)
 
 
 def step_time(step, compute, batch, accumulate, machine, per_node, overlap, seg_bytes=None):

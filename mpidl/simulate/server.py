@@ -199,23 +199,32 @@ def grouped_traffic(step, per_node=1, ranks=None, seg_bytes=None):
     """``{rank: {kind: {...}, "total": ..., "groups": {"world": ..., "group": ...}}}``:
     the world group's point-to-point counters (a leader's pushes, a server's answers)
     and a worker's group's collectives."""
+    g = step.group_size
+    return workers_traffic(step.ps, step.group, g, lambda r: (r - step.servers) % g, "group",
+                           per_node, ranks, seg_bytes)
+
+
+def workers_traffic(ps, group, size, index, label, per_node=1, ranks=None, seg_bytes=None):
+    """``{rank: {kind: {...}, "total": ..., "groups": {"world": ..., label: ...}}}``: the
+    world group's point-to-point counters of ``ps`` (a ``ServerStep``) and, on a worker,
+    its group's collectives (``group``: a ``step.StepLayout`` on ``size`` ranks, in which
+    world rank ``r`` is rank ``index(r)``), summed."""
     from .step import traffic as group_traffic  # noqa: PLC0415
 
-    ranks = list(range(step.p) if ranks is None else ranks)
-    world = traffic(step.ps, ranks=ranks)
-    g = step.group_size
+    ranks = list(range(ps.p) if ranks is None else ranks)
+    world = traffic(ps, ranks=ranks)
     out = {}
     for r in ranks:
         summary = {k: dict(v) for k, v in world[r].items()}
         groups = {"world": world[r]}
-        if r >= step.servers:
-            i = (r - step.servers) % g
-            mine = group_traffic(step.group, max(1, min(per_node, g)), ranks=[i],
+        if r >= ps.servers:
+            i = index(r)
+            mine = group_traffic(group, max(1, min(per_node, size)), ranks=[i],
                                  seg_bytes=seg_bytes)[i]
             for k, row in mine.items():
                 for f, v in row.items():
                     summary[k][f] += v
-            groups["group"] = mine
+            groups[label] = mine
         summary["groups"] = groups
         out[r] = summary
     return out

@@ -212,6 +212,22 @@ def check(kind, algorithm, bucket_mb, overlap, per_node, how="dp"):
     return counted
 
 
+def served_between(rt, first, second):
+    """A server's counters between the updates that made versions ``first`` and
+    ``second`` (it serves until the workers are done)."""
+    marks = {}
+
+    def mark(srv):
+        if srv.version in (first, second):
+            marks[srv.version] = rt.comm.counters()
+    rt.server.server.on_update = mark
+    rt.serve()
+    if first not in marks or second not in marks:
+        return None  # (a mode whose versions skip them)
+    return {k: {f: marks[second][k][f] - marks[first][k][f] for f in v}
+            for k, v in marks[second].items()}
+
+
 def check_ps(kind, how):
     """``ps-MODE[-S]``: ``--strategy ps --mode MODE --servers S`` (default 1). Every
     worker's counters over its second step, and (sync, async: whose updates keep step with
@@ -258,17 +274,9 @@ def check_ps(kind, how):
         counted = rt.comm.counters()
         together.Barrier()
     else:
-        marks = {}
-        first, second = int(per_step), int(2 * per_step)
-
-        def mark(srv):
-            if srv.version in (first, second):
-                marks[srv.version] = rt.comm.counters()
-        rt.server.server.on_update = mark
-        rt.serve()
+        served = served_between(rt, int(per_step), int(2 * per_step))
         if mode in ("sync", "async"):
-            counted = {k: {f: marks[second][k][f] - marks[first][k][f] for f in v}
-                       for k, v in marks[second].items()}
+            counted = served
     rt.finish()
     together.Free()
     if spec in DATA_DEPENDENT:
@@ -336,16 +344,9 @@ def check_parallax(kind, algorithm, bucket_mb, overlap, how):
         counted = {"world": rt.comm.counters(), "dp": rt.group.counters()}
         together.Barrier()
     else:
-        marks = {}
-
-        def mark(srv):
-            if srv.version in (1, 2):
-                marks[srv.version] = rt.comm.counters()
-        rt.server.server.on_update = mark
-        rt.serve()
+        served = served_between(rt, 1, 2)
         if mode == "sync":
-            counted = {"world": {k: {f: marks[2][k][f] - marks[1][k][f] for f in v}
-                                 for k, v in marks[2].items()}}
+            counted = {"world": served}
     rt.finish()
     together.Free()
     remote = sorted(rt.syncs[0][1].split.remote) if rt.trains_on_data else None
@@ -409,16 +410,9 @@ operations), ``groupsG-MODE[-S]``: ``--strategy ps --group-size G --mode MODE --
         counted = {"world": rt.comm.counters(), "group": sync.comm.counters()}
         together.Barrier()
     else:
-        marks = {}
-
-        def mark(srv):
-            if srv.version in (1, 2):
-                marks[srv.version] = rt.comm.counters()
-        rt.server.server.on_update = mark
-        rt.serve()
+        served = served_between(rt, 1, 2)
         if mode == "sync":
-            counted = {"world": {k: {f: marks[2][k][f] - marks[1][k][f] for f in v}
-                                 for k, v in marks[2].items()}}
+            counted = {"world": served}
     rt.finish()
     together.Free()
     named = make(kind).named_parameters()
