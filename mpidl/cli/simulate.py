@@ -163,10 +163,9 @@ def _refuse_unmodelled(cfg):
                                                           for m in MODELLED_PS) + ")")
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"mpidl simulate: {flag} {value} is not modelled yet (data "
-                              "parallelism with fused all-reduce and row-sparse gathers, "
-                              "ZeRO, model averaging, mixed precision, compression, "
-                              "synchronized BatchNorm and tensor parallelism only: "
-                              f"{', '.join('--' + m.replace('_', '-') for m in MODELLED)})")
+                              "parallelism's settings modelled: "
+                              f"{', '.join('--' + m.replace('_', '-') for m in modelled)}; "
+                              "and --pipeline-stages, --sparse-sync ps)")
     from mpidl.runtime import build  # noqa: PLC0415
 
     if parallax_on(cfg):  # (its servers: checked for the rank counts, in prepare)

@@ -4,7 +4,10 @@ and each stage's data-parallel step.
 The mesh puts the pipeline axis outermost (``mpidl.comm.mesh``): stage ``s`` of
 data-parallel replica ``i`` is world rank ``s * D + i`` (``D = p / P``), so a replica's
 stages are ``D`` ranks apart and each stage's data-parallel group is ``D`` consecutive
-ranks. The model's top-level layers are cut into ``P * v`` pieces by the runtime's own
+ranks. With tensor parallelism too (3-D, ``--tensor-parallel T``: tp innermost, rank
+``(s * D + i) * T + j``), every tp rank ``j`` has its own piece of each stage: the model
+cut by ``TensorParallel`` (``tensor.cut``, its recording pass run chunk by chunk as the
+stages run it), and its tp group's calls are those of its stage's layers. The model's top-level layers are cut into ``P * v`` pieces by the runtime's own
 ``partition`` (``mpidl.runtime.pipeline``) over the same costs: given (``--stage-costs
 c1,c2,...``), one per layer (``--stage-costs layers``), or, by default, the machine
 file's measured compute per layer (the run measures its own on its first micro-batch,
@@ -24,19 +27,23 @@ Each rank's traffic is then two parts:
   loss, broadcast over the group, goes through mpi4py itself and is not counted; the
   first message of each micro-batch size between two stages also sends its shape (a
   pickled object): a first step's, left out (the layout is of the steps after it).
-- its **data-parallel group's** step (``step.layout``) over the parameters its pieces
-  hold, on ``D`` ranks (a group of one still calls). A pipeline's gradients are synced
-  after the step's last backward (its backward passes are spread over the schedule), so
-  they never overlap it.
+- its **data-parallel group's** step (``step.layout``, ZeRO stage 1 or 2 if asked) over
+  the parameters its pieces hold, on ``D`` ranks (a group of one still calls). A
+  pipeline's gradients are synced after the step's last backward (its backward passes
+  are spread over the schedule), so they never overlap it;
+- with tensor parallelism, its **tp group's** all-reduces: its stage's layers' calls
+  (the last stage's the parallel cross-entropy's), once per micro-batch.
 
 The time: the schedule's own event simulation (``Plan.simulate``) with each virtual
 stage's forward and backward the sum of its layers' measured compute for a micro-batch
 (``--recompute``: the forward again in backward; ``zb``'s split backward takes half of
 it for the input gradient and half for the weights, the two products of a Linear or a
 convolution being equally large) and each message between stages as long as the
-calibration says for its bytes and link; then each stage's data-parallel step after its
-last backward, its share of the optimizer update, and the loss's broadcast; the slowest
-stage ends the step.
+calibration says for its bytes and link (a layer holding tensor-parallel slices
+computes its share of the parameters' compute, and its tp all-reduces block inside the
+pass); then each stage's data-parallel step after its last backward, its share of the
+optimizer update, and the loss's broadcast; the slowest stage (and tp rank) ends the
+step.
 """
 
 import math

@@ -586,6 +586,7 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
             diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
             raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket "
                                  f"{bucket_mb}: {group} group predicted != counted {diff}")
+    rt.finish()  # (async: the backwards it carries drained; no send left in flight)
     rt.mesh.close()
     comm.close()
     totals = MPI.COMM_WORLD.gather(sum(counted[g]["total"]["bytes"] for g in predicted),
