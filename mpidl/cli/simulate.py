@@ -659,11 +659,12 @@ def parallax_step(cfg, model, dataset, p, algorithm, bucket_mb, accumulate, lr, 
     named = dict(model.named_parameters())
     mine = {}
     for name in split.remote:
+        mine[name] = grads[name]
         if name in split.rows:  # (the arrays as_rows makes of this gradient)
-            q = type("Probe", (), {"grad": grads[name], "data": named[name].data})()
+            q = named[name]
+            q.grad = grads[name]
             mine[name] = as_rows(q)
-        else:
-            mine[name] = grads[name]
+            q.grad = None
     pushes = server.Pushes(server.pushed_arrays(mine), lr=lr, step=1,
                            mode=cfg.mode or "sync", wait=int(cfg.wait or 0))
     trainers = p - int(cfg.servers or 1)

@@ -212,6 +212,31 @@ def check(kind, algorithm, bucket_mb, overlap, per_node, how="dp"):
     return counted
 
 
+def worker_counters(rt, kind, rank, together, comms, second=None):
+    """A worker's counters over its second step (``{name: counters}`` of ``comms``, name ->
+    Communicator); the workers meet in ``together`` after each step (not through the
+    counted communicators), so that under async the servers' window between the updates
+    that end the first and second steps holds nobody's first pull or goodbye."""
+    rt.train_step(*batch(kind, 0, rank))
+    together.Barrier()
+    for c in comms.values():
+        c.reset_counters()
+    rt.train_step(*(second or batch(kind, 1, rank)))
+    out = {name: c.counters() for name, c in comms.items()}
+    together.Barrier()
+    return out
+
+
+def same_groups(predicted, counted, where):
+    """Raise, naming ``where`` and every field that differs, unless each group's counters
+    in ``counted`` equal ``predicted``'s."""
+    for group, got in counted.items():
+        want = predicted[group]
+        if want != got:
+            diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
+            raise AssertionError(f"{where}: {group} predicted != counted {diff}")
+
+
 def served_between(rt, first, second):
     """A server's counters between the updates that made versions ``first`` and
     ``second`` (it serves until the workers are done)."""
@@ -262,17 +287,9 @@ def check_ps(kind, how):
         ps_worker.PSWorker._encode = record
     per_step = ps_model.updates_per_step(mode, workers)
     counted = None
-    # the workers wait for each other after each step (not through the counted
-    # communicator), so that under async the updates that end the second step hold
-    # nobody's first pull, first push or goodbye
     together = MPI.COMM_WORLD.Split(int(rt.trains_on_data), rank)
     if rt.trains_on_data:
-        rt.train_step(*batch(kind, 0, rank))
-        together.Barrier()
-        rt.comm.reset_counters()
-        rt.train_step(*batch(kind, 1, rank))
-        counted = rt.comm.counters()
-        together.Barrier()
+        counted = worker_counters(rt, kind, rank, together, {"world": rt.comm})["world"]
     else:
         served = served_between(rt, int(per_step), int(2 * per_step))
         if mode in ("sync", "async"):
@@ -336,13 +353,8 @@ def check_parallax(kind, algorithm, bucket_mb, overlap, how):
     counted = arrays = None
     x, y = batch(kind, 1, rank)
     if rt.trains_on_data:
-        rt.train_step(*batch(kind, 0, rank))
-        together.Barrier()
-        rt.comm.reset_counters()
-        rt.group.reset_counters()
-        rt.train_step(x, y)
-        counted = {"world": rt.comm.counters(), "dp": rt.group.counters()}
-        together.Barrier()
+        counted = worker_counters(rt, kind, rank, together,
+                                  {"world": rt.comm, "dp": rt.group}, (x, y))
     else:
         served = served_between(rt, 1, 2)
         if mode == "sync":
@@ -365,12 +377,8 @@ def check_parallax(kind, algorithm, bucket_mb, overlap, how):
     step = parallax.layout(make(kind).named_parameters(), p, servers, pushes, remote,
                            algorithm, bucket_mb, tables=tables)
     predicted = parallax.traffic(step, ranks=[rank])[rank]["groups"]
-    for group, got in (counted or {}).items():
-        want = predicted[group]
-        if want != got:
-            diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
-            raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket "
-                                 f"{bucket_mb}: {group} predicted != counted {diff}")
+    same_groups(predicted, counted or {},
+                f"rank {rank} of {p}, {kind} {how} {algorithm} bucket {bucket_mb}")
     comm.close()
     totals = MPI.COMM_WORLD.gather(None if counted is None else
                                    sum(g["total"]["bytes"] for g in counted.values()), root=0)
@@ -380,8 +388,7 @@ def check_parallax(kind, algorithm, bucket_mb, overlap, how):
 
 
 def check_groups(kind, algorithm, bucket_mb, overlap, how, per_node):
-    """``hogwild[-S]`` (``--strategy hogwild --servers S``: a worker's one-sided
-operations), ``groupsG-MODE[-S]``: ``--strategy ps --group-size G --mode MODE --servers S``
+    """``groupsG-MODE[-S]``: ``--strategy ps --group-size G --mode MODE --servers S``
     (default 1). Every worker's world (a leader's pushes) and group's counters over its
     second step, and (sync) every server's between the updates that end the first and
     the second step, must equal ``mpidl.simulate.server.grouped_layout``'s for it."""
@@ -401,14 +408,8 @@ operations), ``groupsG-MODE[-S]``: ``--strategy ps --group-size G --mode MODE --
     together = MPI.COMM_WORLD.Split(int(rt.trains_on_data), rank)
     counted = None
     if rt.trains_on_data:
-        sync = rt.syncs[0][1]
-        rt.train_step(*batch(kind, 0, rank))
-        together.Barrier()
-        rt.comm.reset_counters()
-        sync.comm.reset_counters()
-        rt.train_step(*batch(kind, 1, rank))
-        counted = {"world": rt.comm.counters(), "group": sync.comm.counters()}
-        together.Barrier()
+        counted = worker_counters(rt, kind, rank, together,
+                                  {"world": rt.comm, "group": rt.syncs[0][1].comm})
     else:
         served = served_between(rt, 1, 2)
         if mode == "sync":
@@ -422,12 +423,8 @@ operations), ``groupsG-MODE[-S]``: ``--strategy ps --group-size G --mode MODE --
                                    ps_model.Pushes(arrays, lr=0.01, step=1, mode=mode),
                                    algorithm, bucket_mb, tables=tables)
     predicted = ps_model.grouped_traffic(step, per_node, ranks=[rank])[rank]["groups"]
-    for group, got in (counted or {}).items():
-        want = predicted[group]
-        if want != got:
-            diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
-            raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket "
-                                 f"{bucket_mb}: {group} predicted != counted {diff}")
+    same_groups(predicted, counted or {},
+                f"rank {rank} of {p}, {kind} {how} {algorithm} bucket {bucket_mb}")
     comm.close()
     totals = MPI.COMM_WORLD.gather(None if counted is None else
                                    sum(g["total"]["bytes"] for g in counted.values()), root=0)
@@ -504,13 +501,8 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     step = tensor.layout(pieces, whole, p, algorithm, bucket_mb, tables=tables, rows=rows,
                          sparse=not zero, zero=zero)
     predicted = tensor.traffic(step, per_node, ranks=[rank])[rank]["groups"]
-    for group in ("tp", "dp"):
-        want, got = predicted[group], counted[group]
-        if want != got:
-            diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
-            raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket "
-                                 f"{bucket_mb}: {group} group predicted != counted {diff}; "
-                                 f"tp calls {[(c.name, c.algorithm, c.size) for c in step.pieces[j].calls]}")
+    same_groups(predicted, {g: counted[g] for g in ("tp", "dp")},
+                f"rank {rank} of {p}, {kind} {how} {algorithm} bucket {bucket_mb}")
     rt.mesh.close()
     comm.close()
     totals = MPI.COMM_WORLD.gather(sum(counted[g]["total"]["bytes"] for g in ("tp", "dp")),
@@ -580,12 +572,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
                            rows, tables=tables, pieces=pieces, zero=zero)
     assert step.bounds == rt.pp.bounds, (step.bounds, rt.pp.bounds)
     predicted = pipeline.traffic(step, per_node, ranks=[rank])[rank]["groups"]
-    for group in ("pp", "dp") + (("tp",) if T > 1 else ()):
-        want, got = predicted[group], counted[group]
-        if want != got:
-            diff = {k: (want[k], got[k]) for k in got if want.get(k) != got[k]}
-            raise AssertionError(f"rank {rank} of {p}, {kind} {how} {algorithm} bucket "
-                                 f"{bucket_mb}: {group} group predicted != counted {diff}")
+    same_groups(predicted, {g: counted[g] for g in predicted},
+                f"rank {rank} of {p}, {kind} {how} {algorithm} bucket {bucket_mb}")
     rt.finish()  # (async: the backwards it carries drained; no send left in flight)
     rt.mesh.close()
     comm.close()
