@@ -349,6 +349,31 @@ def test_json_bytes_of_other_layouts(flags, factor):
     assert out["layout"] != "data parallelism"
 
 
+@pytest.mark.parametrize("spec, ratio", [("onebit", None), ("dgc", 0.01), ("fp16", None),
+                                         ("powersgd", None)])
+def test_compressor_seconds_run_the_exchanger(spec, ratio):
+    """The compressors' own seconds come from the runtime's ``Exchanger`` run over a
+    loopback group (frames packed, every rank's payload decoded, the mean restored): it
+    runs every kind of exchange (gathered frames, summable payloads, multi-round), times
+    each tensor, and its means are those of equal ranks: at p = 2 the same bits as one
+    rank's own round trip (x + x and 2x / 2 are exact)."""
+    import numpy as np
+
+    from mpidl.compress import Exchanger, build_compression
+    from mpidl.simulate.compression import _Loopback, exchange_seconds
+
+    rng = np.random.default_rng(0)
+    tensors = [("w", rng.standard_normal((64, 33)).astype(np.float32)),
+               ("b", rng.standard_normal(33).astype(np.float32))]
+    seconds = exchange_seconds(spec, ratio, tensors, 2, repeats=2, seconds=0.0)
+    assert set(seconds) == {"w", "b"} and all(s > 0 for s in seconds.values()), seconds
+    one, two = (Exchanger(_Loopback(p), build_compression(spec, ratio)) for p in (1, 2))
+    for name, g in tensors:
+        a, b = one.exchange(g, name), two.exchange(g, name)
+        assert a.shape == g.shape and a.dtype == g.dtype
+        assert np.array_equal(a, b), (spec, name)
+
+
 def test_scaling_to_4096_ranks(tmp_path):
     """A described cluster (8 ranks per node, 200 Gbit/s): the curve to 4096 ranks comes
     back quickly, efficiency falls as ranks are added and the point below 50 % is named."""
@@ -385,6 +410,37 @@ def test_calibrate_then_predict(tmp_path):
     assert out["bytes_per_step"] == row["bytes_per_step"] and out["ranks"] == 2
     assert out["compute"].startswith("measured") and row["time_s"]["forward"] > 0
     assert row["step_s"] >= row["time_s"]["forward"] + row["time_s"]["backward"]
+
+
+def test_measured_curve_prices_messages(tmp_path):
+    """A calibrated link is priced by its measured curve (linear between the sizes, the
+    last slope beyond them), not by the fitted line; an ``--alpha-*``/``--beta-*``
+    override moves the curve with the line (the same value changes nothing)."""
+    from mpidl.simulate.collectives import Links, Topology
+    from mpidl.simulate.machine import Machine
+
+    curve = {"bytes": [1, 1024, 1 << 20, 1 << 21], "seconds": [2e-5, 3e-5, 2e-3, 4.5e-3]}
+    m = Machine(alpha_intra=1e-5, beta_intra=1e-9, alpha_inter=1e-5, beta_inter=1e-9,
+                info={"points": {"inter": curve}})
+    links = Links(m, Topology(2, 1))
+    assert links.cost(True, 1 << 20) == pytest.approx(2e-3, rel=1e-12)
+    assert links.cost(True, 3 << 19) == pytest.approx((2e-3 + 4.5e-3) / 2, rel=1e-12)
+    assert links.cost(True, 2 << 20, messages=2) == pytest.approx(4e-3, rel=1e-12)
+    assert links.cost(True, 4 << 20) == pytest.approx(4.5e-3 + 5e-3, rel=1e-12)
+    assert links.cost(True, 0, messages=3) == pytest.approx(6e-5, rel=1e-12)
+    assert links.message(False, 1 << 20) == pytest.approx(1e-5 + 1e-9 * (1 << 20))
+    machine = tmp_path / "m.json"
+    machine.write_text(json.dumps(m.to_dict()))
+
+    def step(*flags):
+        out = json_of(simulate("--model", "mlp", "--machine", machine, "--ranks", "2",
+                               "--ranks-per-node", "1", "--algorithm", "ring", "--json",
+                               "--limit-train", "512", *flags).check())
+        return out["predictions"][0]["time_s"]["comm"]
+
+    same, base, slower = step("--beta-inter", "1e-9"), step(), step("--beta-inter", "2e-9")
+    assert same == pytest.approx(base, rel=1e-12)
+    assert slower > base * 1.4, (base, slower)
 
 
 @pytest.mark.parametrize("args, needles", [

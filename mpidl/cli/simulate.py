@@ -207,12 +207,28 @@ def machine_of(args):
             if not 0 <= value < float("inf"):
                 raise ConfigError(f"--{key.replace('_', '-')} must be a number >= 0, got "
                                   f"{value}")
+            if key != "gamma":
+                _shift_curve(m, key, value)
             setattr(m, key, value)
     if args.ranks_per_node is not None:
         if args.ranks_per_node < 1:
             raise ConfigError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
         m.ranks_per_node = args.ranks_per_node
     return m
+
+
+def _shift_curve(m, key, value):
+    """A link's measured curve (a calibrated machine's) follows an override of its alpha
+    or beta: every time moves by what the fitted line moves at that size, so the curve
+    keeps its measured shape (bursts, protocol switches) at the new latency or rate."""
+    kind, where = key.split("_")
+    curve = ((m.info or {}).get("points") or {}).get(where)
+    if not curve:
+        return
+    delta = value - getattr(m, key)
+    moved = [t + (delta if kind == "alpha" else delta * b)
+             for b, t in zip(curve["bytes"], curve["seconds"])]
+    curve["seconds"] = [max(t, moved[0], 0.0) for t in moved]
 
 
 def prepare(args, world):

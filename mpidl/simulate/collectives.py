@@ -359,15 +359,30 @@ def count(kind, algorithm, r, topo, n_or_counts, itemsize, seg_bytes):
 
 # ------------------------------------------------------------------ time
 class Links:
-    """The alpha-beta costs of a machine on a topology: which link a message takes."""
+    """What messages cost on a machine and topology: which link a message takes, and its
+    seconds there: the calibration's measured curve where it measured that link (the
+    fitted ``alpha + beta * bytes`` line is least exact where bandwidth rules: a fit on
+    relative error follows the many small sizes, and a rate-limited link lets short
+    bursts through faster than its rate), the machine's line elsewhere."""
 
     def __init__(self, machine, topo):
         self.m, self.topo = machine, topo
         self.multi = topo.nodes > 1
+        points = (machine.info.get("points") or {}) if machine.info else {}
+        self.curves = {where: (np.asarray(c["bytes"], dtype=float),
+                               np.asarray(c["seconds"], dtype=float))
+                       for where, c in points.items() if c and len(c["bytes"]) >= 2}
 
     def cost(self, inter, nbytes, messages=1, flows=1):
+        """Seconds of ``messages`` messages carrying ``nbytes`` in all, one after the
+        other; ``flows`` ranks of a node send as many at once over the node's link."""
         m = self.m
-        if inter and self.multi:
+        inter = inter and self.multi
+        curve = self.curves.get("inter" if inter else "intra")
+        if curve is not None and messages >= 1:
+            share = max(1, flows) if inter else 1
+            return messages * _on_curve(curve, nbytes * share / messages)
+        if inter:
             return messages * m.alpha_inter + nbytes * m.beta_inter * max(1, flows)
         return messages * m.alpha_intra + nbytes * m.beta_intra
 
@@ -381,15 +396,19 @@ class Links:
         return self.m.gamma * nbytes
 
     def message(self, inter, nbytes):
-        """Seconds of one point-to-point message of ``nbytes``: the calibration's
-        measured times where it measured that link (linear between its sizes: whole
-        tensors of megabytes sit where a fitted line is least exact), ``alpha + beta *
-        bytes`` elsewhere."""
-        where = "inter" if inter and self.multi else "intra"
-        points = (self.m.info.get("points") or {}).get(where) if self.m.info else None
-        if points and points["bytes"][0] <= nbytes <= points["bytes"][-1]:
-            return float(np.interp(nbytes, points["bytes"], points["seconds"]))
+        """Seconds of one point-to-point message of ``nbytes``."""
         return self.cost(inter, nbytes)
+
+
+def _on_curve(curve, nbytes):
+    """Seconds of one message of ``nbytes`` on a measured curve: linear between its
+    sizes, the smallest size's time below them, the last segment's slope (the link's
+    rate at the largest sizes) beyond them."""
+    sizes, seconds = curve
+    if nbytes <= sizes[-1]:
+        return float(np.interp(nbytes, sizes, seconds))
+    slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
+    return float(seconds[-1] + (nbytes - sizes[-1]) * max(slope, 0.0))
 
 
 def _log2ceil(p):

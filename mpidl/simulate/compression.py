@@ -22,28 +22,83 @@ from a batch of the training set) gives an estimate, and ``frames`` (each rank's
 bytes per tensor) the exact layout when they are known, as the exactness test knows
 them.
 
-The compressors' own work (compress, and decode every rank's payload) is timed here
-on the gradient given: ``Call.local_s``, the seconds this machine takes, at ``p`` ranks.
+The compressors' own work is timed here on the gradient given (``Call.local_s`` of each
+tensor's first call: the seconds this machine takes, at ``p`` ranks) by running the
+runtime's own ``Exchanger`` over a loopback group that stands in for the ranks (every
+rank's payload alike, nothing moved): so it holds everything a step computes beside its
+collectives, not just the compressor's calls: error feedback, packing the frame,
+unpacking and decoding each rank's, the mean, restoring the shape and dtype.
 """
 
 import time
 
 import numpy as np
 
-from mpidl.compress import build_compression, frame
+from mpidl.compress import Exchanger, build_compression, frame
 
 from .step import Call, _dtype_name, resolve
 
 
-def _timed(fn, *args):
-    t = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t
+class _Handle:
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+
+class _Loopback:
+    """Stands in for the data-parallel group while ``Exchanger`` runs one rank's exchange:
+    every rank's contribution is this rank's (a mean of equal arrays is the array; an
+    all-gather is ``size`` copies of the frame). ``spent``: the seconds its own copies
+    took, which the link model prices and the timing leaves out."""
+
+    rank = 0
+    local_size = 1
+
+    def __init__(self, size):
+        self.size = size
+        self.spent = 0.0
+
+    def allreduce(self, x, out=None, op="sum", algorithm="auto", name=None):
+        return x if out is None else out
+
+    def iallreduce(self, x, op="sum", algorithm="auto", name=None):
+        return _Handle(x)
+
+    def iallgatherv(self, x, algorithm="auto", name=None):
+        from mpidl.backend import array_module  # noqa: PLC0415
+
+        t = time.perf_counter()
+        gathered = array_module(x).concatenate([x.reshape(-1)] * self.size)
+        self.spent += time.perf_counter() - t
+        return _Handle((gathered, [int(x.size)] * self.size))
+
+
+def exchange_seconds(spec, ratio, tensors, p, repeats=5, seconds=0.2):
+    """Per tensor of ``tensors`` ((name, gradient) pairs, in the order the runtime starts
+    them), the seconds of its compressed exchange on this machine apart from the
+    collectives: ``Exchanger.start`` and ``finish`` over a loopback group of ``p``
+    ranks (module doc), the median of at least ``repeats`` steps and ``seconds`` of them
+    (one step's timing is at the mercy of whatever else the machine runs), the memory
+    carried from step to step as in training. A first step only compiles the kernels."""
+    group = _Loopback(p)
+    exchanger = Exchanger(group, build_compression(spec, ratio))
+    runs = {name: [] for name, _ in tensors}
+    start, rep = time.perf_counter(), 0
+    while rep <= repeats or time.perf_counter() - start < seconds:
+        rep += 1
+        for name, g in tensors:
+            before = group.spent
+            t = time.perf_counter()
+            exchanger.finish(exchanger.start(g, name))
+            runs[name].append(time.perf_counter() - t - (group.spent - before))
+    return {name: float(np.median(r[1:])) for name, r in runs.items()}
 
 
 def tensor_calls(compressor, grad, name, p, selector, algorithm, params, frames=None,
                  on_gpu=False):
-    """The calls of one tensor's exchange (module doc), with the compressor's seconds."""
+    """The calls of one tensor's exchange (module doc)."""
     c = compressor
     calls = []
     if c.multi_round:
@@ -53,15 +108,11 @@ def tensor_calls(compressor, grad, name, p, selector, algorithm, params, frames=
                               _dtype_name(array.dtype), params))
             return array
 
-        _, seconds = _timed(c.reduce, grad, name, mean)
-        if calls:
-            calls[0].local_s = seconds
+        c.reduce(grad, name, mean)
         return calls
     memory = getattr(c, "memory", None)
-    if memory is not None:
-        (payload, ctx), encode = _timed(memory.compress, c, grad, name)
-    else:
-        (payload, ctx), encode = _timed(c.compress, grad, name)
+    payload, ctx = memory.compress(c, grad, name) if memory is not None \
+        else c.compress(grad, name)
     gather = not c.summable or (p == 2 and not on_gpu
                                 and any(a.dtype == np.float16 for a in payload))
     if not gather:
@@ -69,8 +120,6 @@ def tensor_calls(compressor, grad, name, p, selector, algorithm, params, frames=
             alg = resolve(selector, "allreduce", algorithm, a.nbytes, a.dtype)
             calls.append(Call("allreduce", f"{name}/{i}", alg, int(a.size), a.itemsize,
                               _dtype_name(a.dtype), params))
-        _, decode = _timed(c.decompress, payload, ctx)
-        calls[0].local_s = encode + decode
         return calls
     size = frame.header(payload)[1]
     counts = list(frames) if frames is not None else [size] * p
@@ -78,11 +127,7 @@ def tensor_calls(compressor, grad, name, p, selector, algorithm, params, frames=
         raise ValueError(f"tensor {name}: give the frame bytes of each of the {p} ranks, "
                          f"got {counts}")
     alg = resolve(selector, "allgatherv", algorithm, sum(counts) // p, np.uint8)
-    out = np.zeros(ctx.n, dtype=np.float32)
-    _, decode = _timed(c.decompress_add, payload, ctx, out)
-    call = Call("allgatherv", name, alg, counts, 1, "uint8", params)
-    call.local_s = encode + p * decode
-    return [call]
+    return [Call("allgatherv", name, alg, counts, 1, "uint8", params)]
 
 
 def layout(step, named_params, grads, spec, ratio, selector, algorithm, bucket_mb,
@@ -106,17 +151,15 @@ def layout(step, named_params, grads, spec, ratio, selector, algorithm, bucket_m
         tensors = [(n, np.asarray(grads[n], dtype=q.data.dtype).reshape(q.data.shape), (n,))
                    for n, q in reversed(list(named_params))]
         step.overlap = overlap
-    # the first compressor only compiles the kernels (its times would be the JIT's); the
-    # second's calls and times are the layout
-    for keep in (False, True):
-        compressor = build_compression(spec, ratio)
-        compressor.bind(0, p)
-        for name, g, params in tensors:
-            calls = tensor_calls(compressor, g, name, p, selector, algorithm, params,
-                                 frames.get(name), on_gpu)
-            if keep:
-                step.calls += calls
-                step.dense_bytes += g.nbytes
+    compressor = build_compression(spec, ratio)
+    compressor.bind(0, p)
+    seconds = exchange_seconds(spec, ratio, [(name, g) for name, g, _ in tensors], p)
+    for name, g, params in tensors:
+        calls = tensor_calls(compressor, g, name, p, selector, algorithm, params,
+                             frames.get(name), on_gpu)
+        calls[0].local_s = seconds[name]
+        step.calls += calls
+        step.dense_bytes += g.nbytes
     step.what = f"compression {spec}"
     return step
 
