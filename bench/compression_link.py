@@ -164,32 +164,39 @@ def one_rate(a, rate, work):
         out = {"rate": rate, "rate_gbit": gbit(rate), "calibrated": calib, "runs": {}}
         for name, flags in RUNS.items():
             print(f"{rate}: training {name}", flush=True)
-            r = train(a, flags, os.path.join(work, f"{rate}-{name.split()[0]}"))
-            r["predicted"] = predict(a, machine, flags)
-            out["runs"][name] = r
-            print(f"  {name}: step {1e3 * r['step_s']:.1f} ms (predicted "
-                  f"{1e3 * r['predicted']['step_s']:.1f}), final acc {r['final_acc']:.4f}, "
-                  f"to {a.target:.0%}: {r['time_to_target_s']} s", flush=True)
-        sweep = {name: [predict(a, machine, flags, 8e-9 / g)["step_s"] for g in RATES_GBIT]
-                 for name, flags in RUNS.items()}
-        out["sweep"] = {"rates_gbit": RATES_GBIT, "step_s": sweep}
-        dense = out["runs"]["dense"]
-        for name in RUNS:
-            if name == "dense":
-                continue
-            r = out["runs"][name]
-            r["crossover_gbit"] = crossover(RATES_GBIT, sweep["dense"], sweep[name])
-            if r["steps_to_target"] and dense["steps_to_target"]:
-                ratio = r["steps_to_target"] / dense["steps_to_target"]
-                r["steps_ratio_to_dense"] = ratio
-                r["crossover_to_target_gbit"] = crossover(
-                    RATES_GBIT, sweep["dense"], [ratio * s for s in sweep[name]])
-            if r["time_to_target_s"] and dense["time_to_target_s"]:
-                r["speedup_to_target"] = dense["time_to_target_s"] / r["time_to_target_s"]
-        return out
+            out["runs"][name] = train(a, flags, os.path.join(work, f"{rate}-{name.split()[0]}"))
+        return predict_rate(a, out, machine)
     finally:
         if made:
             subprocess.run(["bash", VCLUSTER, "down"], check=True)
+
+
+def predict_rate(a, out, machine):
+    """The predictions of one rate's entry ``out`` (its runs measured): each run's step,
+    the sweep over link rates and the crossovers, on the calibrated ``machine`` file."""
+    for name, flags in RUNS.items():
+        r = out["runs"][name]
+        r["predicted"] = predict(a, machine, flags)
+        print(f"  {out['rate']} {name}: step {1e3 * r['step_s']:.1f} ms (predicted "
+              f"{1e3 * r['predicted']['step_s']:.1f}), final acc {r['final_acc']:.4f}, "
+              f"to {a.target:.0%}: {r['time_to_target_s']} s", flush=True)
+    sweep = {name: [predict(a, machine, flags, 8e-9 / g)["step_s"] for g in RATES_GBIT]
+             for name, flags in RUNS.items()}
+    out["sweep"] = {"rates_gbit": RATES_GBIT, "step_s": sweep}
+    dense = out["runs"]["dense"]
+    for name in RUNS:
+        if name == "dense":
+            continue
+        r = out["runs"][name]
+        r["crossover_gbit"] = crossover(RATES_GBIT, sweep["dense"], sweep[name])
+        if r["steps_to_target"] and dense["steps_to_target"]:
+            ratio = r["steps_to_target"] / dense["steps_to_target"]
+            r["steps_ratio_to_dense"] = ratio
+            r["crossover_to_target_gbit"] = crossover(
+                RATES_GBIT, sweep["dense"], [ratio * s for s in sweep[name]])
+        if r["time_to_target_s"] and dense["time_to_target_s"]:
+            r["speedup_to_target"] = dense["time_to_target_s"] / r["time_to_target_s"]
+    return out
 
 
 def plot(result, path):
@@ -229,7 +236,12 @@ def main():
     p.add_argument("--plot", default=os.path.join(HERE, "results", "compression_link.png"))
     p.add_argument("--append", action="store_true",
                    help="add these rates to the rates of --out (same settings)")
+    p.add_argument("--repredict", action="store_true",
+                   help="predict the runs of --out again with today's model, from the "
+                   "calibrations stored in it (nothing is measured; no root needed)")
     a = p.parse_args()
+    if a.repredict:
+        return repredict(a)
     if os.geteuid() != 0:
         raise SystemExit("the virtual cluster needs root: sudo python bench/compression_link.py")
     from mpidl.benchmarks.machine import describe
@@ -251,6 +263,31 @@ def main():
             result["rates"].append(one_rate(a, rate, work))
             with open(a.out, "w") as f:
                 json.dump(result, f, indent=1)
+    summarize(a, result)
+    print(f"wrote {a.out}", flush=True)
+
+
+def repredict(a):
+    """``--repredict``: the stored runs of ``--out`` predicted again; rewritten in place,
+    ``repredicted`` saying when."""
+    with open(a.out) as f:
+        result = json.load(f)
+    a.batch, a.limit_train, a.target = (result["batch_per_rank"], result["limit_train"],
+                                        result["target"])
+    with tempfile.TemporaryDirectory(prefix="mpidl-compression-link-") as work:
+        for entry in result["rates"]:
+            machine = os.path.join(work, f"machine-{entry['rate']}.json")
+            with open(machine, "w") as f:
+                json.dump(entry["calibrated"], f)
+            predict_rate(a, entry, machine)
+    result["repredicted"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    summarize(a, result)
+    print(f"rewrote {a.out}", flush=True)
+
+
+def summarize(a, result):
     plot(result, a.plot)
     for r in result["rates"]:
         for name, run_ in r["runs"].items():
@@ -261,7 +298,6 @@ def main():
                      f", {run_.get('speedup_to_target')}x dense; predicted to win per step "
                      f"below {run_.get('crossover_gbit')} Gbit/s, to the target below "
                      f"{run_.get('crossover_to_target_gbit')} Gbit/s"), flush=True)
-    print(f"wrote {a.out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,9 @@ def parse_args(argv=None):
                    help="calibrate before every configuration (default: the prediction "
                    "and the run it is compared with are a minute apart at most) or once "
                    "per repeat")
+    p.add_argument("--repredict", nargs="+", metavar="JSON", default=None,
+                   help="predict the runs of these results files again with today's "
+                   "model, from their stored calibrations (nothing is measured)")
     p.add_argument("--out", default=RESULTS)
     return p.parse_args(argv)
 
@@ -238,6 +241,28 @@ def time_bench(a):
                     print(f"repeat {rep + 1}/{repeats} p={p} {c[1]:>18} overlap {c[2]:>3}: "
                           f"measured {1e3 * got['step_s']:7.2f} ms, predicted "
                           f"{1e3 * want['step_s']:7.2f} ms", flush=True)
+    info = {**describe(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "repeats": repeats, "steps": steps, "model": MODEL,
+            "calibrate_every": a.calibrate_every,
+            "vcluster": _ON_VCLUSTER[0] if _ON_VCLUSTER else None,
+            "load_avg_after": os.getloadavg()}
+    name = (f"simulate_time_vcluster_{_ON_VCLUSTER[0]}" + (f"_2x{a.ppn}" if a.ppn > 1 else "")
+            if _ON_VCLUSTER else "simulate_time") + ("_ps" if algorithms == ("ps",) else "")
+    report(runs, machines, info, os.path.join(a.out, name + ".json"))
+
+
+def compute_text(p):
+    """How the step's compute ran at ``p`` ranks (the rows' ``compute``)."""
+    if p <= 2:
+        return ("real (2 nodes x 1 rank, a core each)" if _ON_VCLUSTER
+                else "real (2 ranks, 2 cores)")
+    return (f"emulated: {PACE_4} s/sample (2 nodes x {p // 2} ranks on 2 cores)"
+            if _ON_VCLUSTER else f"emulated: {PACE_4} s/sample (4 ranks oversubscribe 2 cores)")
+
+
+def report(runs, machines, info, path, compute=compute_text):
+    """Rows and summary of ``runs`` ({(p, algorithm, overlap): [(measured, predicted)]}
+    per repeat), written to ``path`` (JSON, and the plot beside it) and printed."""
     rows = []
     for (p, alg, ov), pairs in runs.items():
         measured = statistics.median(g["step_s"] for g, _ in pairs)
@@ -247,12 +272,7 @@ def time_bench(a):
         # compute is known: there the prediction itself)
         given = predicted if p > 2 or alg == "ps" else statistics.median(
             w["step_s"] - w["compute_s"] + g["compute_ms"] / 1e3 for g, w in pairs)
-        rows.append({"ranks": p, "algorithm": alg, "overlap": ov,
-                     "compute": ("real (2 nodes x 1 rank, a core each)" if _ON_VCLUSTER
-                                 else "real (2 ranks, 2 cores)") if p <= 2 else
-                     f"emulated: {PACE_4} s/sample (2 nodes x {p // 2} ranks on 2 cores)"
-                     if _ON_VCLUSTER else
-                     f"emulated: {PACE_4} s/sample (4 ranks oversubscribe 2 cores)",
+        rows.append({"ranks": p, "algorithm": alg, "overlap": ov, "compute": compute(p),
                      "batch": BATCH if p <= 2 else BATCH_4,
                      "measured_step_ms": 1e3 * measured, "predicted_step_ms": 1e3 * predicted,
                      "error": (predicted - measured) / measured,
@@ -262,6 +282,7 @@ def time_bench(a):
                      "measured_compute_ms": [g["compute_ms"] for g, _ in pairs],
                      "measured_wait_ms": [g["wait_ms"] for g, _ in pairs],
                      "predicted_runs": [w for _, w in pairs]})
+    ranks = sorted({r["ranks"] for r in rows})
     errors = [abs(r["error"]) for r in rows]
     given = [abs(r["error_given_compute"]) for r in rows]
     summary = {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
@@ -270,32 +291,59 @@ def time_bench(a):
                "per_ranks": {str(p): {"median_abs_error": statistics.median(
                    abs(r["error"]) for r in rows if r["ranks"] == p),
                    "worst_abs_error": max(abs(r["error"]) for r in rows if r["ranks"] == p)}
-                   for p in a.ranks}}
-    result = {"info": {**describe(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                       "repeats": repeats, "steps": steps, "model": MODEL,
-                       "calibrate_every": a.calibrate_every,
-                       "vcluster": _ON_VCLUSTER[0] if _ON_VCLUSTER else None,
-                       "load_avg_after": os.getloadavg()},
-              "machines": {str(p): m for p, m in machines.items()},
+                   for p in ranks}}
+    result = {"info": info, "machines": {str(p): m for p, m in machines.items()},
               "rows": rows, "summary": summary}
-    os.makedirs(a.out, exist_ok=True)
-    name = (f"simulate_time_vcluster_{_ON_VCLUSTER[0]}" + (f"_2x{a.ppn}" if a.ppn > 1 else "")
-            if _ON_VCLUSTER else "simulate_time") + ("_ps" if algorithms == ("ps",) else "")
-    with open(os.path.join(a.out, name + ".json"), "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"median |error| {100 * summary['median_abs_error']:.1f} %, worst "
-          f"{100 * summary['worst_abs_error']:.1f} %; given the run's own compute: median "
-          f"{100 * summary['given_compute']['median_abs_error']:.1f} %, worst "
+    print(f"{os.path.basename(path)}: median |error| {100 * summary['median_abs_error']:.1f} "
+          f"%, worst {100 * summary['worst_abs_error']:.1f} %; given the run's own compute: "
+          f"median {100 * summary['given_compute']['median_abs_error']:.1f} %, worst "
           f"{100 * summary['given_compute']['worst_abs_error']:.1f} %")
     for r in rows:
         print(f"p={r['ranks']} {r['algorithm']:>18} overlap {r['overlap']:>3}: measured "
               f"{r['measured_step_ms']:7.2f} ms, predicted {r['predicted_step_ms']:7.2f} ms, "
               f"error {100 * r['error']:+6.1f} % (given its compute "
               f"{100 * r['error_given_compute']:+6.1f} %)")
-    plot_time(rows, os.path.join(a.out, name + ".png"))
+    plot_time(rows, path[:-len(".json")] + ".png", info.get("vcluster"))
 
 
-def plot_time(rows, path):
+def repredict(paths):
+    """Predict the measured runs of earlier results files again with today's model, from
+    the calibrations stored beside them (what was measured stays as it was); each file is
+    rewritten, ``info.repredicted`` saying when."""
+    for path in paths:
+        with open(path) as f:
+            old = json.load(f)
+        info, rows = old["info"], old["rows"]
+        repeats = info["repeats"]
+        runs, ranks = {}, sorted({r["ranks"] for r in rows})
+        with tempfile.TemporaryDirectory() as tmp:
+            for p in ranks:
+                batch, pace = (BATCH, None) if p <= 2 else (BATCH_4, PACE_4)
+                mine = [r for r in rows if r["ranks"] == p]
+                machines = old["machines"][str(p)]
+                per_config = len(machines) == repeats * len(mine) and len(mine) > 1
+                for i, r in enumerate(mine):
+                    pairs = []
+                    for rep in range(repeats):
+                        machine = os.path.join(tmp, "machine.json")
+                        with open(machine, "w") as f:
+                            json.dump(machines[rep * len(mine) + i if per_config else rep], f)
+                        got = {"step_s": r["measured_runs_ms"][rep] / 1e3,
+                               "compute_ms": r["measured_compute_ms"][rep],
+                               "wait_ms": r["measured_wait_ms"][rep]}
+                        pairs.append((got, predict(p, r["algorithm"], r["overlap"], batch,
+                                                   pace, machine)))
+                    runs[(p, r["algorithm"], r["overlap"])] = pairs
+        info["repredicted"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        texts = {r["ranks"]: r["compute"] for r in rows}
+        report(runs, {int(p): m for p, m in old["machines"].items()}, info, path,
+               compute=texts.get)
+
+
+def plot_time(rows, path, vcluster=None):
     from mpidl.benchmarks.plotting import pyplot
 
     plt = pyplot()
@@ -318,7 +366,7 @@ def plot_time(rows, path):
         ax.set_xticklabels([f"{r['algorithm'].replace('recursive_doubling', 'rd')[:5]}\n"
                             f"ov {r['overlap']}" for r in sub], fontsize=8)
         ax.set_ylabel("step (ms)")
-        where = f" over {_ON_VCLUSTER[0]} links" if _ON_VCLUSTER else ""
+        where = f" over {vcluster} links" if vcluster else ""
         ax.set_title(f"{p} ranks{where}, {MODEL}: {sub[0]['compute'].split(':')[0]} "
                      "compute", fontsize=9)
         ax.legend(loc="lower right")
@@ -473,6 +521,8 @@ def main(argv=None):
         return worker(a)
     if a.scale:
         return scale_bench(a)
+    if a.repredict:
+        return repredict(a.repredict)
     if a.vcluster:
         return on_vcluster(a)
     return time_bench(a)
