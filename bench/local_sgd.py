@@ -1,21 +1,24 @@
 """Local SGD and DiLoCo against all-reduce: bytes sent against accuracy.
 
     python bench/local_sgd.py             # -> bench/results/local_sgd.json + local_sgd.png
-    python bench/local_sgd.py --model cnn --epochs 4 --out ... --plot ...
+    python bench/local_sgd.py --model cnn --optimizer adamw --lr 0.001 --epochs 8 \
+        --out bench/results/local_sgd_cnn.json --plot bench/results/local_sgd_cnn.png
     python bench/local_sgd.py --quick     # tiny run on synthetic data (the test's)
 
 Every configuration trains the same model from the same seed on the same batches with
-mpidl's ``Trainer`` on ``--ranks`` ranks (``mpiexec``; batch ``--batch`` per rank, the
-model's recipe: SGD with its momentum, weight decay and lr, cosine schedule over the
-run): all-reduce data parallelism (``--sync allreduce``), then local SGD and DiLoCo
-(outer Nesterov, lr 0.7, momentum 0.9; the inner optimizer is the same SGD) for every H
-in ``--periods``. All use the ring all-reduce with one layout of buckets, so an averaging
-moves exactly the bytes of one all-reduce step. The bytes are the communicator's counters
-(``comm.counters()``: payload this rank sent), summed between each step's start and end,
-so evaluation is not counted; every run asserts replicas bitwise equal after each
-averaging (``verify_averaging``). ``--limit-train`` is chosen so that the steps of the
-whole run are a multiple of every H: the bytes are then exactly 1/H of all-reduce's
-(checked here: ``exact``); the final test accuracy is that of the averaged model.
+mpidl's ``Trainer`` on ``--ranks`` ranks (``mpiexec``; batch ``--batch`` per rank, cosine
+schedule over the run, the same inner optimizer in every run: the model's SGD recipe,
+or ``--optimizer adamw``, DiLoCo's paper's): all-reduce data parallelism (``--sync
+allreduce``), then local SGD and DiLoCo (outer Nesterov, ``--outer-lr`` 0.7 and
+``--outer-momentum`` 0.9 by default, the paper's) for every H in ``--periods``
+(``--only`` picks some). All use the ring all-reduce with one layout of buckets, so an
+averaging moves exactly the bytes of one all-reduce step. The bytes are the
+communicator's counters (``comm.counters()``: payload this rank sent), summed between
+each step's start and end, so evaluation is not counted; every run asserts replicas
+bitwise equal after each averaging (``verify_averaging``). ``--limit-train`` is chosen so
+that the steps of the whole run are a multiple of every H (with ``--epochs`` 4 or 8): the
+bytes are then exactly 1/H of all-reduce's (checked here: ``exact``); the final test
+accuracy is that of the averaged model.
 
 Reading it: points of test accuracy lost against bytes saved. Timings are not reported
 (4 ranks on 2 cores oversubscribe; see the README's benchmark notes).
@@ -68,7 +71,7 @@ def run_rank(a):
     from mpidl.comm import Communicator
     from mpidl.data import load_dataset
     from mpidl.engine.models import MODEL_DEFAULTS, build_model
-    from mpidl.engine.optim import SGD
+    from mpidl.engine.optim import SGD, AdamW
     from mpidl.runtime import build
     from mpidl.training.trainer import Trainer
 
@@ -79,11 +82,17 @@ def run_rank(a):
     recipe = MODEL_DEFAULTS.get(a.model, MODEL_DEFAULTS["mlp"])
     model = build_model(a.model, input_shape=ds.input_shape, num_classes=ds.num_classes,
                         seed=a.seed, dtype=a.dtype)
-    opt = SGD(model.named_parameters(), lr=recipe["lr"], momentum=recipe["momentum"],
-              weight_decay=recipe["weight_decay"])
+    lr = a.lr if a.lr is not None else recipe["lr"]
+    if a.optimizer == "adamw":
+        opt = AdamW(model.named_parameters(), lr=lr, weight_decay=a.weight_decay)
+    else:
+        opt = SGD(model.named_parameters(), lr=lr, momentum=recipe["momentum"],
+                  weight_decay=recipe["weight_decay"])
     options = {}
     if a.sync != "allreduce":
         options = {"sync": a.sync, "period": a.period, "verify_averaging": True}
+    if a.sync == "diloco":
+        options.update(outer_lr=a.outer_lr, outer_momentum=a.outer_momentum)
     runtime = build("allreduce", Communicator(world), algorithm="ring", overlap="off",
                     **options)
     counter = StepBytes()
@@ -95,7 +104,7 @@ def run_rank(a):
                                                       "test_loss", "test_acc")})
 
     trainer = Trainer(model, opt, ds, runtime=runtime, callbacks=[counter, Record()],
-                      epochs=a.epochs, batch_size=a.batch, lr=recipe["lr"],
+                      epochs=a.epochs, batch_size=a.batch, lr=lr,
                       schedule="cosine", seed=a.seed, dtype=a.dtype, progress=False,
                       quiet=True)
     t = time.perf_counter()
@@ -113,25 +122,34 @@ def run_rank(a):
         json.dump(out, f)
 
 
-def configurations(periods):
+def configurations(periods, only=None):
+    """(name, --sync, H) of every run; ``only``: the names to keep (all-reduce, the
+    anchor, always runs)."""
     yield "allreduce", "allreduce", 1
     for sync in ("local-sgd", "diloco"):
         for h in periods:
-            yield f"{sync} H={h}", sync, h
+            name = f"{sync} H={h}"
+            if only is None or name in only:
+                yield name, sync, h
 
 
 def main_run(a):
     os.makedirs(a.work, exist_ok=True)
     periods = [int(h) for h in a.periods.split(",")]
     results = {"machine": describe_machine(), "settings": vars(a), "runs": {}}
-    for name, sync, h in configurations(periods):
+    only = None if not a.only else {n.strip() for n in a.only.split(",")}
+    for name, sync, h in configurations(periods, only):
         out = os.path.join(a.work, f"{name.replace(' ', '_').replace('=', '')}.json")
         cmd = [mpiexec(), "-n", str(a.ranks), sys.executable, "-m", "mpi4py",
                os.path.abspath(__file__), "_run", "--sync", sync, "--period", str(h),
                "--out", out, "--model", a.model, "--dataset", a.dataset, "--epochs",
                str(a.epochs), "--batch", str(a.batch), "--seed", str(a.seed),
                "--limit-train", str(a.limit_train), "--limit-test", str(a.limit_test),
-               "--dtype", a.dtype]
+               "--dtype", a.dtype, "--optimizer", a.optimizer, "--weight-decay",
+               str(a.weight_decay), "--outer-lr", str(a.outer_lr), "--outer-momentum",
+               str(a.outer_momentum)]
+        if a.lr is not None:
+            cmd += ["--lr", str(a.lr)]
         if a.data_dir:
             cmd += ["--data-dir", a.data_dir]
         t = time.time()
@@ -230,6 +248,16 @@ def main(argv=None):
                     "every H")
     ap.add_argument("--limit-test", type=int, default=0)
     ap.add_argument("--periods", default="1,4,16,64,256")
+    ap.add_argument("--only", default=None, help="comma-separated run names to run "
+                    "besides all-reduce, e.g. 'local-sgd H=16,diloco H=16'")
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+                    help="the inner optimizer of every run (all-reduce's too): the "
+                    "model's SGD recipe, or AdamW (DiLoCo's paper)")
+    ap.add_argument("--lr", type=float, default=None, help="default: the model's recipe")
+    ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr")
+    ap.add_argument("--outer-momentum", type=float, default=0.9,
+                    help="DiLoCo's outer Nesterov momentum")
     ap.add_argument("--work", default=os.path.join(ROOT, "runs", "bench-local-sgd"))
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "local_sgd.json"))
