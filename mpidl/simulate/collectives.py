@@ -32,10 +32,12 @@ functions follow the modules line by line, without running them:
 
 Time (a prediction): the alpha-beta(-gamma) model of Thakur, Rabenseifner and Gropp
 (2005) along each algorithm's rounds: a message of ``m`` bytes costs ``alpha + beta m``
-on the link it takes (intra- or inter-node, ``Machine``), a reduction ``gamma m``.
-A round whose messages leave a node on several flows at once shares the node's link
-(``beta`` times the flows). The ring's segments are sent one after another on one link,
-so a ring step costs ``segments x alpha + bytes x beta``. MPI's own all-reduce is taken
+on the link it takes (intra- or inter-node, ``Machine``), or, on a calibrated machine,
+what the calibration measured for ``m`` bytes on that link (``Links``); a reduction
+``gamma m``. A round whose messages leave a node on several flows at once shares the
+node's link (``beta`` times the flows; on the measured curve, the flows' bytes as one
+message). The ring's segments are sent one after another on one link, so a ring step
+costs ``segments x alpha + bytes x beta`` (each segment's measured time). MPI's own all-reduce is taken
 to be MPICH's (recursive doubling up to 2 KiB, else reduce-scatter by recursive halving
 + all-gather by recursive doubling, ``_mpich_allreduce_time``); its all-gather a ring.
 ``bench/simgrid.py`` checks these times against SimGrid SMPI on platforms of hundreds of
