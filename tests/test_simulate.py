@@ -415,7 +415,7 @@ def test_calibrate_then_predict(tmp_path):
 def test_measured_curve_prices_messages(tmp_path):
     """A calibrated link is priced by its measured curve (linear between the sizes, the
     last slope beyond them), not by the fitted line; an ``--alpha-*``/``--beta-*``
-    override moves the curve with the line (the same value changes nothing)."""
+    override moves or rescales the curve (the same value changes nothing)."""
     from mpidl.simulate.collectives import Links, Topology
     from mpidl.simulate.machine import Machine
 

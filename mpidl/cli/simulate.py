@@ -219,16 +219,21 @@ def machine_of(args):
 
 def _shift_curve(m, key, value):
     """A link's measured curve (a calibrated machine's) follows an override of its alpha
-    or beta: every time moves by what the fitted line moves at that size, so the curve
-    keeps its measured shape (bursts, protocol switches) at the new latency or rate."""
+    or beta, keeping its measured shape (bursts, protocol switches): a new alpha moves
+    every time by the change; a new beta scales what each size takes beyond the smallest
+    message by the ratio of the rates."""
     kind, where = key.split("_")
     curve = ((m.info or {}).get("points") or {}).get(where)
     if not curve:
         return
-    delta = value - getattr(m, key)
-    moved = [t + (delta if kind == "alpha" else delta * b)
-             for b, t in zip(curve["bytes"], curve["seconds"])]
-    curve["seconds"] = [max(t, moved[0], 0.0) for t in moved]
+    old, times = getattr(m, key), curve["seconds"]
+    if kind == "alpha":
+        moved = [t + value - old for t in times]
+    elif old > 0:
+        moved = [times[0] + (t - times[0]) * value / old for t in times]
+    else:
+        moved = [t + value * b for b, t in zip(curve["bytes"], times)]
+    curve["seconds"] = [max(t, 0.0) for t in moved]
 
 
 def prepare(args, world):
