@@ -2,7 +2,8 @@
 
     python bench/local_sgd.py             # -> bench/results/local_sgd.json + local_sgd.png
     python bench/local_sgd.py --model cnn --optimizer adamw --lr 0.001 --epochs 8 \
-        --out bench/results/local_sgd_cnn.json --plot bench/results/local_sgd_cnn.png
+        --out bench/results/local_sgd_cnn_adamw.json \
+        --plot bench/results/local_sgd_cnn_adamw.png
     python bench/local_sgd.py --quick     # tiny run on synthetic data (the test's)
 
 Every configuration trains the same model from the same seed on the same batches with

@@ -37,9 +37,10 @@ what the calibration measured for ``m`` bytes on that link (``Links``); a reduct
 ``gamma m``. A round whose messages leave a node on several flows at once shares the
 node's link (``beta`` times the flows; on the measured curve, the flows' bytes as one
 message). The ring's segments are sent one after another on one link, so a ring step
-costs ``segments x alpha + bytes x beta`` (each segment's measured time). MPI's own all-reduce is taken
-to be MPICH's (recursive doubling up to 2 KiB, else reduce-scatter by recursive halving
-+ all-gather by recursive doubling, ``_mpich_allreduce_time``); its all-gather a ring.
+costs ``segments x alpha + bytes x beta`` (or each segment's measured time). MPI's own
+all-reduce is taken to be MPICH's (recursive doubling up to 2 KiB, else reduce-scatter
+by recursive halving + all-gather by recursive doubling, ``_mpich_allreduce_time``); its
+all-gather a ring.
 ``bench/simgrid.py`` checks these times against SimGrid SMPI on platforms of hundreds of
 hosts described from the same machine.
 """
