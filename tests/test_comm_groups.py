@@ -180,3 +180,14 @@ def test_p2p_and_group_spans_in_the_timeline(tmp_path):
         assert kind in kinds, kinds
     spans = [e for e in events if e.get("ph") == "X" and e["cat"] in ("send", "allreduce")]
     assert all(e["args"].get("group") == "dp" for e in spans), spans
+
+
+def test_requests_in_flight_outlive_close():
+    """Sends and receives still in flight at close(), one send dropped with its array:
+    they complete afterwards and the data arrives whole (close() used to free the
+    communicator under them: the dropped send's buffer was given back while MPI still
+    read it, and the receiver's wait crashed inside MPI)."""
+    out = run_ranks(2, [os.path.join(HERE, "ranks", "p2p_close.py")], timeout=60).check().output
+    assert "rank 0: kept send done after close: True" in out, out
+    assert "rank 1: first whole: True, second whole: True" in out, out
+    assert out.count("fresh allreduce 2") == 2, out

@@ -125,6 +125,7 @@ class _Channel:
         self.busy = None
         self.seq = 0
         self.track = None
+        self.pending = {}  # point-to-point requests in flight, in start order (p2p.py)
         # Digests of the calls since the last comparison (check="digest"), and the digest
         # of each signature key seen (consistency.digest). Per channel: each channel's
         # calls are in the same order on every rank, the two channels' are not. The
@@ -447,7 +448,9 @@ class Communicator(PointToPoint):
 
     def close(self, _exit_timeout=None):
         """Compare the signatures not compared yet (check="digest"), finish queued
-        non-blocking collectives, write the timeline, free the duplicate communicators.
+        non-blocking collectives, write the timeline, free the duplicate communicators
+        (point-to-point requests still in flight complete afterwards, as MPI's free lets
+        them: ``p2p.py``).
         Collective and synchronizing: every rank closes its communicators in the same
         order. Idempotent."""
         if self._closed:
@@ -464,6 +467,7 @@ class Communicator(PointToPoint):
             return
         if MPI.Is_finalized():
             return
+        self._orphan_p2p()
         if self._owns_timeline:
             self._timeline.flush(self._main.comm)
         for ch in self._channels:

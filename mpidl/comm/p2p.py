@@ -11,7 +11,9 @@ match a message of a collective, whatever the tag. Sends and receives match by
 (source, tag) in issue order, as in MPI. ``isend``/``irecv`` are real ``MPI_Isend`` /
 ``MPI_Irecv``: no thread is involved, ``wait()`` completes them (for a staged device
 receive it also copies the data to the device). Every request must be waited for (or
-tested until done) before its buffer is touched.
+tested until done) before its buffer is touched. Each request, with its buffer, is kept
+until it completes, past ``close()`` and past its caller dropping it: MPI never writes
+into (or reads from) memory already given back.
 
 Objects (``send_obj``/``recv_obj``) are pickled and sent as bytes; ``recv_obj`` uses a
 matched probe (``MPI_Mprobe``), so concurrent receivers cannot steal each other's
@@ -43,6 +45,7 @@ def _tag_text(tag):
 
 
 _TAG_UB = []
+_ORPHANS = []  # requests in flight when their communicator closed (``_orphan_p2p``)
 
 
 def _tag_ub():
@@ -58,11 +61,14 @@ class Request:
     After completion ``source`` and ``tag`` say what a receive matched."""
 
     __slots__ = ("kind", "_t", "_req", "_result", "_back", "_done", "_keep", "_timeline",
-                 "_waiting", "source", "tag", "nbytes")
+                 "_waiting", "_pending", "source", "tag", "nbytes")
 
     def __init__(self, kind, t, req, result=None, back=None, keep=None, timeline=None,
-                 waiting=None):
+                 waiting=None, pending=None):
         self.kind = kind
+        self._pending = pending  # the communicator's requests in flight (module doc)
+        if pending is not None:
+            pending[self] = None
         self._waiting = waiting  # Communicator.waiting(...): what wait() waits for
         self._t, self._req = t, req
         self._result, self._back, self._keep = result, back, keep
@@ -73,6 +79,9 @@ class Request:
     def _finish(self, status):
         self._done = True
         self._keep = None
+        if self._pending is not None:
+            self._pending.pop(self, None)
+            self._pending = None
         if self.kind.startswith("irecv"):
             self.source, self.tag = status.Get_source(), status.Get_tag()
             self.nbytes = status.Get_count(BYTE)
@@ -166,6 +175,18 @@ class PointToPoint:
 
         return self.waiting(text, (peer,))
 
+    def _orphan_p2p(self):
+        """At ``close``: the requests still in flight outlive their communicator, as MPI
+        has them (its free lets pending operations complete normally): they are kept,
+        with their buffers, until they complete, so MPI never touches memory already
+        given back, even for a request its caller dropped."""
+        pending = self._p2p.pending
+        for req in list(pending):
+            req.test()
+        _ORPHANS.extend(pending)
+        pending.clear()
+        _ORPHANS[:] = [req for req in _ORPHANS if not req.test()]
+
     def _p2p_record(self, kind, start, nbytes, **extra):
         tl = self._timeline
         if tl is not None:
@@ -220,7 +241,8 @@ class PointToPoint:
         req = t.isend(buf, dest, tag)
         self._p2p_record("isend", start, x.nbytes, peer=int(dest), tag=int(tag))
         return Request("isend", t, req, keep=buf, timeline=self._timeline,
-                       waiting=self._p2p_waiting("isend", dest, tag))
+                       waiting=self._p2p_waiting("isend", dest, tag),
+                       pending=self._p2p.pending)
 
     def irecv(self, out, source, tag=0):
         """Start receiving into ``out`` (MPI_Irecv); ``wait()`` returns ``out``."""
@@ -233,7 +255,8 @@ class PointToPoint:
         self._p2p_record("irecv", start, 0, peer=int(source), tag=int(tag))
         return Request("irecv", t, req, result=out if back is None else buf, back=back,
                        timeline=self._timeline,
-                       waiting=self._p2p_waiting("irecv", source, tag))
+                       waiting=self._p2p_waiting("irecv", source, tag),
+                       pending=self._p2p.pending)
 
     def sendrecv(self, x, dest, out, source, sendtag=0, recvtag=None, status=None):
         """Send ``x`` to ``dest`` and receive into ``out`` from ``source`` at once
@@ -293,7 +316,8 @@ class PointToPoint:
         req = self._p2p.comm.Isend([data, BYTE], dest, tag)
         self._p2p_record("isend_obj", start, len(data), peer=int(dest), tag=int(tag))
         return Request("isend_obj", _Plain, req, keep=data, timeline=self._timeline,
-                       waiting=self._p2p_waiting("isend_obj", dest, tag))
+                       waiting=self._p2p_waiting("isend_obj", dest, tag),
+                       pending=self._p2p.pending)
 
     def recv_obj(self, source=ANY_SOURCE, tag=ANY_TAG):
         """Receive one object: returns ``(obj, source, tag)``."""
