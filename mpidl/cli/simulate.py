@@ -436,7 +436,9 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
     from mpidl.runtime.sync.rowsparse import check_sparse_mode, sparse_param_names  # noqa
     from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
     from mpidl.simulate import collectives as col  # noqa: PLC0415
+    from mpidl.simulate import hogwild, hybrid, parallax, pipeline, server  # noqa: PLC0415
     from mpidl.simulate import step as st  # noqa: PLC0415
+    from mpidl.simulate import tensor  # noqa: PLC0415
 
     strategy = ALIASES.get(cfg.strategy, cfg.strategy) or "allreduce"
     accumulate = max(getattr(cfg, "accumulate", 1) or 1, getattr(cfg, "micro_batches", 1) or 1)
@@ -462,75 +464,50 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
     out = []
     for p in sorted(set(ranks) | {1}):
         topo = col.Topology(p, min(per_node, p))
+        watch = None if p <= MAX_PER_RANK else [0, p - 1]  # the ranks whose traffic is counted
         links = col.Links(machine, topo)
         if pieces is not None and p > 1:
-            from mpidl.simulate import tensor  # noqa: PLC0415
-
             lay = tensor.layout(*pieces, p, algorithm, bucket_mb, accumulate,
                                 sparse=bool(sparse), zero=int(cfg.zero or 0))
             t = tensor.step_time(lay, compute, cfg.batch_size, accumulate, machine, per_node,
                                  overlap, seg)
-            counted = tensor.traffic(lay, per_node,
-                                     ranks=None if p <= MAX_PER_RANK else [0, p - 1],
-                                     seg_bytes=seg)
+            counted = tensor.traffic(lay, per_node, ranks=watch, seg_bytes=seg)
         elif parallax_on(cfg) and p > 1:
-            from mpidl.simulate import parallax  # noqa: PLC0415
-
             lay = parallax_step(cfg, model, dataset, p, algorithm, bucket_mb, accumulate, lr,
                                 sparse, rows)
             t = parallax.step_time(lay, compute, cfg.batch_size, accumulate, machine,
                                    per_node, overlap, seg)
-            counted = parallax.traffic(lay, per_node,
-                                       ranks=None if p <= MAX_PER_RANK else [0, p - 1],
-                                       seg_bytes=seg)
+            counted = parallax.traffic(lay, per_node, ranks=watch, seg_bytes=seg)
         elif cfg.hybrid and p > 1:
             lay = hybrid_step(cfg, dataset, p, algorithm, bucket_mb, accumulate, make_model)
-            from mpidl.simulate import hybrid  # noqa: PLC0415
-
             t = hybrid.step_time(lay, compute, cfg.batch_size, accumulate, links, overlap, seg)
-            counted = hybrid.traffic(lay, per_node,
-                                     ranks=None if p <= MAX_PER_RANK else [0, p - 1],
-                                     seg_bytes=seg)
+            counted = hybrid.traffic(lay, per_node, ranks=watch, seg_bytes=seg)
         elif stages > 1 and p > 1:
-            from mpidl.simulate import pipeline  # noqa: PLC0415
-
             lay = pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb,
                                 sparse, rows, make_model)
             t = pipeline.step_time(lay, compute, cfg.batch_size, machine, per_node,
                                    recompute=bool(cfg.recompute), seg_bytes=seg)
-            counted = pipeline.traffic(lay, per_node,
-                                       ranks=None if p <= MAX_PER_RANK else [0, p - 1],
-                                       seg_bytes=seg)
+            counted = pipeline.traffic(lay, per_node, ranks=watch, seg_bytes=seg)
         elif strategy == "hogwild" and p > 1:
-            from mpidl.simulate import hogwild  # noqa: PLC0415
-
             lay = hogwild.layout(named, p, int(cfg.servers or 1))
             t = hogwild.step_time(lay, compute, cfg.batch_size, accumulate, links,
                                   locks=bool(cfg.locks))
-            counted = hogwild.traffic(lay, ranks=None if p <= MAX_PER_RANK else [0, p - 1])
+            counted = hogwild.traffic(lay, ranks=watch)
         elif pushes is not None and p > 1 and (cfg.group_size or 1) > 1:
-            from mpidl.simulate import server  # noqa: PLC0415
-
             lay = server.grouped_layout(named, p, int(cfg.servers or 1), cfg.group_size,
                                         pushes, algorithm, bucket_mb)
             t = server.grouped_step_time(lay, compute, cfg.batch_size, accumulate, machine,
                                          per_node, overlap, seg)
-            counted = server.grouped_traffic(lay, per_node,
-                                             ranks=None if p <= MAX_PER_RANK else [0, p - 1],
-                                             seg_bytes=seg)
+            counted = server.grouped_traffic(lay, per_node, ranks=watch, seg_bytes=seg)
         elif pushes is not None and p > 1:
-            from mpidl.simulate import server  # noqa: PLC0415
-
             lay, _ = server.layout(named, p, int(cfg.servers or 1), pushes)
             t = server.step_time(lay, compute, cfg.batch_size, accumulate, links)
-            counted = server.traffic(lay, ranks=None if p <= MAX_PER_RANK else [0, p - 1])
+            counted = server.traffic(lay, ranks=watch)
         else:
             lay = st.layout(named, p, algorithm, bucket_mb, sparse,
                             {n: [r] * p for n, r in rows.items()}, **shape)
             t = st.step_time(lay, compute, cfg.batch_size, accumulate, links, overlap, seg)
-            counted = st.traffic(lay, topo.per_node,
-                                 ranks=None if p <= MAX_PER_RANK else [0, p - 1],
-                                 seg_bytes=seg)
+            counted = st.traffic(lay, topo.per_node, ranks=watch, seg_bytes=seg)
         if p == 1:
             base = t["total"]
             if 1 not in ranks:
