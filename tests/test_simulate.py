@@ -349,6 +349,42 @@ def test_json_bytes_of_other_layouts(flags, factor):
     assert out["layout"] != "data parallelism"
 
 
+def test_compressor_work_is_priced_at_the_machines_gamma():
+    """The compressors' work, timed in the predicting process alone, is priced at the
+    machine's gamma over that process's (ranks sharing a node's cores and memory, or
+    another machine); without either gamma it stays as timed. The layout records the
+    gamma of the process that timed it, and a momentum-correcting memory takes the run's
+    SGD momentum over, as the runtime's does."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from mpidl.compress import Exchanger, build_compression
+    from mpidl.engine import build_model
+    from mpidl.simulate import step as st
+    from mpidl.simulate.collectives import Links, Topology
+    from mpidl.simulate.compression import _Loopback, layout
+    from mpidl.simulate.machine import Machine
+
+    model = build_model("mlp", hidden=(64,))
+    named = model.named_parameters()
+    rng = np.random.default_rng(0)
+    grads = {n: rng.standard_normal(q.data.shape).astype(np.float32) for n, q in named}
+    compute = st.Compute({"1": (1e-6, 2e-6)}, update_s=1e-3)
+    timed = layout(st.StepLayout(2), named, grads, "dgc", 0.01, st.auto.Selector(2, {}),
+                   "ring", 4.0, momentum=0.9)
+    assert timed.local_gamma > 0
+    local = sum(c.local_s for c in timed.calls)
+    assert local > 0
+    for gamma, scale in ((0.0, 1.0), (timed.local_gamma, 1.0), (3 * timed.local_gamma, 3.0)):
+        machine = Machine(alpha_intra=1e-6, beta_intra=1e-9, gamma=gamma)
+        links = Links(machine, Topology(2, 2))
+        t = st.step_time(timed, compute, 32, 1, links, overlap=False)
+        assert t["compression"] == pytest.approx(local * scale, rel=1e-12), (gamma, t)
+    exchanger = Exchanger(_Loopback(2), build_compression("dgc", 0.01))
+    assert exchanger.adopt_momentum(SimpleNamespace(momentum=0.9)) == 0.9
+
+
 @pytest.mark.parametrize("spec, ratio", [("onebit", None), ("dgc", 0.01), ("fp16", None),
                                          ("powersgd", None)])
 def test_compressor_seconds_run_the_exchanger(spec, ratio):

@@ -579,7 +579,8 @@ def layout_options(cfg, model, accumulate, grads=None):
         # (the per-tensor exchange overlaps backward only when asked: --overlap on)
         out["compression"] = {"spec": cfg.compression, "ratio": cfg.ratio, "grads": grads,
                               "overlap": check_overlap(cfg.overlap) == "on"
-                              if tensorwise else True, "on_gpu": cfg.device == "gpu"}
+                              if tensorwise else True, "on_gpu": cfg.device == "gpu",
+                              "momentum": cfg.momentum if cfg.optimizer == "sgd" else 0.0}
     if cfg.zero:
         out.update(zero=int(cfg.zero), micro=accumulate)
     if (cfg.sync or "allreduce") != "allreduce":

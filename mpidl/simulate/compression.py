@@ -26,11 +26,15 @@ The compressors' own work is timed here on the gradient given (``Call.local_s`` 
 tensor's first call: the seconds this machine takes, at ``p`` ranks) by running the
 runtime's own ``Exchanger`` over a loopback group that stands in for the ranks (every
 rank's payload alike, nothing moved): so it holds everything a step computes beside its
-collectives, not just the compressor's calls: error feedback, packing the frame,
-unpacking and decoding each rank's, the mean, restoring the shape and dtype.
+collectives, not just the compressor's calls: error feedback, the momentum a momentum-
+correcting memory (DGC, 1-bit) takes over from SGD as the runtime hands it, packing the
+frame, unpacking and decoding each rank's, the mean, restoring the shape and dtype. This
+process times it alone; the step prices it at the machine's gamma
+(``step.local_scale``: ``StepLayout.local_gamma`` is this process's).
 """
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -75,15 +79,18 @@ class _Loopback:
         return _Handle((gathered, [int(x.size)] * self.size))
 
 
-def exchange_seconds(spec, ratio, tensors, p, repeats=5, seconds=0.2):
+def exchange_seconds(spec, ratio, tensors, p, repeats=5, seconds=0.2, momentum=0.0):
     """Per tensor of ``tensors`` ((name, gradient) pairs, in the order the runtime starts
     them), the seconds of its compressed exchange on this machine apart from the
     collectives: ``Exchanger.start`` and ``finish`` over a loopback group of ``p``
     ranks (module doc), the median of at least ``repeats`` steps and ``seconds`` of them
     (one step's timing is at the mercy of whatever else the machine runs), the memory
-    carried from step to step as in training. A first step only compiles the kernels."""
+    carried from step to step as in training. A first step only compiles the kernels.
+    ``momentum``: the run's SGD momentum, which a momentum-correcting memory takes over
+    (``Exchanger.adopt_momentum``, as the runtime does at set-up)."""
     group = _Loopback(p)
     exchanger = Exchanger(group, build_compression(spec, ratio))
+    exchanger.adopt_momentum(SimpleNamespace(momentum=float(momentum or 0.0)))
     runs = {name: [] for name, _ in tensors}
     start, rep = time.perf_counter(), 0
     while rep <= repeats or time.perf_counter() - start < seconds:
@@ -131,12 +138,15 @@ def tensor_calls(compressor, grad, name, p, selector, algorithm, params, frames=
 
 
 def layout(step, named_params, grads, spec, ratio, selector, algorithm, bucket_mb,
-           frames=None, overlap=True, on_gpu=False):
+           frames=None, overlap=True, on_gpu=False, momentum=0.0):
     """Fill ``step`` (a ``StepLayout`` for ``p`` ranks) with the compressed exchange of
     ``grads`` (name -> a gradient of each parameter, dense). ``frames``: per tensor (or
     bucket) name, each rank's frame bytes, where known; ``on_gpu``: the gradients are
-    device arrays in the run (float16 payloads are then all-reduced at p = 2 too)."""
+    device arrays in the run (float16 payloads are then all-reduced at p = 2 too);
+    ``momentum``: the run's SGD momentum (``exchange_seconds``)."""
     from mpidl.runtime.fusion import MiB, plan  # noqa: PLC0415
+
+    from .calibrate import measure_gamma  # noqa: PLC0415
 
     p = step.p
     frames = frames or {}
@@ -153,7 +163,9 @@ def layout(step, named_params, grads, spec, ratio, selector, algorithm, bucket_m
         step.overlap = overlap
     compressor = build_compression(spec, ratio)
     compressor.bind(0, p)
-    seconds = exchange_seconds(spec, ratio, [(name, g) for name, g, _ in tensors], p)
+    step.local_gamma = measure_gamma()
+    seconds = exchange_seconds(spec, ratio, [(name, g) for name, g, _ in tensors], p,
+                               momentum=momentum)
     for name, g, params in tensors:
         calls = tensor_calls(compressor, g, name, p, selector, algorithm, params,
                              frames.get(name), on_gpu)

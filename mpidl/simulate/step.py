@@ -96,6 +96,9 @@ class StepLayout:
     update_share: float = 1.0
     what: str = "data parallelism"
     servers: int = 0  # (ranks that do not train: none here; ``server.ServerStep`` has some)
+    # gamma (s/byte, ``calibrate.measure_gamma``) of the process that timed the calls'
+    # ``local_s``, alone: ``step_time`` prices that work at the machine's gamma instead
+    local_gamma: float = 0.0
 
 
 def segment_bytes():
@@ -407,13 +410,24 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None,
         after_bwd = before + bwd + sum(t for _, t in buckets)
     skew = compute.cv * accumulate * (fwd0 + bwd0) * slowest_of(step.p)
     update = compute.update_s * step.update_share
-    local = sum(c.local_s for c in step.calls) / step.every  # compressors' own work
+    local = sum(c.local_s for c in step.calls) / step.every * local_scale(step, machine)
     total = (after_bwd + local + sum(t for _, t in by["after"]) + update
              + sum(t for _, t in by["update"]) + skew)
     compute_s = accumulate * (fwd0 + bwd0) + update + local
     return {"forward": accumulate * fwd0, "backward": accumulate * bwd0, "comm": sum(times),
             "exposed_comm": total - compute_s - skew, "update": update,
             "compression": local, "skew": skew, "total": total}
+
+
+def local_scale(step, machine):
+    """What the compressors' own work (``Call.local_s``, timed in this process, alone)
+    takes on the machine's ranks: the machine's gamma over this process's. It is
+    elementwise, memory-bound work like the reduction gamma prices, and a calibration
+    measures gamma on every rank at once, sharing the node's cores and memory as a run
+    does (and a described cluster gives its nodes' own); 1 where either is unknown."""
+    if step.local_gamma > 0 and machine.gamma > 0:
+        return machine.gamma / step.local_gamma
+    return 1.0
 
 
 def efficiency(t_one, t_p):
