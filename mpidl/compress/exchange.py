@@ -16,7 +16,10 @@ every rank:
 - multi-round compressors (PowerSGD) run their own protocol through ``reduce``.
 
 ``exchange_all`` starts every tensor's collective (non-blocking) before decoding any, so
-the transfers overlap each other and the decoding.
+the transfers overlap each other and the decoding. That needs a core for the progress
+thread: where a rank has none, ``blocking=True`` runs each collective on the caller's
+thread when the tensor starts (the same calls and bits), instead of a progress thread
+that busy-waits in MPI beside the compression it should overlap.
 
 Bytes are counted per rank, as a ring algorithm moves them (the convention of the
 uncompressed data-parallel path, so the figures compare): an all-reduce of B bytes sends
@@ -46,16 +49,31 @@ class _Pending:
         self.handles, self.gathered, self.done = list(handles), gathered, done
 
 
+class _Done:
+    """A collective that ran to completion when it was started (``blocking``)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+
 class Exchanger:
     """Averages gradients over ``comm``'s ranks through ``compressor`` (and ``memory``).
 
     ``memory``: "default" takes the compressor's (``make_compressor`` sets it: error
     feedback where the algorithm wants it), None for none, or a Memory.
     ``algorithm``: passed to the collectives ("auto", "ring", "mpi", ...).
+    ``blocking``: each collective runs on the caller's thread in ``start`` (module doc).
     """
 
-    def __init__(self, comm, compressor, memory="default", algorithm="auto"):
+    def __init__(self, comm, compressor, memory="default", algorithm="auto",
+                 blocking=False):
         self.comm = comm
+        self.blocking = bool(blocking)
         self.compressor = compressor
         self.memory = getattr(compressor, "memory", None) if memory == "default" else memory
         self.algorithm = algorithm
@@ -95,12 +113,16 @@ class Exchanger:
             for i, a in enumerate(payload):
                 self._count_allreduce(a.nbytes)
                 self.payload_bytes += a.nbytes
-                handles.append(self.comm.iallreduce(a, op="mean", algorithm=self.algorithm,
-                                                    name=f"{name}/{i}"))
+                mean = self.comm.allreduce if self.blocking else self.comm.iallreduce
+                handle = mean(a, op="mean", algorithm=self.algorithm, name=f"{name}/{i}")
+                handles.append(_Done(handle) if self.blocking else handle)
             return _Pending(name, grad, ctx, handles)
         buf = frame.pack(payload, like=grad)
         self.payload_bytes += buf.nbytes
-        handle = self.comm.iallgatherv(buf, algorithm=self.algorithm, name=name)
+        if self.blocking:
+            handle = _Done(self.comm.allgatherv(buf, algorithm=self.algorithm, name=name))
+        else:
+            handle = self.comm.iallgatherv(buf, algorithm=self.algorithm, name=name)
         return _Pending(name, grad, ctx, [handle], gathered=True)
 
     def _gather_instead(self, payload):

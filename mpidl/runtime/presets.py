@@ -269,7 +269,7 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
             from None
     if compressor is not None and compressor.granularity == "tensor":
         syncs = [(_everything, compressed.PerTensorCompressed(
-            compressor, algorithm=algorithm, overlap=fused.check_overlap(overlap) == "on"))]
+            compressor, algorithm=algorithm, overlap=fused.check_overlap(overlap)))]
     else:
         hook = compressed.BucketHook(compressor, algorithm) if compressor is not None else None
         dense = fused.FusedAllreduce(algorithm, bucket_mb, overlap, hook=hook)

@@ -6,8 +6,9 @@ on the same gradients and all-gathers its payloads with plain mpi4py (pickled ob
 the exchanged mean must equal the mean of the decompressed twin payloads, bit for bit for
 the all-gather compressors (same order of additions), within rounding for the summable
 ones; and every rank must hold the same bits. Then: bytes counters, a malformed payload
-from one rank (every rank raises PayloadError naming it), PowerSGD's two-round protocol.
-Rank 0 prints "COMPRESS OK".
+from one rank (every rank raises PayloadError naming it), PowerSGD's two-round protocol,
+and the blocking exchange (collectives on the caller's thread) giving the pipelined one's
+bits. Rank 0 prints "COMPRESS OK".
 """
 
 import numpy as np
@@ -69,6 +70,23 @@ def check_compressor(comm, name):
     return ex.stats()
 
 
+def check_blocking(names):
+    """``blocking=True`` (no spare core for a progress thread): every compressor gives
+    the bits the pipelined exchange gives, and no progress thread is ever started."""
+    blocking, pipelined = Communicator(), Communicator()
+    for name in names:
+        exchangers = [Exchanger(c, make_compressor(name), blocking=b)
+                      for c, b in ((blocking, True), (pipelined, False))]
+        for step in range(2):
+            named = [(n, gradient(n, step)) for n in SHAPES]
+            outs = [ex.exchange_all(named) for ex in exchangers]
+            for (n, _), a, b in zip(named, *outs):
+                assert np.array_equal(a, b), f"{name} step {step} tensor {n}: blocking differs"
+    assert blocking._progress is None and pipelined._progress is not None
+    blocking.close()
+    pipelined.close()
+
+
 def check_malformed(comm):
     ex = Exchanger(comm, make_compressor("topk", ratio=0.1))
     if RANK == P - 1:  # this rank's compressor sends garbage instead of a sparse payload
@@ -110,6 +128,7 @@ def main():
     assert stats["fp16"]["bytes_sent"] < 0.6 * dense  # half, plus frame headers
     check_malformed(comm)
     check_powersgd(comm)
+    check_blocking(COMPRESSORS)
     comm.close()
     if RANK == 0:
         for name, s in stats.items():

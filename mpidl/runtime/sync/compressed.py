@@ -11,7 +11,11 @@ place (``mpidl.compress.build_compression``), serves two ways of plugging into a
   matrices) every tensor is exchanged on its own through the ``Exchanger``; with overlap
   the backward hook compresses each tensor and starts its collective at once, and
   ``finish`` decodes them in the order started (the same on every rank). Embedding
-  gradients are densified first.
+  gradients are densified first. The collectives run on the progress thread, each
+  tensor's transfer overlapping the next one's compression, only where that pays
+  (``--overlap on``, or ``auto`` with a spare core per rank or a GPU:
+  ``fused.overlap_pays``); otherwise on the caller's thread as each tensor starts, so
+  no progress thread busy-waits in MPI on the core that compresses.
 
 Bytes sent per step and the compression ratio go to the epoch line.
 """
@@ -22,6 +26,7 @@ from mpidl.backend import array_module
 from mpidl.engine.module import SparseGrad
 from mpidl.options import Option
 from mpidl.runtime.sync.base import GradSync
+from mpidl.runtime.sync.fused import overlap_pays
 
 OPTIONS = [
     Option("compression", str, None, "gradient compression (e.g. topk, onebit, qsgd, "
@@ -92,11 +97,13 @@ class PerTensorCompressed(GradSync):
 
     name = "compressed"
 
-    def __init__(self, compressor, algorithm="auto", overlap=False):
+    def __init__(self, compressor, algorithm="auto", overlap="off"):
         super().__init__()
         self.compressor = compressor
         self.algorithm = algorithm
-        self.overlap = bool(overlap)
+        self.mode = {True: "on", False: "off"}.get(overlap, overlap)  # on, off or auto
+        self.overlap = self.mode == "on"  # (the backward hooks start the exchanges)
+        self.pipelined = None  # collectives on the progress thread (set up: module doc)
         self.exchanger = None
         self.bytes = _Bytes()
         self._pending, self._started = [], set()
@@ -113,7 +120,10 @@ class PerTensorCompressed(GradSync):
         # backward's order: the last layers' gradients are final first
         self._order = [n for n, _ in reversed(named_params)]
         if ctx.group is not None:
-            self.exchanger = Exchanger(ctx.group, self.compressor, algorithm=self.algorithm)
+            self.pipelined = self.overlap or (
+                self.mode == "auto" and overlap_pays(ctx.group, named_params)[0])
+            self.exchanger = Exchanger(ctx.group, self.compressor, algorithm=self.algorithm,
+                                       blocking=not self.pipelined)
             self.bytes.exchanger = self.exchanger
 
     def begin_step(self):
@@ -157,8 +167,11 @@ class PerTensorCompressed(GradSync):
         return self._wait
 
     def describe(self):
+        how = ("on the progress thread" if self.pipelined else "blocking") \
+            if self.pipelined is not None else "not set up"
         return [f"compression {self.compressor.name} (tensor by tensor), algorithm "
-                f"{self.algorithm}, overlap {'on' if self.overlap else 'off'}"]
+                f"{self.algorithm}, overlap {'on' if self.overlap else 'off'}, "
+                f"collectives {how}"]
 
     def metrics(self):
         return {"overlap": int(self.overlap), **self.bytes.metrics()}
