@@ -86,7 +86,7 @@ def rank_main(a):
     mine = {k: m[k] for k in m if k.startswith("mem_")}
     mine.update(rank=r, tracemalloc_peak=peak, formula=want.as_dict(),
                 step_s=times[1:] or times, param_gathers=m.get("param_gathers"),
-                param_prefetched=m.get("param_prefetched"))
+                param_prefetched=m.get("param_prefetched"), param_reused=m.get("param_reused"))
     rows = comm.mpi.gather(mine, root=0)
     if r == 0:
         print("MEMORY " + json.dumps({"ranks": n, "stage": a.stage, "per_rank": rows,
@@ -222,7 +222,8 @@ def main():
         rows.append({"stage": stage, "median_step_s": statistics.median(medians[stage]),
                      "round_medians_s": medians[stage],
                      "param_gathers": runs[stage]["per_rank"][0]["param_gathers"],
-                     "param_prefetched": runs[stage]["per_rank"][0]["param_prefetched"]})
+                     "param_prefetched": runs[stage]["per_rank"][0]["param_prefetched"],
+                     "param_reused": runs[stage]["per_rank"][0]["param_reused"]})
     for row in rows:
         row["ratio_to_stage0"] = row["median_step_s"] / rows[0]["median_step_s"]
         print(f"p=2 stage {row['stage']}: median step {1e3 * row['median_step_s']:.1f} ms, "

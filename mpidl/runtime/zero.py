@@ -257,7 +257,7 @@ class ZeroSync(FusedAllreduce):
 
     def finish(self):
         if self.gathers is not None:
-            self.gathers.release_all()  # backward is over
+            self.gathers.release_all(spares=False)  # backward is over
         if self.comm is not None and not self._shared:
             yield from super().finish()
             return
@@ -277,9 +277,11 @@ class ZeroSync(FusedAllreduce):
         out = super().metrics()
         out["zero"] = self.stage
         g = self.gathers
-        if g is not None:  # stage 3: parameter gathers in training, how many prefetched
+        if g is not None:  # stage 3: parameter gathers in training, how many prefetched,
+            # how many into a spare buffer
             out["param_gathers"], out["param_prefetched"] = g.gathers, g.prefetched
-            g.gathers = g.prefetched = 0
+            out["param_reused"] = g.reused
+            g.gathers = g.prefetched = g.reused = 0
         return out
 
     def describe(self):
@@ -326,6 +328,7 @@ class ZeroSync(FusedAllreduce):
         ledger.add("mem_comm", buckets)
         if self.gathers is not None:
             ledger.add("mem_comm", [buf for buf, _ in self.gathers.gathered.values()])
+            ledger.add("mem_comm", self.gathers.spares)
 
     def bytes_per_step(self):
         """Bytes this rank sends per step through a home-made algorithm's ring: the
@@ -541,6 +544,17 @@ class ParamGathers:
     bucket is gathered once per forward and once per backward. While
     *pinned* (after set-up, for evaluation and checkpoints) every bucket is gathered and
     the hooks do nothing; the next step takes each rank's chunk back and frees them.
+
+    A buffer freed in forward (or when a pass ends) is kept as a *spare* for the next
+    gather of a bucket of its size (the same bucket in backward, or another block's of
+    the same shape): a large block freed and taken afresh is mapped anew by the
+    allocator every time (glibc maps blocks above 32 MiB), and touching its pages again
+    costs a CPU more than the gather itself. Spares are kept only while the gathered
+    buffers and the spares together stay within the most the training passes have had
+    gathered at once (``high``), the smallest dropped first, and only until backward's
+    first layer has taken its gathers from them: backward, where the gradients add to
+    the activations, holds no spare (the last forward's buckets are its first ones, and
+    the rest would be held until its end). The ledger counts them (``mem_comm``).
     """
 
     def __init__(self, sync, model):
@@ -565,6 +579,9 @@ class ParamGathers:
         self.pinned = True
         self.phase = None
         self.gathers = self.prefetched = 0  # in training passes (reset by metrics)
+        self.spares = []  # freed full buffers kept for the next gathers of their size
+        self.reused = 0  # gathers into a spare buffer (reset by metrics)
+        self.high = 0  # the most bytes gathered at once in a training pass
 
     # -- the hooks
     def _before(self, layer, phase):
@@ -579,7 +596,7 @@ class ParamGathers:
         lo, hi = need[0], need[-1]
         for i in list(self.gathered):  # the buckets this pass has left behind
             if (i > hi if phase == "forward" else i < lo):
-                self.release(i)
+                self.release(i, keep=phase == "forward")  # (backward needs it again)
         for i in need:
             self.ensure(i)
         # prefetch the buckets of the next layer this pass meets (all of them: a layer
@@ -593,12 +610,13 @@ class ParamGathers:
             ahead = [i] if 0 <= i < len(self.shards) and i not in self.gathered else []
         for i in ahead:
             self._start(i, blocking=False)
+        if phase == "backward":  # the spares forward left have served backward's first
+            self.spares.clear()  # gathers; the others would be held until its end
 
     # -- gather and free
     def _start(self, i, blocking):
         sh = self.shards[i]
-        xp = array_module(sh.param.data)
-        buf = xp.empty(sh.bucket.buffer.size, dtype=sh.bucket.dtype)
+        buf = self._buffer(sh)
         buf[sh.lo:sh.hi] = sh.param.data
         handle = None
         if not self.pinned:
@@ -611,8 +629,40 @@ class ParamGathers:
             else:
                 handle = self.comm.iallgather_shards(buf, algorithm=sh.algorithm, name=name)
         self.gathered[i] = [buf, handle]
+        if not self.pinned:
+            self.high = max(self.high, self._held(self.gathered.values()))
         if handle is None:
             self._bind(i, buf)
+
+    def _buffer(self, sh):
+        """An uninitialised full buffer for ``sh``'s bucket: a spare of its size, or new
+        (the smallest spares dropped first if a new one would pass ``high``)."""
+        xp = array_module(sh.param.data)
+        n, dtype = sh.bucket.buffer.size, sh.bucket.dtype
+        for k, spare in enumerate(self.spares):
+            if spare.size == n and spare.dtype == dtype and array_module(spare) is xp:
+                self.reused += 1
+                return self.spares.pop(k)
+        self._trim(extra=n * dtype.itemsize)
+        return xp.empty(n, dtype=dtype)
+
+    def _keep(self, buf):
+        """A freed full buffer becomes a spare, within ``high`` (not while pinned: the
+        buffers of evaluation and checkpoints are every bucket at once)."""
+        if self.pinned or not self.high:
+            return
+        self.spares.append(buf)
+        self._trim()
+
+    def _trim(self, extra=0):
+        self.spares.sort(key=lambda b: b.nbytes, reverse=True)
+        while self.spares and (self._held(self.gathered.values()) + extra
+                               + sum(b.nbytes for b in self.spares) > self.high):
+            self.spares.pop()
+
+    @staticmethod
+    def _held(entries):
+        return sum(buf.nbytes for buf, _ in entries)
 
     def _bind(self, i, buf):
         sh = self.shards[i]
@@ -634,7 +684,8 @@ class ParamGathers:
             entry[1] = None
             self._bind(i, entry[0])
 
-    def release(self, i):
+    def release(self, i, keep=True):
+        """Free bucket ``i``'s full buffer (``keep``: as a spare, within ``high``)."""
         entry = self.gathered.pop(i)
         if entry[1] is not None:  # a prefetch nobody used: finish it before freeing
             entry[1].wait()
@@ -642,11 +693,16 @@ class ParamGathers:
         sh.params = None
         for name, p in zip(sh.bucket.names, sh.bucket.params):
             p.data = _Freed(name)
+        if keep:
+            self._keep(entry[0])
 
-    def release_all(self):
+    def release_all(self, spares=True):
+        """Free every gathered buffer; ``spares=False``: keep none as a spare either."""
         for i in sorted(self.gathered):
-            self.release(i)
+            self.release(i, keep=spares)
         self.phase = None
+        if not spares:
+            self.spares.clear()
 
     def materialize(self):
         """Collective: every bucket gathered and kept until the next step (evaluation,
@@ -654,9 +710,10 @@ class ParamGathers:
         if self.pinned:
             return
         self.release_all()
+        self.pinned = True  # (these gathers are not a training pass's)
         for i in range(len(self.shards)):
             self.ensure(i)
-        self.pinned = True
+        self.spares.clear()
 
     def unpin(self):
         """The start of a step: each rank takes its chunk of the (possibly reloaded) full
