@@ -49,8 +49,9 @@ class _Pending:
         self.handles, self.gathered, self.done = list(handles), gathered, done
 
 
-class _Done:
-    """A collective that ran to completion when it was started (``blocking``)."""
+class Done:
+    """A collective that ran to completion when it was started (``blocking``), with the
+    ``wait()`` of a queued one's handle."""
 
     __slots__ = ("result",)
 
@@ -113,17 +114,19 @@ class Exchanger:
             for i, a in enumerate(payload):
                 self._count_allreduce(a.nbytes)
                 self.payload_bytes += a.nbytes
-                mean = self.comm.allreduce if self.blocking else self.comm.iallreduce
-                handle = mean(a, op="mean", algorithm=self.algorithm, name=f"{name}/{i}")
-                handles.append(_Done(handle) if self.blocking else handle)
+                handles.append(self._collective("allreduce", a, op="mean", name=f"{name}/{i}"))
             return _Pending(name, grad, ctx, handles)
         buf = frame.pack(payload, like=grad)
         self.payload_bytes += buf.nbytes
+        return _Pending(name, grad, ctx, [self._collective("allgatherv", buf, name=name)],
+                        gathered=True)
+
+    def _collective(self, kind, x, **kwargs):
+        """Start ``kind`` ("allreduce" or "allgatherv") of ``x``: run now on this thread
+        (``blocking``: a ``Done``), or queued on the progress thread (its handle)."""
         if self.blocking:
-            handle = _Done(self.comm.allgatherv(buf, algorithm=self.algorithm, name=name))
-        else:
-            handle = self.comm.iallgatherv(buf, algorithm=self.algorithm, name=name)
-        return _Pending(name, grad, ctx, [handle], gathered=True)
+            return Done(getattr(self.comm, kind)(x, algorithm=self.algorithm, **kwargs))
+        return getattr(self.comm, "i" + kind)(x, algorithm=self.algorithm, **kwargs)
 
     def _gather_instead(self, payload):
         """float16 on the CPU at p = 2: all-gather, add in float32 (see the module doc)."""

@@ -39,16 +39,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from mpidl.compress import Exchanger, build_compression, frame
+from mpidl.compress.exchange import Done
 
 from .step import Call, _dtype_name, resolve
-
-
-class _Handle:
-    def __init__(self, result):
-        self.result = result
-
-    def wait(self):
-        return self.result
 
 
 class _Loopback:
@@ -68,7 +61,7 @@ class _Loopback:
         return x if out is None else out
 
     def iallreduce(self, x, op="sum", algorithm="auto", name=None):
-        return _Handle(x)
+        return Done(x)
 
     def iallgatherv(self, x, algorithm="auto", name=None):
         from mpidl.backend import array_module  # noqa: PLC0415
@@ -76,7 +69,7 @@ class _Loopback:
         t = time.perf_counter()
         gathered = array_module(x).concatenate([x.reshape(-1)] * self.size)
         self.spent += time.perf_counter() - t
-        return _Handle((gathered, [int(x.size)] * self.size))
+        return Done((gathered, [int(x.size)] * self.size))
 
 
 def exchange_seconds(spec, ratio, tensors, p, repeats=5, seconds=0.2, momentum=0.0):
