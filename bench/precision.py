@@ -7,8 +7,9 @@ recipes, and the CPU cost of emulating the low precisions.
 
 Accuracy: one process per (model, format), ``mpidl train --model M --precision F`` with
 the model's recipe and seed 0 on Fashion-MNIST; the final epoch's line is kept (test
-accuracy, loss scale and skipped steps for fp16). Runs of other models already in the
-output file are kept, so models can be run as separate jobs.
+accuracy, loss scale and skipped steps for fp16), under ``runs_<epochs>_epochs`` with
+the machine it ran on. Runs of other models or epoch counts already in the output file
+are kept, so models can be run as separate jobs, on other days.
 
 Cost: forward + backward + update of one batch (128) on one process, the formats
 interleaved step by step (fp32, bf16, fp16, fp32, ...) so that a shared machine's drift
@@ -96,25 +97,30 @@ def main():
     if os.path.exists(args.out):
         with open(args.out) as f:
             report = json.load(f)
-    report.setdefault("runs", [])
+    key = f"runs_{args.epochs}_epochs"
+    report.setdefault(key, [])
     report.setdefault("cost", [])
+    machine = describe_machine()
     for model in models:
         if not args.cost_only:
             for fmt in FORMATS:
                 run = train(model, fmt, os.path.join(args.runs_dir, f"{model}-{fmt}"),
                             args.epochs)
+                run["machine"] = machine
                 print(json.dumps({k: run[k] for k in ("model", "precision", "test_acc")}),
                       flush=True)
-                report["runs"] = [r for r in report["runs"]
-                                  if (r["model"], r["precision"]) != (model, fmt)] + [run]
+                report[key] = [r for r in report[key]
+                               if (r["model"], r["precision"]) != (model, fmt)] + [run]
         cost = step_cost(model, args.cost_steps)
+        cost["machine"] = machine
         print(json.dumps(cost), flush=True)
         report["cost"] = [c for c in report["cost"] if c["model"] != model] + [cost]
-    fp32 = {r["model"]: r["test_acc"] for r in report["runs"] if r["precision"] == "fp32"}
-    for r in report["runs"]:
-        if r["model"] in fp32:
-            r["points_vs_fp32"] = 100 * (r["test_acc"] - fp32[r["model"]])
-    report["machine"] = describe_machine()
+    for name, runs in report.items():
+        if name.startswith("runs_"):
+            fp32 = {r["model"]: r["test_acc"] for r in runs if r["precision"] == "fp32"}
+            for r in runs:
+                if r["model"] in fp32:
+                    r["points_vs_fp32"] = 100 * (r["test_acc"] - fp32[r["model"]])
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
