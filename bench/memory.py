@@ -15,9 +15,12 @@ water mark), ``tracemalloc``'s peak during that step, and the formula
 (``mpidl.runtime.memory.predict``). The ranks oversubscribe 2 cores at N = 4, 8: memory
 does not care.
 
-Time: at p = 2 (one rank per core) ``--time-steps`` steps of each stage, ring algorithm,
-stage 0 as the anchor in the same run, the median step; and whether stage 3's
-prefetched gathers overlap compute (``param_prefetched`` of ``param_gathers``).
+Time: at p = 2 (one rank per core) ``--time-steps`` steps of each stage, and of stage 3
+with ``--zero-reuse on``, ring algorithm, stage 0 as the anchor in the same run, the
+median step; stage 3 against stage 1 as the median of the rounds' ratios (each round
+runs every configuration in turn); and whether stage 3's prefetched gathers overlap
+compute (``param_prefetched`` of ``param_gathers``). Memory is measured for every
+configuration too.
 """
 
 import argparse
@@ -66,6 +69,8 @@ def rank_main(a):
     options = {"algorithm": "ring", "overlap": "off"}
     if a.stage:
         options["zero"] = a.stage
+    if a.reuse:
+        options["zero_reuse"] = "on"
     rt = build("allreduce", comm, **options)
     rt.setup(model, opt, SoftmaxCrossEntropy())
     rng = np.random.default_rng(r)
@@ -89,15 +94,25 @@ def rank_main(a):
                 param_prefetched=m.get("param_prefetched"), param_reused=m.get("param_reused"))
     rows = comm.mpi.gather(mine, root=0)
     if r == 0:
-        print("MEMORY " + json.dumps({"ranks": n, "stage": a.stage, "per_rank": rows,
+        print("MEMORY " + json.dumps({"ranks": n, "stage": a.stage, "reuse": a.reuse,
+                                      "per_rank": rows,
                                       "parameters": int(sum(sizes))}), flush=True)
     comm.close()
 
 
-def launch(n, stage, a, steps, batch, timeline=None):
+#: (stage, --zero-reuse on) of every configuration measured
+CONFIGS = [(0, False), (1, False), (2, False), (3, False), (3, True)]
+
+
+def label(stage, reuse):
+    return f"{stage}{' + reuse' if reuse else ''}"
+
+
+def launch(n, stage, a, steps, batch, timeline=None, reuse=False):
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", __file__, "--rank",
            "--stage", str(stage), "--hidden", a.hidden, "--steps", str(steps),
-           "--batch", str(batch)] + (["--timeline", timeline] if timeline else [])
+           "--batch", str(batch)] + (["--timeline", timeline] if timeline else []) + \
+        (["--reuse"] if reuse else [])
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=launch_env(ROOT), timeout=3600)
     if out.returncode:
@@ -140,7 +155,8 @@ def plot(result, path):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     mib = 2 ** 20
     for stage in range(4):
-        runs = sorted((r for r in result["memory"] if r["stage"] == stage),
+        runs = sorted((r for r in result["memory"]
+                       if r["stage"] == stage and not r.get("reuse")),
                       key=lambda r: r["ranks"])
         if not runs:
             continue
@@ -160,8 +176,8 @@ def plot(result, path):
     ax1.legend(fontsize=6, ncol=2)
     t = result.get("time")
     if t:
-        stages = [row["stage"] for row in t["stages"]]
-        ax2.bar([str(s) for s in stages], [row["ratio_to_stage0"] for row in t["stages"]])
+        ax2.bar([row.get("config", str(row["stage"])) for row in t["stages"]],
+                [row["ratio_to_stage0"] for row in t["stages"]])
         ax2.axhline(1.0, color="k", lw=0.8)
         ax2.set_xlabel("ZeRO stage")
         ax2.set_ylabel("median step time / stage 0's (p = 2)")
@@ -173,6 +189,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--reuse", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hidden", default="4096,4096")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
@@ -193,14 +210,14 @@ def main():
     result = {"machine": describe_machine(), "settings": vars(a).copy(), "memory": []}
     if not a.time_only:
         for n in map(int, a.ranks.split(",")):
-            for stage in range(4):
-                run = launch(n, stage, a, a.steps, a.batch)
+            for stage, reuse in CONFIGS:
+                run = launch(n, stage, a, a.steps, a.batch, reuse=reuse)
                 result["memory"].append(run)
                 result["parameters"] = run["parameters"]
                 r0 = run["per_rank"][0]
                 held = sum(r0[k] for k in ("mem_params", "mem_grads", "mem_optimizer"))
                 bound = r0["mem_peak"]
-                print(f"N={n} stage {stage}: ledger {held / 2**20:.2f} MiB (formula "
+                print(f"N={n} stage {label(stage, reuse)}: ledger {held / 2**20:.2f} MiB (formula "
                       f"{r0['formula']['total'] / 2**20:.2f}), comm "
                       f"{r0['mem_comm'] / 2**20:.2f}, activations "
                       f"{r0['mem_activations'] / 2**20:.2f}, mem_peak {bound / 2**20:.2f}"
@@ -208,32 +225,36 @@ def main():
                       f"({r0['tracemalloc_peak'] / bound:.3f} of mem_peak)", flush=True)
     if a.memory_only:
         return finish(result, a)
-    medians = {stage: [] for stage in range(4)}
+    medians = {c: [] for c in CONFIGS}
     runs = {}
     for _ in range(a.rounds):  # the stages in turn, so the machine's drift hits them alike
-        for stage in range(4):
-            run = launch(2, stage, a, a.time_steps, a.batch)
+        for stage, reuse in CONFIGS:
+            run = launch(2, stage, a, a.time_steps, a.batch, reuse=reuse)
             step = sorted(run["per_rank"][0]["step_s"])
-            medians[stage].append(step[len(step) // 2])
-            runs[stage] = run
+            medians[stage, reuse].append(step[len(step) // 2])
+            runs[stage, reuse] = run
             result.setdefault("parameters", run["parameters"])
     rows = []
-    for stage in range(4):
-        rows.append({"stage": stage, "median_step_s": statistics.median(medians[stage]),
-                     "round_medians_s": medians[stage],
-                     "param_gathers": runs[stage]["per_rank"][0]["param_gathers"],
-                     "param_prefetched": runs[stage]["per_rank"][0]["param_prefetched"],
-                     "param_reused": runs[stage]["per_rank"][0]["param_reused"]})
+    for stage, reuse in CONFIGS:
+        r0 = runs[stage, reuse]["per_rank"][0]
+        rows.append({"stage": stage, "reuse": reuse, "config": label(stage, reuse),
+                     "median_step_s": statistics.median(medians[stage, reuse]),
+                     "round_medians_s": medians[stage, reuse],
+                     "param_gathers": r0["param_gathers"],
+                     "param_prefetched": r0["param_prefetched"],
+                     "param_reused": r0["param_reused"]})
     for row in rows:
         row["ratio_to_stage0"] = row["median_step_s"] / rows[0]["median_step_s"]
-        print(f"p=2 stage {row['stage']}: median step {1e3 * row['median_step_s']:.1f} ms, "
+        print(f"p=2 stage {row['config']}: median step {1e3 * row['median_step_s']:.1f} ms, "
               f"{row['ratio_to_stage0']:.3f}x stage 0", flush=True)
-    per_round = [s3 / s1 for s1, s3 in zip(medians[1], medians[3])]
-    result["time"] = {"stages": rows, "rounds": a.rounds,
-                      "stage3_over_stage1": rows[3]["median_step_s"] / rows[1]["median_step_s"],
-                      "stage3_over_stage1_per_round": per_round}
-    print(f"stage 3 / stage 1 at p=2: {result['time']['stage3_over_stage1']:.3f}x "
-          f"(rounds: {', '.join(f'{x:.3f}' for x in per_round)})")
+    result["time"] = {"stages": rows, "rounds": a.rounds}
+    for key, reuse in (("stage3", False), ("stage3_reuse", True)):
+        per_round = [s3 / s1 for s1, s3 in zip(medians[1, False], medians[3, reuse])]
+        result["time"][f"{key}_over_stage1"] = statistics.median(per_round)
+        result["time"][f"{key}_over_stage1_per_round"] = per_round
+        print(f"stage {label(3, reuse)} / stage 1 at p=2: "
+              f"{result['time'][f'{key}_over_stage1']:.3f}x "
+              f"(rounds: {', '.join(f'{x:.3f}' for x in per_round)})")
     with tempfile.TemporaryDirectory() as d:  # stage 3 once more, its timeline recorded
         path = os.path.join(d, "timeline.json")
         launch(2, 3, a, a.time_steps, a.batch, timeline=path)

@@ -54,7 +54,8 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
 
 
 @pytest.mark.parametrize("n, algs, buckets, models, layouts, per_node", [
-    (3, "ring,tree,recursive_doubling", "0.001", "mlp,gpt", "zero1,zero3,local-sgd", None),
+    (3, "ring,tree,recursive_doubling", "0.001", "mlp,gpt", "zero1,zero3,zero3r,local-sgd",
+     None),
     (2, "recursive_doubling,auto", "4", "mlp", "zero2,diloco,bf16", None),
     (4, "hierarchical,ring", "4", "mlp", "zero2,fp16", 2),
     (3, "ring", "0.001", "mlp", "c-onebit,c-randomk,c-powersgd,c-dgc", None),

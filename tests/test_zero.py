@@ -67,6 +67,17 @@ def test_gpt_tiny_on_3_ranks_with_spare_gather_buffers():
     assert "gpt-tiny adamw float64 --zero 3 == --zero 0" in out
 
 
+@pytest.mark.parametrize("n, args", [
+    (3, ["--model", "mlp", "--optimizers", "adam", "--bucket-mb", "0.001"]),
+    (2, ["--model", "gpt-tiny", "--optimizers", "sgd", "--accumulate", "2"]),
+])
+def test_zero_reuse_keeps_backwards_first_buckets_and_stays_exact(n, args):
+    # --zero-reuse on: the buckets of the last two layers stay gathered from forward into
+    # backward; the same bits, and the counters' bytes fall by those buckets' gathers
+    out = check(n, *args, "--dtypes", "float64", "--stages", "3", "--steps", "10", "--reuse")
+    assert "kept from forward into backward (--zero-reuse on)" in out, out
+
+
 def test_auto_resolves_like_stage_0_and_stays_exact_on_4_ranks():
     # auto's small buckets go to MPI's own collective, whose reduce-scatter does not
     # match its all-reduce: those buckets are all-reduced, and the bits are stage 0's
@@ -169,6 +180,7 @@ def test_model_and_optimizer_checks():
     (["--zero", "5"], ["--zero must be 0, 1, 2 or 3"]),
     (["--zero", "1", "--compression", "topk", "--ratio", "0.1"],
      ["--zero 1 cannot serve --compression topk"]),
+    (["--zero", "2", "--zero-reuse", "on"], ["--zero-reuse on", "only --zero 3"]),
 ])
 def test_cli_bad_input_isassert_one_line_error(args, needles, tmp_path):
     assert_one_line_error(run_command(MPIDL + ["train"] + FAST + ["--out-dir", tmp_path] + args), *needles)

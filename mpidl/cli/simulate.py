@@ -39,7 +39,7 @@ from mpidl.errors import ConfigError, UserError
 
 #: the parallelism settings the cost model follows; any other one set is refused
 MODELLED = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
-            "sparse_grads", "zero", "sync", "period", "warmup_steps", "outer_lr",
+            "sparse_grads", "zero", "zero_reuse", "sync", "period", "warmup_steps", "outer_lr",
             "outer_momentum", "precision", "loss_scale", "loss_scale_window",
             "compression", "ratio", "sync_bn", "tensor_parallel", "hybrid")
 #: ... and under --strategy hogwild
@@ -583,6 +583,10 @@ def layout_options(cfg, model, accumulate, grads=None):
                               "momentum": cfg.momentum if cfg.optimizer == "sgd" else 0.0}
     if cfg.zero:
         out.update(zero=int(cfg.zero), micro=accumulate)
+        if int(cfg.zero) == 3 and getattr(cfg, "zero_reuse", None) == "on":
+            from mpidl.runtime.zero import boundary_params  # noqa: PLC0415
+
+            out["zero_keep"] = boundary_params(model)
     if (cfg.sync or "allreduce") != "allreduce":
         out["period"] = int(cfg.period)
     if (cfg.precision or "fp32") != "fp32":

@@ -213,7 +213,7 @@ def _graph_check(model, optimizer):
 def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket_mb=None,
               overlap="auto", compression=None, ratio=None, sparse_grads=None, sync_bn=False,
               sync=None, period=None, warmup_steps=None, outer_lr=None, outer_momentum=None,
-              verify_averaging=False, zero=0, precision=None, loss_scale=None,
+              verify_averaging=False, zero=0, zero_reuse=None, precision=None, loss_scale=None,
               loss_scale_window=None, tensor_parallel=1, hybrid=None, micro_batches=None,
               compute_pace=None, sparse_sync=None, ps_params=None, servers=None, mode=None,
               staleness=None, wait=None, staleness_aware_lr=None, epoch_quorum=None,
@@ -259,7 +259,7 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
     part = tp_part.TensorParallel(tp) if tp > 1 else None
     if zero:
         return _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
-                     sync_bn, pp, part)
+                     sync_bn, pp, part, reuse=zero_reuse == "on")
     try:
         from mpidl.compress import build_compression  # noqa: PLC0415
 
@@ -395,12 +395,13 @@ def _check_tensor_parallel(tp, **given):
 
 
 def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode, sync_bn,
-          pipeline=None, tensor_parallel=None):
+          pipeline=None, tensor_parallel=None, reuse=False):
     """The allreduce preset with ZeRO stage ``zero`` (``zero.py``): every dense
     parameter in reduce-scattered buckets, the optimizer sharded."""
     from functools import partial  # noqa: PLC0415
 
-    sync = zero_part.ZeroSync(zero, algorithm, bucket_mb, fused.check_overlap(overlap))
+    sync = zero_part.ZeroSync(zero, algorithm, bucket_mb, fused.check_overlap(overlap),
+                              reuse=reuse)
     rt = Runtime(comm, f"allreduce+zero{zero}", sched, [(_everything, sync)],
                  partial(zero_part.Sharded, stage=zero), sync_bn=sync_bn, unused=unused,
                  pipeline=pipeline, tensor_parallel=tensor_parallel)

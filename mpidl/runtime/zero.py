@@ -61,6 +61,10 @@ OPTIONS = [
            "the parameters; bitwise the trajectory of stage 0", "parallelism",
            metavar="STAGE", check=lambda v: None if v in STAGES else
            "must be 0, 1, 2 or 3 (the ZeRO stage)"),
+    Option("zero_reuse", str, None, "--zero 3: keep the buckets backward starts with (its "
+           "first two layers') gathered from the end of forward instead of freeing and "
+           "gathering them again: fewer bytes, held through the loss; off by default",
+           "parallelism", choices=(None, "on", "off")),
 ]
 
 
@@ -76,6 +80,9 @@ def check_options(strategy, options):
     if "zero" not in options:
         return 0
     zero = check_stage(options["zero"])
+    if options.get("zero_reuse") == "on" and zero != 3:
+        raise ConfigError(f"--zero-reuse on keeps gathered parameters, which only --zero 3 "
+                          f"gathers (got --zero {zero}); drop --zero-reuse or use --zero 3")
     if zero == 0:
         return 0
     if strategy == "ps":
@@ -185,9 +192,10 @@ class ZeroSync(FusedAllreduce):
 
     name = "zero-reduce-scatter"
 
-    def __init__(self, stage, algorithm="auto", bucket_mb=None, overlap="auto"):
+    def __init__(self, stage, algorithm="auto", bucket_mb=None, overlap="auto", reuse=False):
         super().__init__(algorithm, bucket_mb, "off" if stage >= 2 else overlap)
         self.stage = check_stage(stage)
+        self.reuse = bool(reuse) and self.stage == 3  # --zero-reuse on
         self.shards = []
 
     def setup(self, ctx, named_params):
@@ -204,7 +212,7 @@ class ZeroSync(FusedAllreduce):
                 alg = comm.selector.choose("allreduce", b.nbytes)  # as stage 0 would
             self.shards.append(Shard(b, rank, size, alg, own=self.stage == 3))
         self.micro = getattr(ctx.schedule, "k", 1)
-        self.gathers = ParamGathers(self, ctx.model) if self.stage == 3 else None
+        self.gathers = ParamGathers(self, ctx.model, self.reuse) if self.stage == 3 else None
         placement = ctx.placement
         if not isinstance(placement, Sharded):
             raise TypeError("ZeroSync needs the Sharded optimizer placement")
@@ -298,6 +306,9 @@ class ZeroSync(FusedAllreduce):
         if self.stage == 3:
             parts.append("parameters all-gathered bucket by bucket before each forward and "
                          "backward (the next bucket prefetched), freed after")
+            if self.gathers is not None and self.gathers.keep:
+                parts.append(f"bucket(s) {_ranges(sorted(self.gathers.keep))} kept from "
+                             "forward into backward (--zero-reuse on)")
         held = ("optimizer state" if self.stage == 1 else
                 "optimizer state and gradients" if self.stage == 2 else
                 "optimizer state, gradients and parameters")
@@ -344,7 +355,8 @@ class ZeroSync(FusedAllreduce):
             if not sh.exact_rs:
                 sent += n - c[(r + 1) % p]                   # the all-reduce's second half
             if self.stage == 3:  # gathered for every forward and backward, not after
-                sent += (2 * self.micro - 1) * (n - c[(r + 1) % p])
+                again = self.micro * (2 - (sh.bucket.index in self.gathers.keep))
+                sent += (again - 1) * (n - c[(r + 1) % p])
             total += sent * sh.bucket.dtype.itemsize
         return total
 
@@ -532,6 +544,21 @@ class _Freed:
         return f"<{self.name}: sharded by --zero 3, not gathered>"
 
 
+def boundary_params(model):
+    """The names of the parameters of the last two layers with parameters in forward
+    order: the ones backward needs first (``--zero-reuse on`` keeps their buckets
+    gathered from forward into backward; ``mpidl simulate`` lays the step out from the
+    same names)."""
+    layers, seen = [], set()
+    for _, m in model.modules():
+        own = [id(p) for p in m._params.values()]
+        if own and id(m) not in seen:
+            seen.add(id(m))
+            layers.append(own)
+    last = {i for own in layers[-2:] for i in own}
+    return {name for name, p in model.named_parameters() if id(p) in last}
+
+
 class ParamGathers:
     """ZeRO stage 3: which buckets' full parameters are gathered now.
 
@@ -557,7 +584,7 @@ class ParamGathers:
     the rest would be held until its end). The ledger counts them (``mem_comm``).
     """
 
-    def __init__(self, sync, model):
+    def __init__(self, sync, model, reuse=False):
         if not hasattr(model, "modules"):
             raise ConfigError(f"--zero 3 gathers parameters layer by layer and needs an mpidl "
                               f"Layer; got {type(model).__name__} (use --zero 2)")
@@ -574,6 +601,13 @@ class ParamGathers:
         order = list(self.needs)
         self.after = {"forward": dict(zip(order, order[1:])),
                       "backward": dict(zip(order[1:], order))}
+        # --zero-reuse on: the buckets backward's first two layers need stay gathered
+        # from forward into backward (``boundary_params``)
+        self.keep = set()
+        if reuse:
+            kept = boundary_params(model)
+            self.keep = {index_of[id(p)] for name, p in model.named_parameters()
+                         if name in kept and id(p) in index_of}
         # set-up leaves every bucket gathered: Shard built the full buffers
         self.gathered = {sh.bucket.index: [sh.params, None] for sh in self.shards}
         self.pinned = True
@@ -588,15 +622,18 @@ class ParamGathers:
         if self.pinned:
             return
         if phase != self.phase:
-            self.release_all()
+            into_backward = self.phase == "forward" and phase == "backward"
+            self.release_all(hold=self.keep if into_backward else ())
             self.phase = phase
         need = self.needs.get(id(layer))
         if not need:
             return
         lo, hi = need[0], need[-1]
         for i in list(self.gathered):  # the buckets this pass has left behind
-            if (i > hi if phase == "forward" else i < lo):
-                self.release(i, keep=phase == "forward")  # (backward needs it again)
+            if phase == "forward" and i > hi and i not in self.keep:
+                self.release(i, keep=True)  # a spare (backward gathers it again)
+            elif phase == "backward" and i < lo:
+                self.release(i, keep=False)
         for i in need:
             self.ensure(i)
         # prefetch the buckets of the next layer this pass meets (all of them: a layer
@@ -696,10 +733,12 @@ class ParamGathers:
         if keep:
             self._keep(entry[0])
 
-    def release_all(self, spares=True):
-        """Free every gathered buffer; ``spares=False``: keep none as a spare either."""
+    def release_all(self, spares=True, hold=()):
+        """Free every gathered buffer but those of ``hold``; ``spares=False``: keep none
+        as a spare either."""
         for i in sorted(self.gathered):
-            self.release(i, keep=spares)
+            if i not in hold:
+                self.release(i, keep=spares)
         self.phase = None
         if not spares:
             self.spares.clear()

@@ -13,7 +13,8 @@ ranks share one node, as they do on this machine.
 
 Beside plain data parallelism, a fourth argument names the other layouts to check, each
 built as ``mpidl train`` builds it: ``zero1``, ``zero2``, ``zero3`` (with 2
-micro-batches: every bucket gathered once per forward and backward of each),
+micro-batches: every bucket gathered once per forward and backward of each; ``zero3r``
+with ``--zero-reuse on``),
 ``local-sgd`` and ``diloco`` (``--period 3``: three counted steps hold one averaging),
 ``bf16`` and ``fp16`` (``--precision``: 2-byte buckets; the mlp only, which has a
 low-precision path), ``syncbn`` (``--sync-bn``: the cnn's BatchNorms all-reduce their
@@ -50,6 +51,7 @@ from mpidl.engine import SGD, SoftmaxCrossEntropy
 from mpidl.engine.losses import TokenCrossEntropy
 from mpidl.engine.models import build_model
 from mpidl.runtime import build
+from mpidl.runtime.zero import boundary_params
 from mpidl.runtime.sync.rowsparse import sparse_param_names
 from mpidl.simulate.step import layout, sync_bn_layers, touched_rows, traffic
 
@@ -90,6 +92,9 @@ LAYOUTS = {
     "zero1": ({"zero": 1, "sparse_grads": "dense"}, {"zero": 1}),
     "zero2": ({"zero": 2, "sparse_grads": "dense"}, {"zero": 2}),
     "zero3": ({"zero": 3, "accumulate": 2, "sparse_grads": "dense"}, {"zero": 3, "micro": 2}),
+    # (and zero_keep, from the model: check)
+    "zero3r": ({"zero": 3, "zero_reuse": "on", "accumulate": 2, "sparse_grads": "dense"},
+               {"zero": 3, "micro": 2}),
     "local-sgd": ({"sync": "local-sgd", "period": PERIOD}, {"period": PERIOD}),
     "diloco": ({"sync": "diloco", "period": PERIOD}, {"period": PERIOD}),
     "bf16": ({"precision": "bf16"}, {"wire": "bf16"}),
@@ -158,6 +163,8 @@ def check(kind, algorithm, bucket_mb, overlap, per_node, how="dp"):
             options = {**options, "compression": part[2:]}
         else:
             options, shape = {**options, **LAYOUTS[part][0]}, {**shape, **LAYOUTS[part][1]}
+    if options.get("zero_reuse") == "on":
+        shape["zero_keep"] = boundary_params(model)
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb,
                overlap="off" if options.get("zero", 0) >= 2 else overlap, **options)
     rt.setup(model, opt, TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy())

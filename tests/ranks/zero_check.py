@@ -75,6 +75,8 @@ def run(comm, args, opt_name, dtype, stage):
         options["accumulate"] = args.accumulate
     if stage:
         options["zero"] = stage
+    if stage == 3 and args.reuse:
+        options["zero_reuse"] = "on"
     if args.model == "gpt-tiny":  # ZeRO exchanges the embeddings' gradients dense
         options["sparse_grads"] = "dense"
     rt = build("allreduce", comm, **options)
@@ -98,14 +100,22 @@ def run(comm, args, opt_name, dtype, stage):
         out.append(digest(model))
     m = rt.metrics()
     metrics = m.get("bytes_sent_per_step")
-    if stage == 3 and len(rt.syncs[0][1].shards) > 1:
+    sync = rt.syncs[0][1]
+    kept = 0  # elements of the buckets --zero-reuse on keeps from forward into backward
+    if stage == 3 and args.reuse:
+        if not sync.gathers.keep:
+            raise AssertionError("--zero-reuse on kept no bucket")
+        kept = sum(sh.bucket.buffer.size for sh in sync.shards
+                   if sh.bucket.index in sync.gathers.keep)
+    if stage == 3 and len(sync.shards) > 1:
         if m["param_prefetched"] == 0:
             raise AssertionError(f"--zero 3: no gather was prefetched ({m})")
-        if m["param_reused"] == 0:
+        if m["param_reused"] == 0 and not args.reuse:  # (reuse keeps what it would free)
             raise AssertionError("--zero 3: no gather reused a spare buffer")
     rt.finish()
     psi = model.num_parameters()
-    return out, sent / args.steps, metrics, psi, np.dtype(dtype).itemsize, rt.describe()
+    return (out, sent / args.steps, metrics, psi, np.dtype(dtype).itemsize, rt.describe(),
+            kept)
 
 
 def main():
@@ -119,17 +129,18 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=0.002)
     ap.add_argument("--overlap", default="off")
     ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--reuse", action="store_true", help="stage 3 with --zero-reuse on")
     args = ap.parse_args()
     comm = Communicator()
     n = comm.size
     stages = [int(s) for s in args.stages.split(",")]
     for opt_name in args.optimizers.split(","):
         for dtype in args.dtypes.split(","):
-            ref, ref_sent, _, psi, item, _ = run(comm, args, opt_name, dtype, 0)
+            ref, ref_sent, _, psi, item, _, _ = run(comm, args, opt_name, dtype, 0)
             if ref[0] == ref[-1]:
                 raise AssertionError("stage 0 did not move the parameters")
             for stage in stages:
-                got, sent, metrics, _, _, lines = run(comm, args, opt_name, dtype, stage)
+                got, sent, metrics, _, _, lines, kept = run(comm, args, opt_name, dtype, stage)
                 for s, (a, b) in enumerate(zip(ref, got)):
                     if b is not None and a != b:
                         raise AssertionError(
@@ -146,12 +157,14 @@ def main():
                         raise AssertionError(f"rank {comm.rank}: --zero {stage} sent {sent} "
                                              f"bytes per step, --zero 0 {ref_sent}")
                     total = sum(comm.mpi.allgather(sent))
-                    # stage 3 gathers for every forward and every backward
+                    # stage 3 gathers for every forward and every backward (the kept
+                    # buckets of --zero-reuse on for every forward only)
                     factor = 2 * args.accumulate + 1 if stage == 3 else 2
-                    if total != factor * (n - 1) * psi * item:
+                    want = (factor * psi - args.accumulate * kept) * (n - 1) * item
+                    if total != want:
                         raise AssertionError(
                             f"--zero {stage}: the ranks sent {total} bytes per step, not "
-                            f"{factor}(N-1)·Ψ·itemsize = {factor * (n - 1) * psi * item}")
+                            f"({factor}Ψ - {args.accumulate}·kept)(N-1)·itemsize = {want}")
                 if comm.rank == 0:
                     print(f"[p={n}] {args.model} {opt_name} {dtype} --zero {stage} == "
                           f"--zero 0 bitwise over {args.steps} steps (Ψ={psi}); bytes/step "
