@@ -255,14 +255,15 @@ def main():
         print(f"stage {label(3, reuse)} / stage 1 at p=2: "
               f"{result['time'][f'{key}_over_stage1']:.3f}x "
               f"(rounds: {', '.join(f'{x:.3f}' for x in per_round)})")
-    with tempfile.TemporaryDirectory() as d:  # stage 3 once more, its timeline recorded
-        path = os.path.join(d, "timeline.json")
-        launch(2, 3, a, a.time_steps, a.batch, timeline=path)
-        result["time"]["stage3_timeline"] = gathers_under_compute(path)
-    t = result["time"]["stage3_timeline"]
-    print(f"stage 3 timeline, rank 0: prefetched gathers {t['prefetched_ms']:.1f} ms a step, "
-          f"{100 * t['prefetched_under_compute']:.0f} % of it under forward/backward; "
-          f"gathers waited for {t['exposed_ms']:.1f} ms a step")
+    for key, reuse in (("stage3", False), ("stage3_reuse", True)):
+        with tempfile.TemporaryDirectory() as d:  # once more, its timeline recorded
+            path = os.path.join(d, "timeline.json")
+            launch(2, 3, a, a.time_steps, a.batch, timeline=path, reuse=reuse)
+            t = result["time"][f"{key}_timeline"] = gathers_under_compute(path)
+        print(f"stage {label(3, reuse)} timeline, rank 0: prefetched gathers "
+              f"{t['prefetched_ms']:.1f} ms a step, {100 * t['prefetched_under_compute']:.0f} "
+              f"% of it under forward/backward; gathers waited for {t['exposed_ms']:.1f} ms "
+              "a step")
     if a.time_only and os.path.exists(a.out):  # keep the memory part of an earlier run
         with open(a.out) as f:
             result["memory"] = json.load(f).get("memory", [])
