@@ -568,9 +568,11 @@ class ParamGathers:
     needs none more, of the pass's next bucket: forward walks the buckets from the last
     index down, backward up), then frees the buckets the pass has left behind. A change
     of pass (forward to backward, or the next micro-batch) frees everything, so each
-    bucket is gathered once per forward and once per backward. While
-    *pinned* (after set-up, for evaluation and checkpoints) every bucket is gathered and
-    the hooks do nothing; the next step takes each rank's chunk back and frees them.
+    bucket is gathered once per forward and once per backward (with ``reuse``,
+    ``--zero-reuse on``: but the buckets of backward's first two layers, ``keep``, which
+    forward leaves gathered for it). While *pinned* (after set-up, for evaluation and
+    checkpoints) every bucket is gathered and the hooks do nothing; the next step takes
+    each rank's chunk back and frees them.
 
     A buffer freed in forward (or when a pass ends) is kept as a *spare* for the next
     gather of a bucket of its size (the same bucket in backward, or another block's of
