@@ -6,7 +6,9 @@
   and without overlap, with --accumulate, with every algorithm (those whose reduce-scatter
   sums in another order all-reduce instead). The full grid (200 steps) is ``slow``; a
   slice runs always. Stage 3 reuses freed gather buffers, which gpt-tiny's equal-sized
-  blocks exercise.
+  blocks exercise. With tensor parallelism, each rank's slices sharded over its
+  data-parallel group are the same layout's stage-0 bits, and a run stopped at --zero 3
+  resumes as if never stopped.
 * Traffic with --algorithm ring, from the counters: per rank exactly stage 0's bytes for
   stages 1-2, and summed over the ranks exactly 2(N-1)·Ψ·itemsize per step (3(N-1)·Ψ for
   stage 3); ``bytes_sent_per_step`` equals the counters.
@@ -76,6 +78,21 @@ def test_zero_reuse_keeps_backwards_first_buckets_and_stays_exact(n, args):
     # backward; the same bits, and the counters' bytes fall by those buckets' gathers
     out = check(n, *args, "--dtypes", "float64", "--stages", "3", "--steps", "10", "--reuse")
     assert "kept from forward into backward (--zero-reuse on)" in out, out
+
+
+@pytest.mark.parametrize("n, args", [
+    (4, ["--model", "gpt-tiny", "--optimizers", "adam", "--stages", "1,2,3",
+         "--accumulate", "2"]),
+    pytest.param(6, ["--model", "mlp", "--optimizers", "adamw", "--stages", "3", "--reuse"],
+                 marks=pytest.mark.slow, id="mlp-p3-reuse"),
+    pytest.param(4, ["--model", "cnn", "--optimizers", "sgd", "--stages", "1,2,3"],
+                 marks=pytest.mark.slow, id="cnn"),
+])
+def test_stages_with_tensor_parallelism_2(n, args):
+    # ZeRO over each tp rank's data-parallel group of n / 2, sharding its slices: the
+    # bits of stage 0 with the same tensor-parallel layout, and the bytes of the formula
+    out = check(n, *args, "--dtypes", "float64", "--steps", "10", "--tensor-parallel", "2")
+    assert f"[p={n // 2} x tp 2]" in out and "--zero 3 == --zero 0 bitwise" in out, out
 
 
 def test_auto_resolves_like_stage_0_and_stays_exact_on_4_ranks():
@@ -239,6 +256,34 @@ def test_cli_run_stopped_and_resumed_at_another_stage_as_if_never_stopped(tmp_pa
     failed = train(common + ["--zero", first], env={"MPIDL_FAIL_AT": "0:5"})
     assert failed.returncode != 0, failed.output
     resumed = train(common + ["--zero", then, "--resume"]).check()
+    assert "resumed from" in resumed.output and "ckpt-000000004" in resumed.output, \
+        resumed.output
+    from mpirun import assert_bitwise_equal, model_arrays
+
+    assert_bitwise_equal(model_arrays(tmp_path / "z" / "model.npz"),
+                         model_arrays(whole / "model.npz"))
+
+
+def test_cli_tensor_parallel_run_stopped_at_zero_3_resumes_as_if_never_stopped(tmp_path):
+    """mpidl train on 4 ranks, --tensor-parallel 2 with Adam: a --zero 3 run fails after
+    its step-4 checkpoint (tensor-parallel shard files, the parameters gathered for them)
+    and resumes at --zero 1; the final model is bitwise the uninterrupted --zero 0 run's."""
+    def train(args, env=None):
+        cmd = [*mpiexec_cmd(), "-n", "4"] + MPIDL + [
+            "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "200",
+            "--limit-test", "32", "--epochs", "2", "--batch-size", "16", "--model", "mlp",
+            "--optimizer", "adam", "--lr", "0.001", "--algorithm", "ring",
+            "--bucket-mb", "0.5", "--tensor-parallel", "2"] + [str(a) for a in args]
+        return run_command(cmd, env=env, timeout=240)
+
+    whole = tmp_path / "whole"
+    train(["--out-dir", whole, "--zero", "0"]).check()
+    ck = tmp_path / "ck"
+    common = ["--out-dir", tmp_path / "z", "--checkpoint-dir", ck, "--checkpoint-every", "2"]
+    failed = train(common + ["--zero", "3"], env={"MPIDL_FAIL_AT": "0:5"})
+    assert failed.returncode != 0, failed.output
+    assert any("-shard-" in f.name for f in ck.iterdir()), sorted(ck.iterdir())
+    resumed = train(common + ["--zero", "1", "--resume"]).check()
     assert "resumed from" in resumed.output and "ckpt-000000004" in resumed.output, \
         resumed.output
     from mpirun import assert_bitwise_equal, model_arrays

@@ -49,7 +49,7 @@ MODELLED_PARALLAX = ("sparse_sync", "ps_params", "servers", "mode", "staleness",
                      "staleness_aware_lr", "trace", "poll_max_ms")
 #: ... of which --tensor-parallel combines with these only (the rest is refused)
 MODELLED_TP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
-               "sparse_grads", "tensor_parallel", "zero")
+               "sparse_grads", "tensor_parallel", "zero", "zero_reuse")
 #: ... and --pipeline-stages with these only
 MODELLED_PP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
                "sparse_grads", "pipeline_stages", "pipeline_schedule", "stage_costs",
@@ -136,9 +136,9 @@ def _refuse_unmodelled(cfg):
         modelled, split = MODELLED_PP + ("tensor_parallel",), "--pipeline-stages"
     elif strategy == "allreduce" and degree > 1:
         modelled, split = MODELLED_TP, "--tensor-parallel"
-    if split and (cfg.zero or 0) > 2:  # (stages 1-2 compose with them: mpidl train's words)
-        raise ConfigError(f"{split} {stages if stages > 1 else degree} with --zero "
-                          f"{cfg.zero} is not built yet: drop one of them")
+    if stages > 1 and (cfg.zero or 0) > 2:  # (stages 1-2 compose: mpidl train's words)
+        raise ConfigError(f"--pipeline-stages {stages} with --zero {cfg.zero} is not built "
+                          "yet: drop one of them")
     for name, value in strategy_kwargs(cfg).items():
         if name == "group_size" and value in (None, 1):
             continue
@@ -468,7 +468,8 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
         links = col.Links(machine, topo)
         if pieces is not None and p > 1:
             lay = tensor.layout(*pieces, p, algorithm, bucket_mb, accumulate,
-                                sparse=bool(sparse), zero=int(cfg.zero or 0))
+                                sparse=bool(sparse), zero=int(cfg.zero or 0),
+                                zero_keep=shape.get("zero_keep", ()))
             t = tensor.step_time(lay, compute, cfg.batch_size, accumulate, machine, per_node,
                                  overlap, seg)
             counted = tensor.traffic(lay, per_node, ranks=watch, seg_bytes=seg)

@@ -382,8 +382,7 @@ def _pipeline(comm, options, accumulate, tp, **given):
 
 def _check_tensor_parallel(tp, **given):
     """One line for what does not compose with tensor parallelism yet."""
-    what = {"zero": (given["zero"] or 0) > 2 and f"--zero {given['zero']}",
-            "compression": given["compression"] not in (None, "none")
+    what = {"compression": given["compression"] not in (None, "none")
             and f"--compression {given['compression']}",
             "sync": given["sync"] not in (None, "allreduce") and f"--sync {given['sync']}",
             "precision": given["precision"] not in (None, "fp32")

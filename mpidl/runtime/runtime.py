@@ -566,6 +566,8 @@ class Runtime:
         """Collective over the ranks that hold pieces of one model: (model state,
         optimizer state) of the whole model, as one process would hold them, on the
         root; on other ranks None. Without tensor parallelism: the local states."""
+        for _, s in self.syncs:  # (ZeRO stage 3: its shards gathered)
+            s.gather_params()
         if self.tp is None and self.pp is None:
             if not self.is_root:
                 return None, None
@@ -600,6 +602,8 @@ class Runtime:
             model_state, opt_state = self.full_state(model, optimizer)
             return SimpleNamespace(model=model_state, optimizer=opt_state, shard=None,
                                    shards=None)
+        for _, s in self.syncs:  # (ZeRO stage 3: its shards gathered)
+            s.gather_params()
         whole, opt_state, shard, slices = self.tp.split_state(dict(model.state_dict()),
                                                               optimizer.state_dict())
         g = self.tp_group

@@ -260,6 +260,9 @@ class ZeroSync(FusedAllreduce):
             self.gathers.unpin()
 
     def prepare_eval(self):
+        self.gather_params()
+
+    def gather_params(self):
         if self.gathers is not None:
             self.gathers.materialize()
 

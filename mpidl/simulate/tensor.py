@@ -231,12 +231,13 @@ def pieces_of(make_model, degree, batch, loss, tables=None, chunks=None):
 
 
 def layout(pieces, whole_params, p, algorithm="auto", bucket_mb=4.0, micro=1, tables=None,
-           rows=None, sparse=True, zero=0):
+           rows=None, sparse=True, zero=0, zero_keep=()):
     """``MeshStep`` of ``p`` ranks over ``pieces_of``'s pieces (one per tp rank).
     ``rows``: the rows each dp rank's row-sparse gradients hold, per tp rank
     (``rows[j][name]``: a count per dp rank; default: the piece's batch's on every dp
     rank); ``sparse=False``: they go dense in the buckets (``--sparse-grads dense``);
-    ``zero``: the dp group's ZeRO stage (1 or 2: its buckets of the slices sharded)."""
+    ``zero``: the dp group's ZeRO stage (its buckets of the slices sharded; stage 3
+    gathers them for every pass, but ``zero_keep``'s, ``step.layout``'s)."""
     degree = len(pieces)
     d = p // degree
     dp = []
@@ -244,7 +245,8 @@ def layout(pieces, whole_params, p, algorithm="auto", bucket_mb=4.0, micro=1, ta
         names = sorted(piece.rows) if sparse else []
         sizes = (rows or {}).get(j) or {name: [piece.rows[name]] * d for name in names}
         dp.append(group_layout(piece.named, d, algorithm, bucket_mb, names, sizes,
-                               tables=tables, alone=True, zero=zero, micro=micro))
+                               tables=tables, alone=True, zero=zero, micro=micro,
+                               zero_keep=zero_keep))
     return MeshStep(p, degree, pieces, dp, micro=micro, whole_params=whole_params,
                     what=f"tensor parallelism {degree} x data parallelism {d}",
                     calls=dp[0].calls)

@@ -27,7 +27,7 @@ not apply), ``tpT`` (``--tensor-parallel T``: the tp and dp groups' counters, gr
 group), ``ppP[-SCHEDULE[-M]][-tT]`` (``--pipeline-stages P --schedule SCHEDULE
 --micro-batches M [--tensor-parallel T]``, default 1f1b, 2 and 1: the pipeline, dp and
 tp groups' counters; ``tp...`` and ``pp...`` take ``+zeroK``: ZeRO stage K, 1 or 2, on
-the dp group),
+the dp group; ``tp...`` also 3, and ``3r`` with ``--zero-reuse on``),
 ``parallax-MODE[-S]`` (``--sparse-sync ps``: gpt-tiny's Embeddings, or the mlp's
 biases with ``--ps-params '*.bias'``, on S servers; the rest all-reduced among the
 trainers), ``hogwild[-S]`` (``--strategy hogwild --servers S``: a worker's one-sided
@@ -482,7 +482,7 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     from mpidl.simulate import tensor
 
     base, _, stage = how.partition("+zero")
-    degree, zero = int(base[2:]), int(stage or 0)
+    degree, zero, reuse = int(base[2:]), int(stage.rstrip("r") or 0), stage.endswith("r")
     tables = gathers_by(algorithm)
     comm = Communicator(MPI.COMM_WORLD, _tables=tables)
     p, rank = comm.size, comm.rank
@@ -492,7 +492,7 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
     loss = TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy()
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
-               tensor_parallel=degree, zero=zero,
+               tensor_parallel=degree, zero=zero, zero_reuse="on" if reuse else None,
                sparse_grads="dense" if zero else "allgather")
     rt.setup(model, opt, loss)
     rt.train_step(*batch(kind, 0, i))  # (a tp group's ranks share their data: dp index)
@@ -505,8 +505,9 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     rows = {t: {name: [r[name] for tt, r in everyone if tt == t] for name in mine}
             for t in range(degree)}
     pieces, whole = tensor.pieces_of(lambda: make(kind), degree, (x, y), loss_of(kind), tables)
+    keep = boundary_params(make(kind)) if reuse else ()
     step = tensor.layout(pieces, whole, p, algorithm, bucket_mb, tables=tables, rows=rows,
-                         sparse=not zero, zero=zero)
+                         sparse=not zero, zero=zero, zero_keep=keep)
     predicted = tensor.traffic(step, per_node, ranks=[rank])[rank]["groups"]
     same_groups(predicted, {g: counted[g] for g in ("tp", "dp")},
                 f"rank {rank} of {p}, {kind} {how} {algorithm} bucket {bucket_mb}")

@@ -3,13 +3,17 @@
 For every optimizer and dtype asked for, stage 0 (replicated optimizer, fused all-reduce)
 trains a small model for ``--steps`` steps on the same global batches; every other stage
 asked for must give bitwise the same parameters after every step (stage 3: every other
-step and the last, gathered for it, the steps between reusing the buffers of the one
-before), on every rank. With
-``--algorithm ring`` the communicator's counters must also show, per step and rank,
+step, gathered for it by evaluation, and the last, by ``Runtime.full_state``; the steps
+between reuse the buffers of the one before), on every rank. With ``--algorithm ring``
+the communicator's counters must also show, per step and rank,
 exactly stage 0's bytes for stages 1 and 2 (the ring reduce-scatter and all-gather send
 what the ring all-reduce sends), and summed over the ranks exactly 2(N-1)·Ψ·itemsize
 ((2k+1)(N-1)·Ψ·itemsize for stage 3 with k micro-batches); the metrics'
 ``bytes_sent_per_step`` equals the counters; at stage 3 some gathers are prefetched.
+
+With ``--tensor-parallel T`` both stages run the same tensor-parallel layout: ZeRO shards
+each rank's slices over its data-parallel group of N/T ranks (N above), and every rank's
+slices must be stage 0's bits.
 
 Usage: mpiexec -n N python -m mpi4py tests/ranks/zero_check.py --model mlp
        --optimizers sgd,adam --dtypes float32 --stages 1,2 --steps 20
@@ -73,6 +77,8 @@ def run(comm, args, opt_name, dtype, stage):
     options = dict(algorithm=args.algorithm, bucket_mb=args.bucket_mb, overlap=args.overlap)
     if args.accumulate > 1:
         options["accumulate"] = args.accumulate
+    if args.tensor_parallel > 1:
+        options["tensor_parallel"] = args.tensor_parallel
     if stage:
         options["zero"] = stage
     if stage == 3 and args.reuse:
@@ -82,7 +88,7 @@ def run(comm, args, opt_name, dtype, stage):
     rt = build("allreduce", comm, **options)
     rt.setup(model, opt, TokenCrossEntropy() if args.model == "gpt-tiny"
              else SoftmaxCrossEntropy())
-    r, n = comm.rank, comm.size
+    r, n = rt.shard()  # this rank's piece of the global batch (a tp group shares one)
     per = B * args.accumulate
     out = []
     lr = HYPER[opt_name]["lr"]
@@ -96,7 +102,10 @@ def run(comm, args, opt_name, dtype, stage):
             if s % 2 == 0 and s < args.steps - 1:  # every other step goes on without it,
                 out.append(None)  # so spare buffers carry over to the next step's gathers
                 continue
-            rt.prepare_eval()
+            if s == args.steps - 1:
+                rt.full_state(model)  # (what --save and checkpoints call: it gathers too)
+            else:
+                rt.prepare_eval()
         out.append(digest(model))
     m = rt.metrics()
     metrics = m.get("bytes_sent_per_step")
@@ -113,9 +122,9 @@ def run(comm, args, opt_name, dtype, stage):
         if m["param_reused"] == 0 and not args.reuse:  # (reuse keeps what it would free)
             raise AssertionError("--zero 3: no gather reused a spare buffer")
     rt.finish()
-    psi = model.num_parameters()
+    psi = model.num_parameters()  # (this rank's slices under tensor parallelism)
     return (out, sent / args.steps, metrics, psi, np.dtype(dtype).itemsize, rt.describe(),
-            kept)
+            kept, rt.group)
 
 
 def main():
@@ -130,23 +139,25 @@ def main():
     ap.add_argument("--overlap", default="off")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--reuse", action="store_true", help="stage 3 with --zero-reuse on")
+    ap.add_argument("--tensor-parallel", type=int, default=1)
     args = ap.parse_args()
     comm = Communicator()
-    n = comm.size
+    n = comm.size // args.tensor_parallel  # the data-parallel group's ranks
     stages = [int(s) for s in args.stages.split(",")]
     for opt_name in args.optimizers.split(","):
         for dtype in args.dtypes.split(","):
-            ref, ref_sent, _, psi, item, _, _ = run(comm, args, opt_name, dtype, 0)
+            ref, ref_sent, _, psi, item, _, _, _ = run(comm, args, opt_name, dtype, 0)
             if ref[0] == ref[-1]:
                 raise AssertionError("stage 0 did not move the parameters")
             for stage in stages:
-                got, sent, metrics, _, _, lines, kept = run(comm, args, opt_name, dtype, stage)
+                got, sent, metrics, _, _, lines, kept, dp = run(comm, args, opt_name, dtype,
+                                                                stage)
                 for s, (a, b) in enumerate(zip(ref, got)):
                     if b is not None and a != b:
                         raise AssertionError(
                             f"rank {comm.rank}: {args.model} {opt_name} {dtype} p={n}: "
                             f"--zero {stage} differs from --zero 0 after step {s + 1}")
-                everyone = comm.mpi.allgather(got[-1])
+                everyone = dp.mpi.allgather(got[-1])
                 if any(d != everyone[0] for d in everyone):
                     raise AssertionError(f"--zero {stage}: replicas differ")
                 if args.algorithm == "ring":
@@ -156,7 +167,7 @@ def main():
                     if stage < 3 and sent != ref_sent:
                         raise AssertionError(f"rank {comm.rank}: --zero {stage} sent {sent} "
                                              f"bytes per step, --zero 0 {ref_sent}")
-                    total = sum(comm.mpi.allgather(sent))
+                    total = sum(dp.mpi.allgather(sent))
                     # stage 3 gathers for every forward and every backward (the kept
                     # buckets of --zero-reuse on for every forward only)
                     factor = 2 * args.accumulate + 1 if stage == 3 else 2
@@ -166,7 +177,8 @@ def main():
                             f"--zero {stage}: the ranks sent {total} bytes per step, not "
                             f"({factor}Ψ - {args.accumulate}·kept)(N-1)·itemsize = {want}")
                 if comm.rank == 0:
-                    print(f"[p={n}] {args.model} {opt_name} {dtype} --zero {stage} == "
+                    tp = f" x tp {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
+                    print(f"[p={n}{tp}] {args.model} {opt_name} {dtype} --zero {stage} == "
                           f"--zero 0 bitwise over {args.steps} steps (Ψ={psi}); bytes/step "
                           f"rank 0: {sent:g}", flush=True)
                     if opt_name == args.optimizers.split(",")[0] and dtype == \

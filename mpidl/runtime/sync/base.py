@@ -57,6 +57,11 @@ class GradSync:
     def prepare_eval(self):
         """Before an evaluation (e.g. meet the other workers at a parameter server)."""
 
+    def gather_params(self):
+        """Before the whole model is read (``Runtime.full_state``, checkpoints): the
+        parameters this sync owns whole on this rank; collective over its group (ZeRO
+        stage 3 gathers its shards, the others hold them whole already)."""
+
     def before_collective(self):
         """Before the trainer's own collectives (reduce, gather, barrier) on this rank."""
 
