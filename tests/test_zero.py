@@ -6,9 +6,9 @@
   and without overlap, with --accumulate, with every algorithm (those whose reduce-scatter
   sums in another order all-reduce instead). The full grid (200 steps) is ``slow``; a
   slice runs always. Stage 3 reuses freed gather buffers, which gpt-tiny's equal-sized
-  blocks exercise. With tensor parallelism, each rank's slices sharded over its
-  data-parallel group are the same layout's stage-0 bits, and a run stopped at --zero 3
-  resumes as if never stopped.
+  blocks exercise. With tensor parallelism (stages 1-3) and pipelines (1-2), each rank's
+  slices or stage sharded over its data-parallel group are the same layout's stage-0
+  bits, and a tensor-parallel run stopped at --zero 3 resumes as if never stopped.
 * Traffic with --algorithm ring, from the counters: per rank exactly stage 0's bytes for
   stages 1-2, and summed over the ranks exactly 2(N-1)·Ψ·itemsize per step (3(N-1)·Ψ for
   stage 3); ``bytes_sent_per_step`` equals the counters.
@@ -80,19 +80,28 @@ def test_zero_reuse_keeps_backwards_first_buckets_and_stays_exact(n, args):
     assert "kept from forward into backward (--zero-reuse on)" in out, out
 
 
-@pytest.mark.parametrize("n, args", [
+TP2 = ["--tensor-parallel", "2"]
+
+
+@pytest.mark.parametrize("n, args, what", [
     (4, ["--model", "gpt-tiny", "--optimizers", "adam", "--stages", "1,2,3",
-         "--accumulate", "2"]),
-    pytest.param(6, ["--model", "mlp", "--optimizers", "adamw", "--stages", "3", "--reuse"],
-                 marks=pytest.mark.slow, id="mlp-p3-reuse"),
-    pytest.param(4, ["--model", "cnn", "--optimizers", "sgd", "--stages", "1,2,3"],
-                 marks=pytest.mark.slow, id="cnn"),
+         "--accumulate", "2", *TP2], "[p=2 x tp 2]"),
+    (4, ["--model", "gpt-tiny", "--optimizers", "adam", "--stages", "1,2", "--accumulate",
+         "2", "--pipeline-stages", "2", "--schedule", "zb"], "[p=2 x pp 2 zb]"),
+    pytest.param(6, ["--model", "mlp", "--optimizers", "adamw", "--stages", "3", "--reuse",
+                     *TP2], "[p=3 x tp 2]", marks=pytest.mark.slow, id="mlp-p3-reuse"),
+    pytest.param(4, ["--model", "cnn", "--optimizers", "sgd", "--stages", "1,2,3", *TP2],
+                 "[p=2 x tp 2]", marks=pytest.mark.slow, id="cnn"),
+    pytest.param(8, ["--model", "gpt-tiny", "--optimizers", "adam", "--stages", "1,2",
+                     "--accumulate", "2", "--pipeline-stages", "2", *TP2],
+                 "[p=2 x tp 2 x pp 2 1f1b]", marks=pytest.mark.slow, id="3-d"),
 ])
-def test_stages_with_tensor_parallelism_2(n, args):
-    # ZeRO over each tp rank's data-parallel group of n / 2, sharding its slices: the
-    # bits of stage 0 with the same tensor-parallel layout, and the bytes of the formula
-    out = check(n, *args, "--dtypes", "float64", "--steps", "10", "--tensor-parallel", "2")
-    assert f"[p={n // 2} x tp 2]" in out and "--zero 3 == --zero 0 bitwise" in out, out
+def test_stages_on_tensor_and_pipeline_layouts(n, args, what):
+    # ZeRO over the data-parallel group of each tp rank / pipeline stage, sharding its
+    # slices or layers: the bits of stage 0 with the same layout, the bytes of the formula
+    # (stage 3 with pipelines is not built)
+    out = check(n, *args, "--dtypes", "float64", "--steps", "8", "--bucket-mb", "0.001")
+    assert what in out and "== --zero 0 bitwise" in out, out
 
 
 def test_auto_resolves_like_stage_0_and_stays_exact_on_4_ranks():

@@ -11,9 +11,10 @@ what the ring all-reduce sends), and summed over the ranks exactly 2(N-1)·Ψ·i
 ((2k+1)(N-1)·Ψ·itemsize for stage 3 with k micro-batches); the metrics'
 ``bytes_sent_per_step`` equals the counters; at stage 3 some gathers are prefetched.
 
-With ``--tensor-parallel T`` both stages run the same tensor-parallel layout: ZeRO shards
-each rank's slices over its data-parallel group of N/T ranks (N above), and every rank's
-slices must be stage 0's bits.
+With ``--tensor-parallel T`` and/or ``--pipeline-stages P`` (``--schedule S``, its
+micro-batches ``--accumulate``) both stages run the same layout: ZeRO shards each rank's
+slices of its pipeline stage over its data-parallel group of N/(P T) ranks (N above), and
+every rank's parameters must be stage 0's bits.
 
 Usage: mpiexec -n N python -m mpi4py tests/ranks/zero_check.py --model mlp
        --optimizers sgd,adam --dtypes float32 --stages 1,2 --steps 20
@@ -79,6 +80,8 @@ def run(comm, args, opt_name, dtype, stage):
         options["accumulate"] = args.accumulate
     if args.tensor_parallel > 1:
         options["tensor_parallel"] = args.tensor_parallel
+    if args.pipeline_stages > 1:
+        options.update(pipeline_stages=args.pipeline_stages, pipeline_schedule=args.schedule)
     if stage:
         options["zero"] = stage
     if stage == 3 and args.reuse:
@@ -116,13 +119,16 @@ def run(comm, args, opt_name, dtype, stage):
             raise AssertionError("--zero-reuse on kept no bucket")
         kept = sum(sh.bucket.buffer.size for sh in sync.shards
                    if sh.bucket.index in sync.gathers.keep)
+    # (a pipeline stage of one layer, or whose layers share one bucket, has nothing to
+    # prefetch: some rank's must)
+    prefetched = comm.mpi.allreduce(m.get("param_prefetched", 0))
     if stage == 3 and len(sync.shards) > 1:
-        if m["param_prefetched"] == 0:
+        if prefetched == 0:
             raise AssertionError(f"--zero 3: no gather was prefetched ({m})")
         if m["param_reused"] == 0 and not args.reuse:  # (reuse keeps what it would free)
             raise AssertionError("--zero 3: no gather reused a spare buffer")
     rt.finish()
-    psi = model.num_parameters()  # (this rank's slices under tensor parallelism)
+    psi = model.num_parameters()  # (this rank's slices of its stage's layers)
     return (out, sent / args.steps, metrics, psi, np.dtype(dtype).itemsize, rt.describe(),
             kept, rt.group)
 
@@ -140,9 +146,11 @@ def main():
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--reuse", action="store_true", help="stage 3 with --zero-reuse on")
     ap.add_argument("--tensor-parallel", type=int, default=1)
+    ap.add_argument("--pipeline-stages", type=int, default=1)
+    ap.add_argument("--schedule", default="1f1b")
     args = ap.parse_args()
     comm = Communicator()
-    n = comm.size // args.tensor_parallel  # the data-parallel group's ranks
+    n = comm.size // (args.tensor_parallel * args.pipeline_stages)  # the dp group's ranks
     stages = [int(s) for s in args.stages.split(",")]
     for opt_name in args.optimizers.split(","):
         for dtype in args.dtypes.split(","):
@@ -177,7 +185,9 @@ def main():
                             f"--zero {stage}: the ranks sent {total} bytes per step, not "
                             f"({factor}Ψ - {args.accumulate}·kept)(N-1)·itemsize = {want}")
                 if comm.rank == 0:
-                    tp = f" x tp {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
+                    tp = (f" x tp {args.tensor_parallel}" if args.tensor_parallel > 1 else "") \
+                        + (f" x pp {args.pipeline_stages} {args.schedule}"
+                           if args.pipeline_stages > 1 else "")
                     print(f"[p={n}{tp}] {args.model} {opt_name} {dtype} --zero {stage} == "
                           f"--zero 0 bitwise over {args.steps} steps (Ψ={psi}); bytes/step "
                           f"rank 0: {sent:g}", flush=True)
