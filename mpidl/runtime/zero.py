@@ -195,7 +195,7 @@ class ZeroSync(FusedAllreduce):
     def __init__(self, stage, algorithm="auto", bucket_mb=None, overlap="auto", reuse=False):
         super().__init__(algorithm, bucket_mb, "off" if stage >= 2 else overlap)
         self.stage = check_stage(stage)
-        self.reuse = bool(reuse) and self.stage == 3  # --zero-reuse on
+        self.reuse = bool(reuse)  # --zero-reuse on (stage 3: check_options refuses it else)
         self.shards = []
 
     def setup(self, ctx, named_params):
@@ -547,18 +547,24 @@ class _Freed:
         return f"<{self.name}: sharded by --zero 3, not gathered>"
 
 
+def param_layers(model):
+    """``[(layer, its own parameters)]`` of every layer holding parameters, each once, in
+    the order forward meets them."""
+    out, seen = [], set()
+    for _, m in model.modules():
+        own = list(m._params.values())
+        if own and id(m) not in seen:
+            seen.add(id(m))
+            out.append((m, own))
+    return out
+
+
 def boundary_params(model):
     """The names of the parameters of the last two layers with parameters in forward
     order: the ones backward needs first (``--zero-reuse on`` keeps their buckets
     gathered from forward into backward; ``mpidl simulate`` lays the step out from the
     same names)."""
-    layers, seen = [], set()
-    for _, m in model.modules():
-        own = [id(p) for p in m._params.values()]
-        if own and id(m) not in seen:
-            seen.add(id(m))
-            layers.append(own)
-    last = {i for own in layers[-2:] for i in own}
+    last = {id(p) for _, own in param_layers(model)[-2:] for p in own}
     return {name for name, p in model.named_parameters() if id(p) in last}
 
 
@@ -597,9 +603,9 @@ class ParamGathers:
         self.shards = sync.shards
         index_of = {id(p): sh.bucket.index for sh in self.shards for p in sh.bucket.params}
         self.needs = {}  # id(layer) -> indices of the buckets its own parameters are in
-        for _, m in model.modules():
-            own = sorted({index_of[id(p)] for p in m._params.values() if id(p) in index_of})
-            if own and id(m) not in self.needs:
+        for m, params in param_layers(model):
+            own = sorted({index_of[id(p)] for p in params if id(p) in index_of})
+            if own:
                 self.needs[id(m)] = own
                 m.add_pre_hook(self._before)
         # the layers with parameters in the order forward meets them (backward: reversed)
@@ -607,12 +613,8 @@ class ParamGathers:
         self.after = {"forward": dict(zip(order, order[1:])),
                       "backward": dict(zip(order[1:], order))}
         # --zero-reuse on: the buckets backward's first two layers need stay gathered
-        # from forward into backward (``boundary_params``)
-        self.keep = set()
-        if reuse:
-            kept = boundary_params(model)
-            self.keep = {index_of[id(p)] for name, p in model.named_parameters()
-                         if name in kept and id(p) in index_of}
+        # from forward into backward (``boundary_params``' layers)
+        self.keep = {i for m in order[-2:] for i in self.needs[m]} if reuse else set()
         # set-up leaves every bucket gathered: Shard built the full buffers
         self.gathered = {sh.bucket.index: [sh.params, None] for sh in self.shards}
         self.pinned = True
