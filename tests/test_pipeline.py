@@ -201,8 +201,14 @@ def test_bad_pipelines_are_one_line_each():
     with pytest.raises(ConfigError, match=r"--schedule async with --pipeline-stages 3 needs "
                                           r"--micro-batches M >= 2"):
         Pipeline(3, "async", 1)
-    for flags, what in [(dict(zero=3), "--zero 3"), (dict(compression="fp16"),
-                        "--compression fp16"), (dict(sync="local-sgd", period=4), "--sync local-sgd")]:
+    for flags, what in [(dict(compression="fp16"), "--compression fp16"),
+                        (dict(sync="local-sgd", period=4), "--sync local-sgd"),
+                        (dict(zero=3, pipeline_schedule="async", micro_batches=2),
+                         "--zero 3 and --schedule async"),
+                        (dict(zero=3, pipeline_schedule="interleaved:2"),
+                         "--zero 3 and --schedule interleaved:2"),
+                        (dict(zero=3, emulate_compute=True), "--zero 3 and --emulate-compute"),
+                        (dict(zero=3, zero_reuse="on"), "--zero 3 and --zero-reuse on")]:
         with pytest.raises(ConfigError, match=f"--pipeline-stages 2 with {what} is not "
                                               "built yet"):
             build("allreduce", None, pipeline_stages=2, **flags)

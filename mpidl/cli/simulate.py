@@ -136,9 +136,12 @@ def _refuse_unmodelled(cfg):
         modelled, split = MODELLED_PP + ("tensor_parallel",), "--pipeline-stages"
     elif strategy == "allreduce" and degree > 1:
         modelled, split = MODELLED_TP, "--tensor-parallel"
-    if stages > 1 and (cfg.zero or 0) > 2:  # (stages 1-2 compose: mpidl train's words)
-        raise ConfigError(f"--pipeline-stages {stages} with --zero {cfg.zero} is not built "
-                          "yet: drop one of them")
+    if stages > 1:  # (mpidl train's words)
+        from mpidl.runtime.zero import check_pipeline  # noqa: PLC0415
+
+        check_pipeline(cfg.zero, stages, cfg.pipeline_schedule,
+                       getattr(cfg, "emulate_compute", False),
+                       getattr(cfg, "zero_reuse", None))
     for name, value in strategy_kwargs(cfg).items():
         if name == "group_size" and value in (None, 1):
             continue
@@ -630,7 +633,7 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
     if T == 1:
         return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, sparse,
                                {0: {n: [r] * d for n, r in rows.items()}},
-                               cost_source=source, zero=zero)
+                               cost_source=source, zero=zero, recompute=bool(cfg.recompute))
     loss = task_for(dataset).loss
     y = to_device(dataset.train_y[idx])
     xs, ids = draw_batch(dataset, rng, cfg.batch_size * plan.M, _param_dtype(model))
@@ -639,7 +642,7 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
                    .items()} for j in range(T)} if sparse else {j: {} for j in range(T)}
     names = sorted({n for r in tp_rows.values() for n in r})
     return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, names, tp_rows,
-                           cost_source=source, zero=zero,
+                           cost_source=source, zero=zero, recompute=bool(cfg.recompute),
                            pieces=lambda bounds: tensor.pieces_of(make_model, T, (x, y), loss,
                                                                   chunks=bounds)[0])
 

@@ -166,6 +166,9 @@ class Pipeline:
         self.k = int(micro_batches)
         self.plan = pipeline_schedule.build(self.kind, self.degree, self.k, self.chunks)
         self.recompute = bool(recompute)
+        # called before each forward and backward pass of a micro-batch (ZeRO stage 3
+        # gathers its parameters afresh for each: ``zero.ParamGathers.new_pass``)
+        self.pass_hook = None
         self.emulate = emulate_compute  # False, True (measured times) or {op: [s per chunk]}
         self.cost_spec = stage_costs
         self.group = None
@@ -477,6 +480,8 @@ class Pipeline:
                     out = self._zeros(shape, dtype)
                     self._kept[(key, c)] = inp
                 else:
+                    if self.pass_hook is not None:
+                        self.pass_hook()
                     out = self._forward(chunk, key, c, inp, self._kept)
                 if vs == S - 1:
                     if not emulate:
@@ -509,6 +514,8 @@ class Pipeline:
                     with self._previous_version():
                         dx = self._backward(chunk, key, c, dy, self._kept, self._deferred)
                 else:
+                    if self.pass_hook is not None:
+                        self.pass_hook()
                     dx = self._backward(chunk, key, c, dy, self._kept, self._deferred)
                 t1 = _clock()
                 walk.bwd_s += t1 - t0

@@ -231,8 +231,9 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
         _check_tensor_parallel(tp, zero=zero, compression=compression, sync=sync,
                                precision=precision)
     accumulate = _micro_batches(accumulate, micro_batches)
-    pp = _pipeline(comm, pipeline, accumulate, tp, zero=zero, compression=compression,
-                   sync=sync, precision=precision, hybrid=hybrid, straggler=straggler,
+    pp = _pipeline(comm, pipeline, accumulate, tp, zero=zero, zero_reuse=zero_reuse,
+                   compression=compression, sync=sync, precision=precision, hybrid=hybrid,
+                   straggler=straggler,
                    sync_bn=sync_bn)
     refuse = None
     if zero:
@@ -360,8 +361,7 @@ def _pipeline(comm, options, accumulate, tp, **given):
                               "run one step stale so the stages never flush; one stage is "
                               "plain accumulation: use 1f1b)")
         return None
-    what = {"zero": given.get("zero") and given["zero"] > 2 and f"--zero {given['zero']}",
-            "compression": given.get("compression") not in (None, "none")
+    what = {"compression": given.get("compression") not in (None, "none")
             and f"--compression {given['compression']}",
             "sync": given.get("sync") not in (None, "allreduce") and f"--sync {given['sync']}",
             "precision": given.get("precision") not in (None, "fp32")
@@ -373,6 +373,8 @@ def _pipeline(comm, options, accumulate, tp, **given):
         if flag:
             raise ConfigError(f"--pipeline-stages {stages} with {flag} is not built yet: "
                               "drop one of them")
+    zero_part.check_pipeline(given.get("zero"), stages, options.get("pipeline_schedule"),
+                             options.get("emulate_compute"), given.get("zero_reuse"))
     pipeline_part.check_degree(stages, tp, _size(comm))
     return pipeline_part.Pipeline(stages, options.get("pipeline_schedule") or "1f1b",
                                   accumulate or 1, recompute=options.get("recompute", False),

@@ -104,6 +104,27 @@ def check_options(strategy, options):
     return zero
 
 
+def check_pipeline(zero, stages, schedule=None, emulate_compute=False, zero_reuse=None):
+    """One ConfigError for what stage 3 does not serve with ``--pipeline-stages`` yet:
+    it gathers a stage's buckets afresh for every pass the schedule runs
+    (``ParamGathers.new_pass``), which needs one model chunk per rank (a bucket may hold
+    two chunks' parameters), passes that run (not emulated), and no whole weight copies
+    (async's stashing); ``--zero-reuse on`` would keep buckets between passes."""
+    from mpidl.runtime.pipeline_schedule import parse  # noqa: PLC0415
+
+    if (zero or 0) < 3 or (stages or 1) < 2:
+        return
+    kind, chunks = parse(schedule or "1f1b")
+    refuse = {"--schedule async": kind == "async",
+              f"--schedule {kind}:{chunks}": chunks > 1,
+              "--emulate-compute": emulate_compute,
+              "--zero-reuse on": zero_reuse == "on"}
+    for flag, bad in refuse.items():
+        if bad:
+            raise ConfigError(f"--pipeline-stages {stages} with --zero 3 and {flag} is not "
+                              "built yet: drop one of them (--zero 1 and 2 compose with it)")
+
+
 def exact_reduce_scatter(algorithm, size):
     """Whether ``algorithm``'s reduce-scatter gives bitwise chunk ``rank`` of its
     all-reduce on ``size`` ranks (module doc)."""
@@ -212,7 +233,13 @@ class ZeroSync(FusedAllreduce):
                 alg = comm.selector.choose("allreduce", b.nbytes)  # as stage 0 would
             self.shards.append(Shard(b, rank, size, alg, own=self.stage == 3))
         self.micro = getattr(ctx.schedule, "k", 1)
+        # gathers of a bucket per micro-batch: forward and backward (and with a pipeline's
+        # --recompute, the forward backward runs again)
+        pp = getattr(ctx, "pp", None)
+        self.passes = 3 if pp is not None and pp.recompute else 2
         self.gathers = ParamGathers(self, ctx.model, self.reuse) if self.stage == 3 else None
+        if pp is not None and self.gathers is not None:
+            pp.pass_hook = self.gathers.new_pass
         placement = ctx.placement
         if not isinstance(placement, Sharded):
             raise TypeError("ZeroSync needs the Sharded optimizer placement")
@@ -358,7 +385,7 @@ class ZeroSync(FusedAllreduce):
             if not sh.exact_rs:
                 sent += n - c[(r + 1) % p]                   # the all-reduce's second half
             if self.stage == 3:  # gathered for every forward and backward, not after
-                again = self.micro * (2 - (sh.bucket.index in self.gathers.keep))
+                again = self.micro * (self.passes - (sh.bucket.index in self.gathers.keep))
                 sent += (again - 1) * (n - c[(r + 1) % p])
             total += sent * sh.bucket.dtype.itemsize
         return total
@@ -577,7 +604,9 @@ class ParamGathers:
     needs none more, of the pass's next bucket: forward walks the buckets from the last
     index down, backward up), then frees the buckets the pass has left behind. A change
     of pass (forward to backward, or the next micro-batch) frees everything, so each
-    bucket is gathered once per forward and once per backward (with ``reuse``,
+    bucket is gathered once per forward and once per backward (with a pipeline, whose
+    schedule orders the passes of its micro-batches, each pass starts afresh:
+    ``new_pass``; with ``reuse``,
     ``--zero-reuse on``: but the buckets of backward's first two layers, ``keep``, which
     forward leaves gathered for it). While *pinned* (after set-up, for evaluation and
     checkpoints) every bucket is gathered and the hooks do nothing; the next step takes
@@ -739,6 +768,13 @@ class ParamGathers:
             p.data = _Freed(name)
         if keep:
             self._keep(entry[0])
+
+    def new_pass(self):
+        """A pipeline's schedule starts a forward or backward pass of one micro-batch
+        (``Pipeline.pass_hook``): it gathers its buckets afresh, so that every pass, in
+        whatever order the schedule runs them, gathers each bucket it needs once."""
+        if not self.pinned:
+            self.release_all()
 
     def release_all(self, spares=True, hold=()):
         """Free every gathered buffer but those of ``hold``; ``spares=False``: keep none

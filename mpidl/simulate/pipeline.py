@@ -166,7 +166,7 @@ def held_names(named, bounds, plan, rank):
 
 
 def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
-           rows=None, tables=None, cost_source="", pieces=None, zero=0):
+           rows=None, tables=None, cost_source="", pieces=None, zero=0, recompute=False):
     """``PipelineStep`` of ``p`` ranks for ``model`` (whole, built from the seed) cut by
     ``costs`` over ``plan``; ``x``: one micro-batch of input (its shape sets the
     messages). ``sparse``: the row-sparse parameters gathered as rows; ``rows[j][name]``:
@@ -175,7 +175,8 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
     per tp rank (the model cut, its calls, its layers' outputs), or a function of the
     cut's boundaries returning them (``tensor.pieces_of(..., chunks=bounds)``: the pass
     run chunk by chunk, as the stages run it). ``zero``: each stage's dp group's ZeRO
-    stage (1 or 2)."""
+    stage; ``recompute``: ``--recompute`` (stage 3 gathers for the forward backward runs
+    again)."""
     from mpidl.runtime.pipeline import partition  # noqa: PLC0415
 
     n = len(model.layers)
@@ -209,7 +210,8 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
             named[s].append(held)
             dp[s].append(group_layout(held, d, algorithm, bucket_mb, names,
                                       {k: list(rows[j][k]) for k in names}, tables=tables,
-                                      alone=True, zero=zero, micro=plan.M))
+                                      alone=True, zero=zero, micro=plan.M,
+                                      zero_recompute=recompute))
             tp_calls[s].append([c for c in calls if call_layer(c.name, n) in mine])
     kind = plan.kind + (f":{plan.v}" if plan.v > 1 else "")
     whole = sum(q.data.size for _, q in model.named_parameters())

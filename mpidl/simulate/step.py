@@ -123,13 +123,14 @@ def _dtype_name(dtype):
 
 def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), rows=None,
            tables=None, zero=0, micro=1, wire=None, period=None, compression=None,
-           sync_bn=(), alone=False, zero_keep=()):
+           sync_bn=(), alone=False, zero_keep=(), zero_recompute=False):
     """The collectives of one step on ``p`` ranks (module doc). ``rows``: for each
     row-sparse parameter name, the rows every rank sends (a list of ``p`` counts).
     ``zero``: the ZeRO stage (``mpidl.runtime.zero``), ``micro`` the micro-batches of a
     step (stage 3 gathers every bucket once per forward and once per backward of each;
     ``zero_keep``: with ``--zero-reuse on``, ``zero.boundary_params``, the names of the
-    parameters whose buckets are gathered once per forward only);
+    parameters whose buckets are gathered once per forward only; ``zero_recompute``: a
+    pipeline's ``--recompute``, a third gather for the forward backward runs again);
     ``wire``: mixed precision's bucket dtype (float16, or bfloat16 words: 2 bytes);
     ``period``: model averaging every H steps (``--sync local-sgd|diloco`` after its
     warm-up): the layout is then of one period, its one averaging. ``compression``:
@@ -162,7 +163,8 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
         names = tuple(name for name, _ in group)
         if zero:
             kept = any(name in zero_keep for name, _ in group)
-            _zero_bucket(out, index, names, n, dtype, selector, algorithm, zero, micro, kept)
+            _zero_bucket(out, index, names, n, dtype, selector, algorithm, zero, micro, kept,
+                         zero_recompute)
         else:
             alg = resolve(selector, "allreduce", algorithm, n * size, dtype)
             out.calls.append(Call("allreduce", f"bucket{index}", alg, n, size,
@@ -191,11 +193,13 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
     return out
 
 
-def _zero_bucket(out, index, names, n, dtype, selector, algorithm, stage, micro, kept=False):
+def _zero_bucket(out, index, names, n, dtype, selector, algorithm, stage, micro, kept=False,
+                 recompute=False):
     """ZeRO's calls for one bucket (``mpidl.runtime.zero``): the gradient reduce-scattered
     (all-reduced where the algorithm's reduce-scatter would sum in another order), the
     shards all-gathered after their update (stages 1-2) or before every forward and
-    backward (stage 3; ``kept`` from forward into backward: before every forward)."""
+    backward (stage 3; ``kept`` from forward into backward: before every forward;
+    ``recompute``: also before the forward a pipeline's backward runs again)."""
     from mpidl.runtime.zero import exact_reduce_scatter  # noqa: PLC0415
 
     p, size = out.p, dtype.itemsize
@@ -211,7 +215,10 @@ def _zero_bucket(out, index, names, n, dtype, selector, algorithm, stage, micro,
         gather.phase = "update"
         out.calls.append(gather)
         return
-    for phase in ("forward-gather",) if kept else ("forward-gather", "backward-gather"):
+    phases = ("forward-gather",) if kept else ("forward-gather", "backward-gather")
+    if recompute:
+        phases += ("backward-gather",)
+    for phase in phases:
         for _ in range(micro):
             out.calls.append(Call(**{**gather.__dict__, "phase": phase}))
 

@@ -26,8 +26,8 @@ recorded during the counted step and given to it), ``psc-NAME`` (``--strategy ps
 not apply), ``tpT`` (``--tensor-parallel T``: the tp and dp groups' counters, group by
 group), ``ppP[-SCHEDULE[-M]][-tT]`` (``--pipeline-stages P --schedule SCHEDULE
 --micro-batches M [--tensor-parallel T]``, default 1f1b, 2 and 1: the pipeline, dp and
-tp groups' counters; ``tp...`` and ``pp...`` take ``+zeroK``: ZeRO stage K, 1 or 2, on
-the dp group; ``tp...`` also 3, and ``3r`` with ``--zero-reuse on``),
+tp groups' counters; ``-rc`` in ``pp...``: ``--recompute``; ``tp...`` and ``pp...`` take
+``+zeroK``: ZeRO stage K on the dp group; ``tp...`` also ``3r`` with ``--zero-reuse on``),
 ``parallax-MODE[-S]`` (``--sparse-sync ps``: gpt-tiny's Embeddings, or the mlp's
 biases with ``--ps-params '*.bias'``, on S servers; the rest all-reduced among the
 trainers), ``hogwild[-S]`` (``--strategy hogwild --servers S``: a worker's one-sided
@@ -534,6 +534,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     base, _, stage = how.partition("+zero")
     zero = int(stage or 0)
     parts = base[2:].split("-")
+    recompute = "rc" in parts
+    parts = [q for q in parts if q != "rc"]
     T = int(parts.pop()[1:]) if parts[-1].startswith("t") else 1
     P = int(parts[0])
     schedule = parts[1] if len(parts) > 1 else "1f1b"
@@ -546,7 +548,7 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb,
                pipeline_stages=P, pipeline_schedule=schedule, micro_batches=M,
-               stage_costs="layers", tensor_parallel=T, zero=zero,
+               stage_costs="layers", tensor_parallel=T, zero=zero, recompute=recompute,
                sparse_grads="dense" if zero else "allgather")
     rt.setup(model, opt, loss_of(kind))
     i = rt.shard()[0]  # (a replica's stages share its data)
@@ -577,7 +579,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
         if T > 1 else None
     step = pipeline.layout(whole, p, plan, [1.0] * len(whole.layers), x[:B], algorithm,
                            bucket_mb, () if zero else sparse if T == 1 else sorted(mine),
-                           rows, tables=tables, pieces=pieces, zero=zero)
+                           rows, tables=tables, pieces=pieces, zero=zero,
+                           recompute=recompute)
     assert step.bounds == rt.pp.bounds, (step.bounds, rt.pp.bounds)
     predicted = pipeline.traffic(step, per_node, ranks=[rank])[rank]["groups"]
     same_groups(predicted, {g: counted[g] for g in predicted},

@@ -12,9 +12,10 @@ what the ring all-reduce sends), and summed over the ranks exactly 2(N-1)·Ψ·i
 ``bytes_sent_per_step`` equals the counters; at stage 3 some gathers are prefetched.
 
 With ``--tensor-parallel T`` and/or ``--pipeline-stages P`` (``--schedule S``, its
-micro-batches ``--accumulate``) both stages run the same layout: ZeRO shards each rank's
-slices of its pipeline stage over its data-parallel group of N/(P T) ranks (N above), and
-every rank's parameters must be stage 0's bits.
+micro-batches ``--accumulate``, ``--recompute``: stage 3 gathers for the forward backward
+runs again too, (3k+1)) both stages run the same layout: ZeRO shards each rank's slices of
+its pipeline stage over its data-parallel group of N/(P T) ranks (N above), and every
+rank's parameters must be stage 0's bits.
 
 Usage: mpiexec -n N python -m mpi4py tests/ranks/zero_check.py --model mlp
        --optimizers sgd,adam --dtypes float32 --stages 1,2 --steps 20
@@ -81,7 +82,8 @@ def run(comm, args, opt_name, dtype, stage):
     if args.tensor_parallel > 1:
         options["tensor_parallel"] = args.tensor_parallel
     if args.pipeline_stages > 1:
-        options.update(pipeline_stages=args.pipeline_stages, pipeline_schedule=args.schedule)
+        options.update(pipeline_stages=args.pipeline_stages, pipeline_schedule=args.schedule,
+                       recompute=args.recompute)
     if stage:
         options["zero"] = stage
     if stage == 3 and args.reuse:
@@ -148,6 +150,7 @@ def main():
     ap.add_argument("--tensor-parallel", type=int, default=1)
     ap.add_argument("--pipeline-stages", type=int, default=1)
     ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--recompute", action="store_true")
     args = ap.parse_args()
     comm = Communicator()
     n = comm.size // (args.tensor_parallel * args.pipeline_stages)  # the dp group's ranks
@@ -177,8 +180,10 @@ def main():
                                              f"bytes per step, --zero 0 {ref_sent}")
                     total = sum(dp.mpi.allgather(sent))
                     # stage 3 gathers for every forward and every backward (the kept
-                    # buckets of --zero-reuse on for every forward only)
-                    factor = 2 * args.accumulate + 1 if stage == 3 else 2
+                    # buckets of --zero-reuse on for every forward only; with a
+                    # pipeline's --recompute also for the forward backward runs again)
+                    passes = 3 if args.recompute else 2
+                    factor = passes * args.accumulate + 1 if stage == 3 else 2
                     want = (factor * psi - args.accumulate * kept) * (n - 1) * item
                     if total != want:
                         raise AssertionError(
