@@ -233,8 +233,7 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
     accumulate = _micro_batches(accumulate, micro_batches)
     pp = _pipeline(comm, pipeline, accumulate, tp, zero=zero, zero_reuse=zero_reuse,
                    compression=compression, sync=sync, precision=precision, hybrid=hybrid,
-                   straggler=straggler,
-                   sync_bn=sync_bn)
+                   straggler=straggler, sync_bn=sync_bn)
     refuse = None
     if zero:
         refuse = (f"--zero {zero}", "the sharded optimizer steps the working copies, not "
