@@ -252,12 +252,12 @@ def _bitwise_lines(out):
 
 
 def test_every_schedule_equals_one_process_bitwise():
-    """Point 1 (the CI slice): every schedule (and async) x three models, 20 steps,
+    """Point 1 (the CI slice): every schedule (and async) x three models, 10 steps,
     bitwise one process and the memory formulas -- P = 2 over M in {1, P, 4P} with SGD +
     momentum. Adam is in CI through the 3-D layouts, P = 4 and 8 through
     test_eight_stages_oversubscribed and the 3-D layouts; the full grids at P = 2, 3 and 4
     (Adam too) are the slow test below."""
-    out = pp_check(2, "2x1", "mlp,resnet,gpt", ALL_KINDS, "1,P,4P", "sgd")
+    out = pp_check(2, "2x1", "mlp,resnet,gpt", ALL_KINDS, "1,P,4P", "sgd", 10)
     assert len(_bitwise_lines(out)) == 3 * 1 * 5 * 3, out
 
 
@@ -299,23 +299,24 @@ def test_eight_stages_full_grid():
 LAYOUTS_3D = "2x2,4x1,2x1,4x2,1x4,2x4,1x2"  # P x T; data parallelism: 8 / (P T)
 
 
-@pytest.mark.parametrize("models, zero2_meshes, async_meshes", [
-    ("gpt", "2x2", "2x2"),
-    pytest.param("gpt,mlp", "2x2,2x1,1x2", "2x2,4x1,2x1", marks=pytest.mark.slow,
+@pytest.mark.parametrize("models, zero2_meshes, async_meshes, steps", [
+    ("gpt", "2x2", "2x2", 10),
+    pytest.param("gpt,mlp", "2x2,2x1,1x2", "2x2,4x1,2x1", 20, marks=pytest.mark.slow,
                  id="full-grid"),
 ])
-def test_three_d_layouts_equal_one_process(models, zero2_meshes, async_meshes):
+def test_three_d_layouts_equal_one_process(models, zero2_meshes, async_meshes, steps):
     """Point 4: every DP x PP x TP factorisation of 8 with P, T <= 4 (2x2x2, 2x4x1,
     4x2x1, 1x4x2, 2x1x4, 1x2x4, 4x1x2) equals one process at the global batch within
     1e-12 (the gpt-tiny: every kind of layer split); meshes with --zero 2 with Adam, and
     asynchronous (PipeDream-2BW's rule in the one process too) with --zero 1. The slow
     grid adds the mlp and more meshes; --zero 1 with zb on all seven: the slow test
     below."""
-    out = pp_check(8, LAYOUTS_3D, models, "1f1b", "4", "sgd", 20, timeout=900)
+    out = pp_check(8, LAYOUTS_3D, models, "1f1b", "4", "sgd", steps, timeout=900)
     assert f"{7 * len(models.split(','))} layouts equal one process" in out, out
-    out = pp_check(8, zero2_meshes, "gpt", "1f1b", "4", "adam", 20, "zero2", timeout=900)
+    out = pp_check(8, zero2_meshes, "gpt", "1f1b", "4", "adam", steps, "zero2", timeout=900)
     assert f"{len(zero2_meshes.split(','))} layouts equal one process" in out, out
-    out = pp_check(8, async_meshes, "gpt", "async", "4", "adam", 20, "zero1", timeout=900)
+    out = pp_check(8, async_meshes, "gpt", "async", "4", "adam", steps, "zero1",
+                   timeout=900)
     assert f"{len(async_meshes.split(','))} layouts equal one process" in out, out
 
 
