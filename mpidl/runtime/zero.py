@@ -36,6 +36,12 @@ all-reduce table, by the bucket's bytes).
 stage 0's ring all-reduce sends; averaged over the ranks that is 2(N-1)/N of the
 bucket, exactly.
 
+**Layouts.** With tensor parallelism and pipelines ZeRO runs on each rank's
+data-parallel group and shards the slices or the stage it holds. A pipeline's schedule
+orders its micro-batches' passes, so stage 3 gathers afresh before each of them
+(``Pipeline.pass_hook``, ``ParamGathers.new_pass``); what that cannot serve yet is
+refused by ``check_pipeline``.
+
 **Checkpoints** hold the stage-0 form: ``Runtime.state_dict`` (collective) gathers the
 shards' optimizer state into the trainer's optimizer on the root (per parameter, as a
 replicated optimizer keeps it) and ``load_state_dict`` cuts it into this run's shards,
