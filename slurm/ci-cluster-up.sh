@@ -121,8 +121,10 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
-# start batch jobs within ~1 s of submission (default batch_sched_delay=3 batches them every 3 s)
-SchedulerParameters=batch_sched_delay=0
+# start batch jobs within ~1 s of submission (default batch_sched_delay=3 batches them every 3 s),
+# and a requeued job within ~2 s of its hold ending: nothing wakes the scheduler then, so it
+# waits for the next periodic pass (sched_interval, default 60 s; bf_interval 30 s)
+SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 # plain 'srun' = PMI-2 (MPICH); use 'srun --mpi=pmix' for Open MPI

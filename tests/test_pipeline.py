@@ -221,6 +221,8 @@ def test_bad_input_from_the_command_line_is_one_line(tmp_path):
         (1, ["--pipeline-stages", "2"], "--pipeline-stages 2 does not divide the 1 rank"),
         (2, ["--pipeline-stages", "2", "--schedule", "interleaved:4"],
          "needs at least 8 top-level layers to place, but the model has 6"),
+        (2, ["--pipeline-stages", "2", "--zero", "3", "--schedule", "interleaved:2"],
+         "--pipeline-stages 2 with --zero 3 and --schedule interleaved:2 is not built yet"),
     ]
     for ranks, args, message in cases:
         launch = run_command(train_cmd(ranks, tmp_path / "bad", "--model", "mlp", "--dataset",

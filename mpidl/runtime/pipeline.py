@@ -480,8 +480,6 @@ class Pipeline:
                     out = self._zeros(shape, dtype)
                     self._kept[(key, c)] = inp
                 else:
-                    if self.pass_hook is not None:
-                        self.pass_hook()
                     out = self._forward(chunk, key, c, inp, self._kept)
                 if vs == S - 1:
                     if not emulate:
@@ -514,8 +512,6 @@ class Pipeline:
                     with self._previous_version():
                         dx = self._backward(chunk, key, c, dy, self._kept, self._deferred)
                 else:
-                    if self.pass_hook is not None:
-                        self.pass_hook()
                     dx = self._backward(chunk, key, c, dy, self._kept, self._deferred)
                 t1 = _clock()
                 walk.bwd_s += t1 - t0
@@ -649,6 +645,8 @@ class Pipeline:
         return total
 
     def _forward(self, chunk, mb, c, inp, kept):
+        if self.pass_hook is not None:
+            self.pass_hook()
         if not self.recompute:
             with chunk.micro_batch(mb):
                 return chunk(inp)
@@ -660,6 +658,8 @@ class Pipeline:
         return out
 
     def _backward(self, chunk, mb, c, dy, kept, deferred):
+        if self.pass_hook is not None:
+            self.pass_hook()
         if self.recompute:  # the forward again, from the input and the buffers it saw
             inp, before = kept.pop((mb, c))
             now = _snapshot(chunk)

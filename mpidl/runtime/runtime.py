@@ -562,12 +562,17 @@ class Runtime:
         return batches if lockstep is None else lockstep(batches, x, y, batch_size, dtype)
 
     # -- the whole model, whatever the layout (checkpoints, --save)
+    def _gather_params(self):
+        """Make every parameter whole before the model is read (ZeRO stage 3 holds
+        shards between steps; the other syncs do nothing)."""
+        for _, s in self.syncs:
+            s.gather_params()
+
     def full_state(self, model, optimizer=None):
         """Collective over the ranks that hold pieces of one model: (model state,
         optimizer state) of the whole model, as one process would hold them, on the
         root; on other ranks None. Without tensor parallelism: the local states."""
-        for _, s in self.syncs:  # (ZeRO stage 3: its shards gathered)
-            s.gather_params()
+        self._gather_params()
         if self.tp is None and self.pp is None:
             if not self.is_root:
                 return None, None
@@ -602,8 +607,7 @@ class Runtime:
             model_state, opt_state = self.full_state(model, optimizer)
             return SimpleNamespace(model=model_state, optimizer=opt_state, shard=None,
                                    shards=None)
-        for _, s in self.syncs:  # (ZeRO stage 3: its shards gathered)
-            s.gather_params()
+        self._gather_params()
         whole, opt_state, shard, slices = self.tp.split_state(dict(model.state_dict()),
                                                               optimizer.state_dict())
         g = self.tp_group
