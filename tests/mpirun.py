@@ -116,6 +116,25 @@ def _run_once(cmd, timeout, env, cwd):
         return Launch(proc.returncode, out, timed_out=True)
 
 
+def run_cli_cases(cases, timeout=300):
+    """Each of ``cases`` (``mpidl`` argument lists) run in one process, one after another
+    (``tests/cli_cases.py``): a ``Launch`` per case, for bad input that one process
+    refuses before anything runs; the launch's own output if the process failed."""
+    import json  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[str(a) for a in argv] for argv in cases], f)
+    try:
+        launch = run_command([sys.executable, os.path.join(HERE, "cli_cases.py"), f.name],
+                             timeout=timeout)
+    finally:
+        os.unlink(f.name)
+    results = [json.loads(ln) for ln in launch.output.splitlines() if ln.startswith("{")]
+    assert not launch.timed_out and len(results) == len(cases), launch.output
+    return [Launch(r["returncode"], r["output"]) for r in results]
+
+
 @functools.lru_cache(maxsize=None)
 def fashion_available():
     """Whether Fashion-MNIST is installed (Debian's dataset-fashion-mnist package); asked

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from mpirun import assert_one_line_error, mpiexec_cmd, run_command
+from mpirun import assert_one_line_error, mpiexec_cmd, run_cli_cases, run_command
 
 MPIDL = [sys.executable, "-m", "mpidl.cli.main"]
 FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "256", "--limit-test",
@@ -92,7 +92,7 @@ def test_init_file_missing(tmp_path):
                           "--init", "none.npz", "no such file")
 
 
-@pytest.mark.parametrize("args, needles", [
+USER_ERRORS = [
     (["train", "--bogus"], ["unrecognized arguments: --bogus"]),
     (["train", "--epochs", "two"], ["--epochs", "invalid int value"]),
     (["train", "--model", "vgg"] + FAST, ["unknown model 'vgg'", "mlp"]),
@@ -111,9 +111,29 @@ def test_init_file_missing(tmp_path):
     (["train", "--cuda-graph", "--precision", "bf16"] + FAST,
      ["--precision bf16 cannot be used with --cuda-graph"]),
     ([], ["no command given"]),
-])
-def test_more_user_errors(args, needles):
-    assert_one_line_error(run(args), *needles)
+]
+
+
+@pytest.fixture(scope="module")
+def one_process_errors():
+    """The launches of USER_ERRORS and BAD_VALUES, every command through ``mpidl``'s main
+    in one process (``mpirun.run_cli_cases``): they fail before any rank communicates."""
+    cases = USER_ERRORS + [(["train"] + args + FAST, needles) for args, needles in BAD_VALUES]
+    return dict(zip(map(repr, cases), run_cli_cases([args for args, _ in cases])))
+
+
+def _ids(cases):
+    return [" ".join(args)[:60] for args, _ in cases]
+
+
+@pytest.mark.parametrize("args, needles", USER_ERRORS, ids=_ids(USER_ERRORS))
+def test_more_user_errors(args, needles, one_process_errors):
+    assert_one_line_error(one_process_errors[repr((args, needles))], *needles)
+
+
+def test_user_error_in_its_own_process_is_one_line():
+    """One of them as a command of its own: one line, exit 2, nothing else."""
+    assert_one_line_error(run(["train", "--model", "vgg"] + FAST), "unknown model 'vgg'")
 
 
 @pytest.mark.mpi_matrix
@@ -184,7 +204,7 @@ def test_a_diverging_run_stops_with_one_error_and_saves_nothing(tmp_path, n, ext
 # -- values that used to end in a traceback (issue "Nothing lost, nothing silent", its
 #    list of tracebacks): each is one line and exit 2, before any training time is spent
 
-@pytest.mark.parametrize("args, needles", [
+BAD_VALUES = [
     (["--lr", "inf"], ["--lr must be positive, got inf"]),
     (["--weight-decay", "nan"], ["--weight-decay must be a number >= 0, got nan"]),
     (["--warmup-epochs", "nan"], ["--warmup-epochs must be a number >= 0"]),
@@ -197,9 +217,13 @@ def test_a_diverging_run_stops_with_one_error_and_saves_nothing(tmp_path, n, ext
     (["--wait", "0"], ["--wait must be at least 1"]),
     (["--epoch-quorum", "0"], ["--epoch-quorum must be at least 1"]),
     (["--strategy", "ps", "--servers", "0"], ["--servers must be at least 1"]),
-])
-def test_bad_numbers_and_words_are_one_line(args, needles):
-    assert_one_line_error(run(["train"] + args + FAST), *needles)
+]
+
+
+@pytest.mark.parametrize("args, needles", BAD_VALUES, ids=_ids(BAD_VALUES))
+def test_bad_numbers_and_words_are_one_line(args, needles, one_process_errors):
+    assert_one_line_error(one_process_errors[repr((["train"] + args + FAST, needles))],
+                          *needles)
 
 
 def test_bad_files_are_one_line(tmp_path):

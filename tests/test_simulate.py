@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from mpirun import assert_one_line_error, run_command, run_ranks
+from mpirun import assert_one_line_error, run_cli_cases, run_command, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "ranks", "simulate_check.py")
@@ -482,7 +482,7 @@ def test_measured_curve_prices_messages(tmp_path):
     assert slower > base * 1.4, (base, slower)
 
 
-@pytest.mark.parametrize("args, needles", [
+BAD_INPUT = [
     (["--ranks", "0"], ["--ranks '0'", "rank count >= 1"]),
     (["--algorithm", "fast"], ["--algorithm", "fast"]),
     (["--strategy", "hogwild", "--ranks", "3"], ["plain SGD only", "--momentum 0"]),
@@ -532,8 +532,25 @@ def test_measured_curve_prices_messages(tmp_path):
     (["--calibrate"], ["--calibrate", "--machine FILE"]),
     (["--calibrate", "--machine", "m.json"], ["mpiexec -n 2"]),
     (["--ranks", "2", "--ranks-per-node", "0"], ["--ranks-per-node must be >= 1"]),
-])
-def test_bad_input_is_one_line(args, needles):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_launches():
+    """Every BAD_INPUT command through ``mpidl``'s main in one process (a process each
+    would start Python and import numpy 33 times for checks that run before any MPI)."""
+    return run_cli_cases([["simulate", "--model", "mlp", *args] for args, _ in BAD_INPUT])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)),
+                         ids=[" ".join(args) for args, _ in BAD_INPUT])
+def test_bad_input_is_one_line(case, bad_input_launches):
+    assert_one_line_error(bad_input_launches[case], *BAD_INPUT[case][1])
+
+
+def test_bad_input_from_its_own_process_is_one_line():
+    """The same as a command of its own: one line, exit 2, nothing else."""
+    args, needles = BAD_INPUT[-4]
     assert_one_line_error(simulate("--model", "mlp", *args), *needles)
 
 

@@ -209,8 +209,9 @@ def test_checkpoint_of_t2_dp2_resumes_at_t1_and_t4(tmp_path, request):
     T = 4 x DP = 2: both equal an uninterrupted T = 1 run. With a shard of step 50
     deleted, the resume names it and goes back to step 40."""
     needs_fashion()
-    run_command(train_cmd(2, tmp_path / "ref", *CKPT), timeout=300).check()
-    crashed = run_command(train_cmd(4, tmp_path / "saved", *CKPT, "--tensor-parallel", "2"),
+    args = CKPT + ["--limit-train", "1920"]  # 60 steps of 2 x 16 (the last one counts)
+    run_command(train_cmd(2, tmp_path / "ref", *args), timeout=300).check()
+    crashed = run_command(train_cmd(4, tmp_path / "saved", *args, "--tensor-parallel", "2"),
                           env={"MPIDL_FAIL_AT": "1:55"}, timeout=300)
     assert crashed.returncode != 0
     saved = tmp_path / "saved" / "checkpoints"
@@ -221,7 +222,7 @@ def test_checkpoint_of_t2_dp2_resumes_at_t1_and_t4(tmp_path, request):
     for ranks, t in ((2, 1), (8, 4)) if slow_run(request.config) else ((2, 1),):
         out = tmp_path / f"t{t}"
         shutil.copytree(saved, out / "checkpoints")
-        launch = run_command(train_cmd(ranks, out, *CKPT, "--tensor-parallel", str(t),
+        launch = run_command(train_cmd(ranks, out, *args, "--tensor-parallel", str(t),
                                        "--resume"), timeout=300).check()
         assert "step 50" in launch.output, launch.output
         assert max_relative_difference(tmp_path / "ref" / "model.npz",
@@ -229,7 +230,7 @@ def test_checkpoint_of_t2_dp2_resumes_at_t1_and_t4(tmp_path, request):
     out = tmp_path / "lost"
     shutil.copytree(saved, out / "checkpoints")
     os.unlink(out / "checkpoints" / "ckpt-000000050-shard-1-of-2.npz")
-    launch = run_command(train_cmd(4, out, *CKPT, "--tensor-parallel", "2", "--resume"),
+    launch = run_command(train_cmd(4, out, *args, "--tensor-parallel", "2", "--resume"),
                          timeout=300).check()
     assert ("its index names shard ckpt-000000050-shard-1-of-2.npz, which is missing"
             in launch.output), launch.output
