@@ -21,6 +21,8 @@ def run_case(argv):
             status = main(argv)
         except SystemExit as done:
             status = done.code
+    if status is None:  # as a process's exit status: sys.exit() is 0, sys.exit("why") 1
+        status = 0
     return {"returncode": status if isinstance(status, int) else 1, "output": out.getvalue()}
 
 
