@@ -21,9 +21,13 @@ def run_case(argv):
             status = main(argv)
         except SystemExit as done:
             status = done.code
-    if status is None:  # as a process's exit status: sys.exit() is 0, sys.exit("why") 1
+    # as a process ends: sys.exit() is status 0, sys.exit("why") prints why and is 1
+    if status is None:
         status = 0
-    return {"returncode": status if isinstance(status, int) else 1, "output": out.getvalue()}
+    elif not isinstance(status, int):
+        out.write(f"{status}\n")
+        status = 1
+    return {"returncode": status, "output": out.getvalue()}
 
 
 if __name__ == "__main__":

@@ -11,12 +11,14 @@ with more ranks than cores, as MPICH's Hydra does without being asked.
 """
 
 import functools
+import json
 import os
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -120,9 +122,6 @@ def run_cli_cases(cases, timeout=300):
     """Each of ``cases`` (``mpidl`` argument lists) run in one process, one after another
     (``tests/cli_cases.py``): a ``Launch`` per case, for bad input that one process
     refuses before anything runs; the launch's own output if the process failed."""
-    import json  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([[str(a) for a in argv] for argv in cases], f)
     try:

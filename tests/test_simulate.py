@@ -482,6 +482,10 @@ def test_measured_curve_prices_messages(tmp_path):
     assert slower > base * 1.4, (base, slower)
 
 
+# also run as a process of its own (test_bad_input_from_its_own_process_is_one_line)
+SPARSE_UNDER_ZERO = (["--zero", "1", "--model", "gpt-tiny", "--dataset", "text"],
+                     ["--zero 1", "row-sparse", "--sparse-grads dense"])
+
 BAD_INPUT = [
     (["--ranks", "0"], ["--ranks '0'", "rank count >= 1"]),
     (["--algorithm", "fast"], ["--algorithm", "fast"]),
@@ -527,8 +531,7 @@ BAD_INPUT = [
       "--tensor-parallel", "4", "--ranks", "4"], ["2 attention heads, fewer than the 4"]),
     (["--zero", "2", "--precision", "bf16"], ["--precision bf16 cannot be used with --zero 2"]),
     (["--zero", "1", "--compression", "topk"], ["--zero 1 cannot serve --compression topk"]),
-    (["--zero", "1", "--model", "gpt-tiny", "--dataset", "text"],
-     ["--zero 1", "row-sparse", "--sparse-grads dense"]),
+    SPARSE_UNDER_ZERO,
     (["--calibrate"], ["--calibrate", "--machine FILE"]),
     (["--calibrate", "--machine", "m.json"], ["mpiexec -n 2"]),
     (["--ranks", "2", "--ranks-per-node", "0"], ["--ranks-per-node must be >= 1"]),
@@ -550,7 +553,7 @@ def test_bad_input_is_one_line(case, bad_input_launches):
 
 def test_bad_input_from_its_own_process_is_one_line():
     """The same as a command of its own: one line, exit 2, nothing else."""
-    args, needles = BAD_INPUT[-4]
+    args, needles = SPARSE_UNDER_ZERO
     assert_one_line_error(simulate("--model", "mlp", *args), *needles)
 
 
