@@ -69,7 +69,7 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (4, "ring,hierarchical", "0.001,4", "mlp,gpt", "pp2,pp4-zb-4,pp2-async-2", 2),
     (4, "ring,tree", "4", "mlp,gpt", "pp2-1f1b-2-t2,pp2-interleaved:2-4-t2", None),
     (4, "ring,recursive_doubling", "4", "mlp", "tp2+zero1,tp2+zero3r,pp2-1f1b-2+zero2,"
-     "pp2-zb-3-rc+zero3", None),
+     "pp2-zb-3-rc+zero3,pp2-interleaved:2-4+zero3", None),
     (4, "ring", "0.001", "gpt", "tp2+zero3", None),
     (3, "tree,auto", "0.001", "mlp,gpt", "pp3-gpipe-3,pp3-interleaved:2-3", None),
     (3, "ring,recursive_doubling", "0.001,4", "cnn", "hybrid,hybrid+syncbn", None),
@@ -133,7 +133,8 @@ def test_other_layouts_grid(n):
         check_ranks(n, ALL, "0.001,4", "mlp", layouts="pp2-zb-3-t4", timeout=2400)
     if n in (4, 8):  # (ZeRO on the dp group of tensor, pipeline and 3-D layouts)
         check_ranks(n, ALL, "0.001,4", "mlp,gpt", layouts="tp2+zero1,tp2+zero2,tp2+zero3,"
-                    "tp2+zero3r,pp2-1f1b-2+zero1,pp2-zb-2+zero2,pp2-gpipe-2+zero3"
+                    "tp2+zero3r,pp2-1f1b-2+zero1,pp2-zb-2+zero2,pp2-gpipe-2+zero3,"
+                    "pp2-interleaved:2-4+zero1,pp2-interleaved:2-4+zero3"
                     + (",pp2-1f1b-2-t2+zero1" if n == 8 else ""), timeout=2400)
     check_ranks(n, ALL.replace(",hierarchical", "") if n == 3 else ALL, "0.001,4", "cnn",
                 layouts="hybrid,hybrid+syncbn", timeout=2400)
@@ -507,8 +508,8 @@ BAD_INPUT = [
      ["--pipeline-stages 2 x --tensor-parallel 2 divides none"]),
     (["--pipeline-stages", "2", "--tensor-parallel", "2", "--sync", "local-sgd",
       "--ranks", "4"], ["--sync local-sgd with --pipeline-stages is not modelled yet"]),
-    (["--pipeline-stages", "2", "--zero", "3", "--schedule", "interleaved:2", "--ranks", "4"],
-     ["--pipeline-stages 2 with --zero 3 and --schedule interleaved:2 is not built yet"]),
+    (["--pipeline-stages", "2", "--zero", "3", "--schedule", "async", "--micro-batches", "2",
+      "--ranks", "4"], ["--pipeline-stages 2 with --zero 3 and --schedule async is not built"]),
     (["--pipeline-stages", "4", "--ranks", "2,6"], ["--pipeline-stages 4 divides none"]),
     (["--pipeline-stages", "8", "--ranks", "8"], ["needs at least 8 top-level layers"]),
     (["--pipeline-stages", "2", "--stage-costs", "1,2"], ["--stage-costs", "6 costs"]),

@@ -7,8 +7,11 @@ run at their best. The layout is fixed once, at setup, and is the same on every 
 * parameters in the *reverse* of ``named_parameters()`` order, because backward produces
   the last layers' gradients first, so the first bucket is complete first;
 * a new bucket starts when adding the next parameter would take the current one over
-  ``bucket_bytes`` (a parameter larger than that gets a bucket of its own), or when the
-  dtype changes (a bucket is one flat array of one dtype);
+  ``bucket_bytes`` (a parameter larger than that gets a bucket of its own), when the
+  dtype changes (a bucket is one flat array of one dtype), or where the model's *part*
+  changes (``part_of``: an interleaved pipeline's model chunks, so that a bucket holds
+  one chunk's parameters and ZeRO stage 3 gathers, for a pass of a chunk, that chunk's
+  buckets alone);
 * with a ``wire`` format (mixed precision, ``mpidl.runtime.precision.Wire``), buckets
   hold the gradients in that 2-byte form (float16, or bfloat16 words): packing rounds
   them once, the collectives move and reduce half the bytes, and the optimizer's side
@@ -54,24 +57,26 @@ class Bucket:
                 f"{self.nbytes / MiB:.2f} MiB {self.dtype})")
 
 
-def plan(named_params, bucket_bytes, itemsize=None):
+def plan(named_params, bucket_bytes, itemsize=None, part_of=None):
     """Group ``(name, Parameter)`` pairs into buckets: a list of lists of pairs.
 
     Reverse parameter order; a new group when the next parameter would overflow
-    ``bucket_bytes`` or has another dtype. Pure function of names, shapes and dtypes, so
-    every rank computes the same plan. ``itemsize``: bytes per element in the buckets
-    (default: the parameters' own).
+    ``bucket_bytes``, has another dtype or (``part_of``, a function of the name) is in
+    another part of the model. Pure function of names, shapes and dtypes, so every rank
+    computes the same plan. ``itemsize``: bytes per element in the buckets (default: the
+    parameters' own).
     """
-    groups, current, current_bytes, current_dtype = [], [], 0, None
+    groups, current, current_bytes, current_dtype, current_part = [], [], 0, None, None
     for name, p in reversed(list(named_params)):
         nbytes = p.data.nbytes if itemsize is None else p.data.size * itemsize
-        if current and (p.data.dtype != current_dtype
+        part = None if part_of is None else part_of(name)
+        if current and (p.data.dtype != current_dtype or part != current_part
                         or current_bytes + nbytes > bucket_bytes):
             groups.append(current)
             current, current_bytes = [], 0
         current.append((name, p))
         current_bytes += nbytes
-        current_dtype = p.data.dtype
+        current_dtype, current_part = p.data.dtype, part
     if current:
         groups.append(current)
     return groups
@@ -85,7 +90,8 @@ class FusionBuffers:
     earlier ones launched, this one complete), in index order.
     """
 
-    def __init__(self, named_params, bucket_bytes, scale=1.0, shared=False, wire=None):
+    def __init__(self, named_params, bucket_bytes, scale=1.0, shared=False, wire=None,
+                 part_of=None):
         named_params = list(named_params)
         self.wire = wire
         # gradients are multiplied by ``scale`` on their way in (1/N: the all-reduce then
@@ -97,7 +103,7 @@ class FusionBuffers:
         self.buckets = []
         self.slot = {}  # name -> (bucket, view, parameter)
         itemsize = None if wire is None else wire.itemsize
-        groups = plan(named_params, bucket_bytes, itemsize)
+        groups = plan(named_params, bucket_bytes, itemsize, part_of)
 
         def storage(data):  # the buckets' element type
             return data.dtype if wire is None else wire.storage

@@ -227,8 +227,8 @@ class SummedFusedAllreduce(FusedAllreduce):
         super().__init__(*args, **kwargs)
         self.hybrid = hybrid
 
-    def _fusion(self, named_params, bucket_bytes, scale, wire=None):
-        return super()._fusion(named_params, bucket_bytes, 1.0, wire)
+    def _fusion(self, named_params, bucket_bytes, scale, wire=None, part_of=None):
+        return super()._fusion(named_params, bucket_bytes, 1.0, wire, part_of)
 
     def bytes_per_step(self):
         """The whole hybrid step's bytes on this rank (the formula, at the rows of the

@@ -42,6 +42,7 @@ of computing (still sending real arrays of the real shapes), so P stages overlap
 on a machine with fewer cores than ranks; the losses are then meaningless.
 """
 
+import bisect
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -116,6 +117,16 @@ def partition(costs, pieces):
     for k in range(pieces, 0, -1):
         bounds.append(cut[k][bounds[-1]])
     return bounds[::-1]
+
+
+def piece_of(bounds):
+    """``name -> the piece of the cut at ``bounds`` (the virtual stage) that holds the
+    parameter's top-level layer``: the fused buckets' ``part_of`` (``runtime.fusion``),
+    so that with interleaved chunks no bucket holds two chunks' parameters; ``mpidl
+    simulate`` lays its buckets out with the same function."""
+    def piece(name):
+        return bisect.bisect_right(bounds, int(name.split(".", 1)[0])) - 1
+    return piece
 
 
 def _snapshot(layer):
@@ -305,6 +316,10 @@ class Pipeline:
         self._told, self._shapes = set(), {}
         self._emulated = {}
         self._sleep_s = self._emulated_times() if self.emulate else None
+
+    def part_of(self):
+        """The fused buckets' ``part_of`` for this rank's chunks (after ``cut``)."""
+        return piece_of(self.bounds)
 
     def _check_tags(self):
         from mpidl.comm.p2p import _tag_ub  # noqa: PLC0415

@@ -39,8 +39,10 @@ bucket, exactly.
 **Layouts.** With tensor parallelism and pipelines ZeRO runs on each rank's
 data-parallel group and shards the slices or the stage it holds. A pipeline's schedule
 orders its micro-batches' passes, so stage 3 gathers afresh before each of them
-(``Pipeline.pass_hook``, ``ParamGathers.new_pass``); what that cannot serve yet is
-refused by ``check_pipeline``.
+(``Pipeline.pass_hook``, ``ParamGathers.new_pass``); with interleaved chunks no bucket
+holds two chunks' parameters (``fusion.plan``'s ``part_of``, for every stage alike, so
+the bits stay stage 0's) and a pass prefetches within its chunk, so each pass gathers
+its chunk's buckets once. What that cannot serve yet is refused by ``check_pipeline``.
 
 **Checkpoints** hold the stage-0 form: ``Runtime.state_dict`` (collective) gathers the
 shards' optimizer state into the trainer's optimizer on the root (per parameter, as a
@@ -112,17 +114,16 @@ def check_options(strategy, options):
 
 def check_pipeline(zero, stages, schedule=None, emulate_compute=False, zero_reuse=None):
     """One ConfigError for what stage 3 does not serve with ``--pipeline-stages`` yet:
-    it gathers a stage's buckets afresh for every pass the schedule runs
-    (``ParamGathers.new_pass``), which needs one model chunk per rank (a bucket may hold
-    two chunks' parameters), passes that run (not emulated), and no whole weight copies
-    (async's stashing); ``--zero-reuse on`` would keep buckets between passes."""
+    it gathers a chunk's buckets afresh for every pass the schedule runs
+    (``ParamGathers.new_pass``), which needs passes that run (not emulated) and no whole
+    weight copies (async's stashing); ``--zero-reuse on`` would keep buckets between
+    passes."""
     from mpidl.runtime.pipeline_schedule import parse  # noqa: PLC0415
 
     if (zero or 0) < 3 or (stages or 1) < 2:
         return
-    kind, chunks = parse(schedule or "1f1b")
+    kind, _ = parse(schedule or "1f1b")
     refuse = {"--schedule async": kind == "async",
-              f"--schedule {kind}:{chunks}": chunks > 1,
               "--emulate-compute": emulate_compute,
               "--zero-reuse on": zero_reuse == "on"}
     for flag, bad in refuse.items():
@@ -243,7 +244,9 @@ class ZeroSync(FusedAllreduce):
         # --recompute, the forward backward runs again)
         pp = getattr(ctx, "pp", None)
         self.passes = 3 if pp is not None and pp.recompute else 2
-        self.gathers = ParamGathers(self, ctx.model, self.reuse) if self.stage == 3 else None
+        self.gathers = (ParamGathers(self, ctx.model, self.reuse,
+                                     None if pp is None else pp.part_of())
+                        if self.stage == 3 else None)
         if pp is not None and self.gathers is not None:
             pp.pass_hook = self.gathers.new_pass
         placement = ctx.placement
@@ -251,11 +254,11 @@ class ZeroSync(FusedAllreduce):
             raise TypeError("ZeroSync needs the Sharded optimizer placement")
         placement.bind(self)
 
-    def _fusion(self, named_params, bucket_bytes, scale, wire=None):
+    def _fusion(self, named_params, bucket_bytes, scale, wire=None, part_of=None):
         from mpidl.runtime.fusion import FusionBuffers  # noqa: PLC0415
 
         return FusionBuffers(named_params, bucket_bytes, scale=scale, shared=self._shared,
-                             wire=wire)
+                             wire=wire, part_of=part_of)
 
     # -- a step
     def _start(self, b, blocking):
@@ -612,8 +615,8 @@ class ParamGathers:
     of pass (forward to backward, or the next micro-batch) frees everything, so each
     bucket is gathered once per forward and once per backward (with a pipeline, whose
     schedule orders the passes of its micro-batches, each pass starts afresh:
-    ``new_pass``; with ``reuse``,
-    ``--zero-reuse on``: but the buckets of backward's first two layers, ``keep``, which
+    ``new_pass``, and with interleaved chunks, ``part``, prefetches stay within the
+    pass's chunk; with ``reuse``, ``--zero-reuse on``: but the buckets of backward's first two layers, ``keep``, which
     forward leaves gathered for it). While *pinned* (after set-up, for evaluation and
     checkpoints) every bucket is gathered and the hooks do nothing; the next step takes
     each rank's chunk back and frees them.
@@ -630,7 +633,7 @@ class ParamGathers:
     the rest would be held until its end). The ledger counts them (``mem_comm``).
     """
 
-    def __init__(self, sync, model, reuse=False):
+    def __init__(self, sync, model, reuse=False, part_of=None):
         if not hasattr(model, "modules"):
             raise ConfigError(f"--zero 3 gathers parameters layer by layer and needs an mpidl "
                               f"Layer; got {type(model).__name__} (use --zero 2)")
@@ -643,10 +646,15 @@ class ParamGathers:
             if own:
                 self.needs[id(m)] = own
                 m.add_pre_hook(self._before)
+        # each bucket's part of the model (``part_of``: an interleaved pipeline's chunk,
+        # whose passes run apart: a pass prefetches within its own chunk only)
+        self.part = [None if part_of is None else part_of(sh.bucket.names[0])
+                     for sh in self.shards]
         # the layers with parameters in the order forward meets them (backward: reversed)
         order = list(self.needs)
-        self.after = {"forward": dict(zip(order, order[1:])),
-                      "backward": dict(zip(order[1:], order))}
+        pairs = [(a, b) for a, b in zip(order, order[1:])
+                 if self.part[self.needs[a][0]] == self.part[self.needs[b][0]]]
+        self.after = {"forward": dict(pairs), "backward": {b: a for a, b in pairs}}
         # --zero-reuse on: the buckets backward's first two layers need stay gathered
         # from forward into backward (``boundary_params``' layers)
         self.keep = {i for m in order[-2:] for i in self.needs[m]} if reuse else set()
@@ -686,7 +694,8 @@ class ParamGathers:
                  if i not in self.gathered]
         if not ahead:
             i = lo - 1 if phase == "forward" else hi + 1
-            ahead = [i] if 0 <= i < len(self.shards) and i not in self.gathered else []
+            ahead = [i] if (0 <= i < len(self.shards) and i not in self.gathered
+                            and self.part[i] == self.part[lo]) else []
         for i in ahead:
             self._start(i, blocking=False)
         if phase == "backward":  # the spares forward left have served backward's first

@@ -177,7 +177,7 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
     run chunk by chunk, as the stages run it). ``zero``: each stage's dp group's ZeRO
     stage; ``recompute``: ``--recompute`` (stage 3 gathers for the forward backward runs
     again)."""
-    from mpidl.runtime.pipeline import partition  # noqa: PLC0415
+    from mpidl.runtime.pipeline import partition, piece_of  # noqa: PLC0415
 
     n = len(model.layers)
     if len(costs) != n:
@@ -211,7 +211,7 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
             dp[s].append(group_layout(held, d, algorithm, bucket_mb, names,
                                       {k: list(rows[j][k]) for k in names}, tables=tables,
                                       alone=True, zero=zero, micro=plan.M,
-                                      zero_recompute=recompute))
+                                      zero_recompute=recompute, part_of=piece_of(bounds)))
             tp_calls[s].append([c for c in calls if call_layer(c.name, n) in mine])
     kind = plan.kind + (f":{plan.v}" if plan.v > 1 else "")
     whole = sum(q.data.size for _, q in model.named_parameters())

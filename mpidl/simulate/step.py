@@ -123,7 +123,7 @@ def _dtype_name(dtype):
 
 def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), rows=None,
            tables=None, zero=0, micro=1, wire=None, period=None, compression=None,
-           sync_bn=(), alone=False, zero_keep=(), zero_recompute=False):
+           sync_bn=(), alone=False, zero_keep=(), zero_recompute=False, part_of=None):
     """The collectives of one step on ``p`` ranks (module doc). ``rows``: for each
     row-sparse parameter name, the rows every rank sends (a list of ``p`` counts).
     ``zero``: the ZeRO stage (``mpidl.runtime.zero``), ``micro`` the micro-batches of a
@@ -138,7 +138,8 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
     ``--compression``. ``sync_bn``: ``sync_bn_layers(model)`` for ``--sync-bn`` (each
     BatchNorm's all-reduces in every forward and backward of a micro-batch). ``alone``:
     on one rank the calls are still made (a mesh's data-parallel group of one: they count
-    as calls, moving nothing); otherwise one process makes none."""
+    as calls, moving nothing); otherwise one process makes none. ``part_of``: the
+    buckets' parts (``fusion.plan``: a pipeline's chunks)."""
     named_params = list(named_params)
     sparse_names = set(sparse_names)
     selector = auto.Selector(p, auto.load() if tables is None else tables)
@@ -155,7 +156,7 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
                           bucket_mb=bucket_mb, **compression)
     dense = [(n, q) for n, q in named_params if n not in sparse_names]
     itemsize = None if wire is None else np.dtype(wire).itemsize
-    for index, group in enumerate(plan(dense, int(bucket_mb * MiB), itemsize)):
+    for index, group in enumerate(plan(dense, int(bucket_mb * MiB), itemsize, part_of)):
         data = group[0][1].data
         n = sum(q.data.size for _, q in group)
         dtype = data.dtype if wire is None else np.dtype(wire)

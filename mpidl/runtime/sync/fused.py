@@ -112,16 +112,19 @@ class FusedAllreduce(GradSync):
         size = 1 if self.comm is None else self.comm.size
         scale = 1.0 if self.hook is not None else 1.0 / size
         precision = getattr(ctx, "precision", None)  # mixed precision: 2-byte buckets
+        pp = getattr(ctx, "pp", None)  # a pipeline's chunks: a bucket holds one chunk's
         self.fusion = self._fusion(named_params, int(self.bucket_mb * MiB), scale,
-                                   None if precision is None else precision.wire)
+                                   None if precision is None else precision.wire,
+                                   None if pp is None else pp.part_of())
         if self.hook is not None and self.comm is not None:
             self.hook.bind(self.comm)
         if self.overlap_mode == "auto":
             self.overlap, self.overlap_reason = overlap_pays(self.comm, ctx.named_params)
 
-    def _fusion(self, named_params, bucket_bytes, scale, wire=None):
+    def _fusion(self, named_params, bucket_bytes, scale, wire=None, part_of=None):
         """The buckets' layout and buffers (a subclass may share one buffer)."""
-        return FusionBuffers(named_params, bucket_bytes, scale=scale, wire=wire)
+        return FusionBuffers(named_params, bucket_bytes, scale=scale, wire=wire,
+                             part_of=part_of)
 
     # -- a step
     def begin_step(self):
