@@ -616,8 +616,8 @@ class ParamGathers:
     bucket is gathered once per forward and once per backward (with a pipeline, whose
     schedule orders the passes of its micro-batches, each pass starts afresh:
     ``new_pass``, and with interleaved chunks, ``part``, prefetches stay within the
-    pass's chunk; with ``reuse``, ``--zero-reuse on``: but the buckets of backward's first two layers, ``keep``, which
-    forward leaves gathered for it). While *pinned* (after set-up, for evaluation and
+    pass's chunk; with ``reuse``, ``--zero-reuse on``: but the buckets of backward's
+    first two layers, ``keep``, which forward leaves gathered for it). While *pinned* (after set-up, for evaluation and
     checkpoints) every bucket is gathered and the hooks do nothing; the next step takes
     each rank's chunk back and frees them.
 
