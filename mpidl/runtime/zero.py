@@ -617,9 +617,9 @@ class ParamGathers:
     schedule orders the passes of its micro-batches, each pass starts afresh:
     ``new_pass``, and with interleaved chunks, ``part``, prefetches stay within the
     pass's chunk; with ``reuse``, ``--zero-reuse on``: but the buckets of backward's
-    first two layers, ``keep``, which forward leaves gathered for it). While *pinned* (after set-up, for evaluation and
-    checkpoints) every bucket is gathered and the hooks do nothing; the next step takes
-    each rank's chunk back and frees them.
+    first two layers, ``keep``, which forward leaves gathered for it). While *pinned*
+    (after set-up, for evaluation and checkpoints) every bucket is gathered and the hooks
+    do nothing; the next step takes each rank's chunk back and frees them.
 
     A buffer freed in forward (or when a pass ends) is kept as a *spare* for the next
     gather of a bucket of its size (the same bucket in backward, or another block's of
