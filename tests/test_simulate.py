@@ -135,7 +135,7 @@ def test_other_layouts_grid(n):
         check_ranks(n, ALL, "0.001,4", "mlp,gpt", layouts="tp2+zero1,tp2+zero2,tp2+zero3,"
                     "tp2+zero3r,pp2-1f1b-2+zero1,pp2-zb-2+zero2,pp2-gpipe-2+zero3,"
                     "pp2-interleaved:2-4+zero1,pp2-interleaved:2-4+zero3"
-                    + (",pp2-1f1b-2-t2+zero1" if n == 8 else ""), timeout=2400)
+                    + (",pp2-1f1b-2-t2+zero1,pp2-interleaved:2-4-t2+zero3" if n == 8 else ""), timeout=2400)
     check_ranks(n, ALL.replace(",hierarchical", "") if n == 3 else ALL, "0.001,4", "cnn",
                 layouts="hybrid,hybrid+syncbn", timeout=2400)
     parallax = "parallax-sync,parallax-async,parallax-ssp" + (",parallax-sync-2"

@@ -104,6 +104,11 @@ TP2 = ["--tensor-parallel", "2"]
     pytest.param(8, ["--model", "gpt-tiny", "--optimizers", "adam", "--stages", "1,2,3",
                      "--accumulate", "2", "--pipeline-stages", "2", *TP2],
                  "[p=2 x tp 2 x pp 2 1f1b]", marks=pytest.mark.slow, id="3-d"),
+    pytest.param(8, ["--model", "gpt-tiny", "--optimizers", "adamw", "--stages", "1,2,3",
+                     "--accumulate", "4", "--pipeline-stages", "2", "--schedule",
+                     "interleaved:2", *TP2],
+                 "[p=2 x tp 2 x pp 2 interleaved:2]", marks=pytest.mark.slow,
+                 id="3-d-interleaved"),
 ])
 def test_stages_on_tensor_and_pipeline_layouts(n, args, what):
     # ZeRO over the data-parallel group of each tp rank / pipeline stage, sharding its
