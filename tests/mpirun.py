@@ -118,20 +118,33 @@ def _run_once(cmd, timeout, env, cwd):
         return Launch(proc.returncode, out, timed_out=True)
 
 
-def run_cli_cases(cases, timeout=300):
+def run_cli_cases(cases, n=1, timeout=300, cwd=None):
     """Each of ``cases`` (``mpidl`` argument lists) run in one process, one after another
-    (``tests/cli_cases.py``): a ``Launch`` per case, for bad input that one process
-    refuses before anything runs; the launch's own output if the process failed."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump([[str(a) for a in argv] for argv in cases], f)
-    try:
-        launch = run_command([sys.executable, os.path.join(HERE, "cli_cases.py"), f.name],
-                             timeout=timeout)
-    finally:
-        os.unlink(f.name)
-    results = [json.loads(ln) for ln in launch.output.splitlines() if ln.startswith("{")]
-    assert not launch.timed_out and len(results) == len(cases), launch.output
-    return [Launch(r["returncode"], r["output"]) for r in results]
+    (``tests/cli_cases.py``), or on ``n`` ranks under mpiexec: a ``Launch`` per case, for
+    bad input refused before training starts. A case's output is every rank's, rank 0's
+    first, and its status the first rank's that is not 0 (as mpiexec reports); the
+    launch's own output if it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "cases.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump([[str(a) for a in argv] for argv in cases], f)
+        script = [os.path.join(HERE, "cli_cases.py"), path]
+        if n == 1:
+            launch = run_command([sys.executable, *script], timeout=timeout, cwd=cwd)
+            ranks = [launch.output]
+        else:
+            launch = run_ranks(n, script, timeout=timeout, cwd=cwd)
+            ranks = [open(f"{path}.{r}", encoding="utf-8").read()
+                     if os.path.exists(f"{path}.{r}") else "" for r in range(n)]
+    per_rank = [[json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
+                for text in ranks]
+    assert not launch.timed_out and all(len(got) == len(cases) for got in per_rank), \
+        launch.output
+    out = []
+    for results in zip(*per_rank):
+        status = next((r["returncode"] for r in results if r["returncode"]), 0)
+        out.append(Launch(status, "".join(r["output"] for r in results)))
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,7 @@ import json
 import numpy as np
 import pytest
 
-from mpirun import assert_one_line_error, mpiexec_cmd, run_command
+from mpirun import assert_one_line_error, mpiexec_cmd, run_cli_cases, run_command
 from test_cli_errors import MPIDL
 
 FAST = ["--no-progress", "--dataset", "synthetic", "--limit-train", "512", "--limit-test",
@@ -115,9 +115,11 @@ def test_dealt_portions_equal_synchronous_ps_in_float64(tmp_path):
     assert 0 < rel <= 1e-12, rel  # another summation order, the same mean
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--deal", "portions", "--mode", "async"], "--deal portions keeps synchronous "
-     "semantics"),
+# also run as a launch of its own (test_what_dealing_cannot_serve_from_its_own_launch)
+ASYNC_DEALING = (["--deal", "portions", "--mode", "async"], "--deal portions keeps "
+                 "synchronous semantics")
+CANNOT_SERVE = [
+    ASYNC_DEALING,
     (["--deal", "portions", "--compression", "topk", "--ratio", "0.1"],
      "--deal portions pushes each portion's exact gradient on its own: drop --compression"),
     (["--deal", "portions", "--accumulate", "2"], "drop --accumulate"),
@@ -127,7 +129,28 @@ def test_dealt_portions_equal_synchronous_ps_in_float64(tmp_path):
     (["--mode", "softsync", "--wait", "5"], "--wait 5: softsync makes each update from c "
      "gradients of the 2 workers, so 1 <= c <= 2"),
     (["--mode", "sync", "--wait", "2"], "--wait applies to --mode backup or softsync"),
-])
-def test_what_dealing_cannot_serve_is_one_line(args, needle):
-    cmd = [*mpiexec_cmd(), "-n", "3"] + MPIDL + ["train", "--strategy", "ps", *FAST, *args]
+]
+
+
+def _ps(args):
+    return ["train", "--strategy", "ps", *FAST, *args]
+
+
+@pytest.fixture(scope="module")
+def cannot_serve_launches():
+    """Every CANNOT_SERVE command through ``mpidl``'s main on 3 ranks, one after another
+    in one launch (``mpirun.run_cli_cases``): each is refused before training starts."""
+    return run_cli_cases([_ps(args) for args, _ in CANNOT_SERVE], n=3)
+
+
+@pytest.mark.parametrize("case", range(len(CANNOT_SERVE)),
+                         ids=[" ".join(args) for args, _ in CANNOT_SERVE])
+def test_what_dealing_cannot_serve_is_one_line(case, cannot_serve_launches):
+    assert_one_line_error(cannot_serve_launches[case], CANNOT_SERVE[case][1])
+
+
+def test_what_dealing_cannot_serve_from_its_own_launch():
+    """The same as a job of its own: one line, every rank exits 2."""
+    args, needle = ASYNC_DEALING
+    cmd = [*mpiexec_cmd(), "-n", "3"] + MPIDL + _ps(args)
     assert_one_line_error(run_command([str(c) for c in cmd], timeout=120), needle)

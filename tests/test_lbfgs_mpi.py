@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from mpirun import (HERE, assert_one_line_error, fashion_available, mpiexec_cmd,
-                    run_command, run_ranks)
+                    run_cli_cases, run_command, run_ranks)
 from test_cli_errors import MPIDL
 
 FAST = ["--no-progress", "--limit-test", "200", "--dtype", "float64"]
@@ -186,11 +186,29 @@ ERRORS = [
 ]
 
 
+def _lbfgs(out, args):
+    return ["train", "--optimizer", "lbfgs", "--model", "logreg", "--dataset", "synthetic",
+            "--no-progress", "--out-dir", str(out), *args]
+
+
+@pytest.fixture(scope="module")
+def lbfgs_refusals(tmp_path_factory):
+    """``launch(n, args)``: that ERRORS case's Launch. The first case asked for on ``n``
+    ranks runs every case of ``n`` ranks through ``mpidl``'s main, one after another in
+    one launch (``mpirun.run_cli_cases``): each is refused before training starts."""
+    tmp = tmp_path_factory.mktemp("lbfgs-refusals")
+    cases = [e.values if isinstance(e, type(pytest.param())) else e for e in ERRORS]
+    done = {}
+
+    def launch(n, args):
+        if n not in done:
+            mine = [a for m, a, _ in cases if m == n]
+            got = run_cli_cases([_lbfgs(tmp / "out", a) for a in mine], n=n, cwd=tmp)
+            done[n] = {tuple(a): g for a, g in zip(mine, got)}
+        return done[n][tuple(args)]
+    return launch
+
+
 @pytest.mark.parametrize("n, args, needle", ERRORS)
-def test_what_lbfgs_cannot_serve_is_one_line(tmp_path, n, args, needle):
-    launcher = [*mpiexec_cmd(), "-n", str(n)] if n > 1 else []
-    cmd = launcher + MPIDL + ["train", "--optimizer", "lbfgs", "--model", "logreg",
-                              "--dataset", "synthetic", "--no-progress", "--out-dir",
-                              str(tmp_path / "out"), *args]
-    assert_one_line_error(run_command([str(c) for c in cmd], timeout=120,
-                                      cwd=str(tmp_path)), needle)
+def test_what_lbfgs_cannot_serve_is_one_line(lbfgs_refusals, n, args, needle):
+    assert_one_line_error(lbfgs_refusals(n, args), needle)
