@@ -20,8 +20,8 @@ import pytest
 
 from mpidl.benchmarks.chaos import kill_during
 from mpirun import (HERE, assert_bitwise_equal, assert_one_line_error, mpi_env,
-                    mpiexec_cmd, model_arrays, needs_fashion, run_command, run_ranks,
-                    train_cmd)
+                    mpiexec_cmd, model_arrays, needs_fashion, run_cli_cases, run_command,
+                    run_ranks, train_cmd)
 
 #: small, float64, ring all-reduce (the same reduction order whatever the MPI)
 DATA = ("--limit-train", "1200", "--limit-test", "1000", "--batch-size", "32",
@@ -322,17 +322,29 @@ def test_elastic_needs_an_mpi_that_survives_a_death(tmp_path):
     assert_one_line_error(launch, "--elastic:", "--with-ft ulfm")
 
 
-@pytest.mark.parametrize("args,needles", [
+BAD_SETTINGS = [
     (("--keep-batch", "global", "--accumulate", "2"), ("--keep-batch global", "--accumulate")),
     (("--keep-batch", "all"), ("--keep-batch",)),
     (("--server-replicas", "-1"), ("--server-replicas", "at least 0")),
     (("--elastic-commit-every", "0"), ("--elastic-commit-every", "at least 1")),
-])
-def test_bad_elastic_settings_are_one_line(tmp_path, args, needles):
-    """Two ranks (any MPI): a setting no run can use is one line, on every rank alike."""
+]
+
+
+@pytest.fixture(scope="module")
+def bad_settings_launches(tmp_path_factory):
+    """Every BAD_SETTINGS command through ``mpidl``'s main on 2 ranks, one after another in
+    one launch (``mpirun.run_cli_cases``)."""
     needs_fashion()
-    launch = run_command(train_cmd(2, tmp_path, "--limit-train", "256", *args), timeout=120)
-    assert_one_line_error(launch, *needles)
+    out = tmp_path_factory.mktemp("bad-elastic")
+    return run_cli_cases([["train", "--no-progress", "--dtype", "float64", "--out-dir", out,
+                           "--limit-train", "256", *args] for args, _ in BAD_SETTINGS], n=2)
+
+
+@pytest.mark.parametrize("case", range(len(BAD_SETTINGS)),
+                         ids=[" ".join(args) for args, _ in BAD_SETTINGS])
+def test_bad_elastic_settings_are_one_line(case, bad_settings_launches):
+    """Two ranks (any MPI): a setting no run can use is one line, on every rank alike."""
+    assert_one_line_error(bad_settings_launches[case], *BAD_SETTINGS[case][1])
 
 
 @pytest.mark.ulfm
