@@ -289,8 +289,10 @@ def test_cli_run_stopped_and_resumed_at_another_stage_as_if_never_stopped(tmp_pa
 
 @pytest.mark.slow  # (stage 3's full_state path runs in CI through zero_check)
 @pytest.mark.parametrize("layout", [["--tensor-parallel", "2"],
-                                    ["--pipeline-stages", "2", "--micro-batches", "2"]],
-                         ids=["tp", "pipeline"])
+                                    ["--pipeline-stages", "2", "--micro-batches", "2"],
+                                    ["--pipeline-stages", "2", "--micro-batches", "2",
+                                     "--schedule", "interleaved:2"]],
+                         ids=["tp", "pipeline", "interleaved"])
 def test_cli_tp_or_pp_run_stopped_at_zero_3_resumes_as_if_never_stopped(tmp_path, layout):
     """mpidl train on 4 ranks, --tensor-parallel 2 (or --pipeline-stages 2) with Adam: a
     --zero 3 run fails after its step-4 checkpoint (tensor-parallel shard files, the
