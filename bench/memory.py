@@ -207,7 +207,9 @@ def main():
         return rank_main(a)
     if a.quick:
         a.hidden, a.ranks, a.time_steps = "256,256", "1,2", 4
-    result = {"machine": describe_machine(), "settings": vars(a).copy(), "memory": []}
+    result = {"machine": describe_machine(), "settings": vars(a).copy(), "memory": [],
+              # the ranks' glibc malloc thresholds (mpidl.allocator; the launches inherit it)
+              "MPIDL_MALLOC_KEEP": os.environ.get("MPIDL_MALLOC_KEEP", "1")}
     if not a.time_only:
         for n in map(int, a.ranks.split(",")):
             for stage, reuse in CONFIGS:

@@ -37,6 +37,8 @@ VARIABLES = {
                             "server once it applied that many updates (elastic runs)"),
     "MPIDL_CRASH_IN_CHECKPOINT": (None, "tests: N[:BYTES] kills the process while writing "
                                         "the N-th checkpoint"),
+    "MPIDL_MALLOC_KEEP": ("1", "0: leave glibc's malloc thresholds as they are (1: large "
+                               "freed blocks stay in the heap; mpidl.allocator)"),
     "MPIDL_SLOW": ("0", "tests: 1 runs the slow (full-accuracy) tests too"),
 }
 

@@ -38,6 +38,7 @@ in the same order.
 
 import time
 
+from mpidl.allocator import keep_freed_blocks
 from mpidl.engine.dropout import Dropout
 from mpidl.runtime.sync.base import GradSync
 
@@ -165,6 +166,7 @@ class Runtime:
 
     def setup(self, model, optimizer, loss):
         """Collective: groups, parameter broadcast, the syncs' layouts, hooks."""
+        keep_freed_blocks()  # each step's large arrays reuse mapped pages (mpidl.allocator)
         self.check(model, optimizer)
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.named_params = model.named_parameters()
