@@ -39,7 +39,7 @@ if __name__ == "__main__":
     world = MPI.COMM_WORLD
     with open(sys.argv[1], encoding="utf-8") as f:
         cases = json.load(f)
-    out = open(f"{sys.argv[1]}.{world.rank}", "w", encoding="utf-8") if world.size > 1 \
-        else sys.stdout
-    for argv in cases:
-        print(json.dumps(run_case(argv)), file=out, flush=True)
+    with (open(f"{sys.argv[1]}.{world.rank}", "w", encoding="utf-8") if world.size > 1
+          else contextlib.nullcontext(sys.stdout)) as out:
+        for argv in cases:
+            print(json.dumps(run_case(argv)), file=out, flush=True)

@@ -134,8 +134,7 @@ def run_cli_cases(cases, n=1, timeout=300, cwd=None):
             ranks = [launch.output]
         else:
             launch = run_ranks(n, script, timeout=timeout, cwd=cwd)
-            ranks = [open(f"{path}.{r}", encoding="utf-8").read()
-                     if os.path.exists(f"{path}.{r}") else "" for r in range(n)]
+            ranks = [_read(f"{path}.{r}") for r in range(n)]
     per_rank = [[json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
                 for text in ranks]
     assert not launch.timed_out and all(len(got) == len(cases) for got in per_rank), \
@@ -145,6 +144,14 @@ def run_cli_cases(cases, n=1, timeout=300, cwd=None):
         status = next((r["returncode"] for r in results if r["returncode"]), 0)
         out.append(Launch(status, "".join(r["output"] for r in results)))
     return out
+
+
+def _read(path):
+    """A file's text, or "" where there is none (a rank that never got to write it)."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 @functools.lru_cache(maxsize=None)
