@@ -22,8 +22,8 @@ import shutil
 import numpy as np
 import pytest
 
-from mpirun import assert_bitwise_equal, model_arrays, needs_fashion, run_command, run_ranks, \
-    train_cmd
+from mpirun import assert_bitwise_equal, model_arrays, needs_fashion, run_cli_cases, \
+    run_command, run_ranks, train_cmd
 from mpidl.config import register, resolve
 from mpidl.engine.models import build_model
 from mpidl.errors import ConfigError
@@ -187,8 +187,21 @@ def test_bad_pipelines_are_one_line_each():
         check_degree(2, 2, 6)
     tied = build_model("gpt-tiny", input_shape=(8,), num_classes=12, layers=1, heads=2,
                        width=8, context=8, tie_weights=True)
-    with pytest.raises(ConfigError, match="share a parameter .*drop --tie-weights"):
-        Pipeline(2).check(tied)
+    Pipeline(2).check(tied)  # a TiedHead's weight: the stages share it
+    under_zero3 = Pipeline(2)
+    under_zero3.zero_stage = 3  # (as the ZeRO preset sets it: test_bad_input_from_the_...)
+    for pipeline, what in [(Pipeline(2, "async", 2), "--schedule async"),
+                           (Pipeline(2, emulate_compute=True), "--emulate-compute"),
+                           (under_zero3, "--zero 3")]:
+        with pytest.raises(ConfigError, match=r"^--pipeline-stages 2 with tied weights "
+                                              rf"\(--tie-weights\) and {what} is not built"):
+            pipeline.check(tied)
+    shared = build_model("mlp", input_shape=(1, 4, 4), num_classes=8, hidden=(8,))
+    shared.layers[3].weight = shared.layers[1].weight  # (one Parameter, no TiedHead)
+    shared.layers[3]._params["weight"] = shared.layers[1].weight
+    with pytest.raises(ConfigError, match="layers 1 and 3 share a parameter, which stages "
+                                          "can share only as a TiedHead's weight"):
+        Pipeline(2).check(shared)
     with pytest.raises(ConfigError, match="--stage-costs: expected 4 costs"):
         Pipeline(2, stage_costs="1,2").check(model)
     with pytest.raises(ConfigError, match="--pipeline-stages 2 cannot be used with "
@@ -214,21 +227,31 @@ def test_bad_pipelines_are_one_line_each():
 
 
 def test_bad_input_from_the_command_line_is_one_line(tmp_path):
-    cases = [
-        (1, ["--micro-batches", "0"], "--micro-batches must be at least 1"),
-        (1, ["--pipeline-stages", "2"], "--pipeline-stages 2 does not divide the 1 rank"),
-        (2, ["--pipeline-stages", "2", "--schedule", "interleaved:4"],
-         "needs at least 8 top-level layers to place, but the model has 6"),
-        (2, ["--pipeline-stages", "2", "--zero", "3", "--zero-reuse", "on"],
-         "--pipeline-stages 2 with --zero 3 and --zero-reuse on is not built yet"),
-    ]
-    for ranks, args, message in cases:
-        launch = run_command(train_cmd(ranks, tmp_path / "bad", "--model", "mlp", "--dataset",
-                                       "synthetic", *args, dtype="float32"), timeout=120)
-        assert launch.returncode == 2, launch.output
-        lines = [ln for ln in launch.output.splitlines() if message in ln]
-        assert lines, launch.output
-        assert "Traceback" not in launch.output, launch.output
+    """Refused in the set-up phase, each case one line and exit 2 (the cases of a rank
+    count in one launch: ``mpirun.run_cli_cases``)."""
+    text = tmp_path / "tiny.txt"
+    text.write_text("the cat sat on the mat\n" * 50, encoding="utf-8")
+    tied = ["--model", "gpt-tiny", "--dataset", "text", "--data-dir", text, "--layers", "1",
+            "--context", "16", "--tie-weights"]
+    cases = {1: [(["--micro-batches", "0"], "--micro-batches must be at least 1"),
+                 (["--pipeline-stages", "2"], "--pipeline-stages 2 does not divide the 1 "
+                                              "rank")],
+             2: [(["--pipeline-stages", "2", "--schedule", "interleaved:4"],
+                  "needs at least 8 top-level layers to place, but the model has 6"),
+                 (["--pipeline-stages", "2", "--zero", "3", "--zero-reuse", "on"],
+                  "--pipeline-stages 2 with --zero 3 and --zero-reuse on is not built yet"),
+                 ([*tied, "--pipeline-stages", "2", "--zero", "3", "--sparse-grads", "dense"],
+                  "--pipeline-stages 2 with tied weights (--tie-weights) and --zero 3 is not "
+                  "built yet")]}
+    base = ["train", "--no-progress", "--out-dir", tmp_path / "bad", "--model", "mlp",
+            "--dataset", "synthetic"]
+    for n, group in cases.items():
+        launches = run_cli_cases([base + args for args, _ in group], n=n)
+        for launch, (args, message) in zip(launches, group):
+            assert launch.returncode == 2, (args, launch.output)
+            lines = [ln for ln in launch.output.splitlines() if message in ln]
+            assert lines, (args, launch.output)
+            assert "Traceback" not in launch.output, launch.output
 
 
 # -- real ranks: every layout against one process (points 1, 2, 4) ------------------------
@@ -259,6 +282,28 @@ def test_every_schedule_equals_one_process_bitwise():
     (Adam too) are the slow test below."""
     out = pp_check(2, "2x1", "mlp,resnet,gpt", ALL_KINDS, "1,P,4P", "sgd", 10)
     assert len(_bitwise_lines(out)) == 3 * 1 * 5 * 3, out
+
+
+def test_tied_weights_across_stages_equal_one_process():
+    """gpt-tiny with --tie-weights (the token embedding on the first stage, the head
+    reading its weight on the last): bitwise one process at P = 2 over every flushing
+    schedule and M in {1, P, 4P} with Adam (the owner adds each micro-batch's head
+    gradient before the embedding's, one process's order); with data parallelism 2, and
+    tensor parallelism 2 with ZeRO 1 (4 ranks), within 1e-12 as every such layout. Slow:
+    P = 3 and 4 with recompute and dropout."""
+    out = pp_check(2, "2x1", "gpt", "gpipe,1f1b,interleaved:2,zb", "1,P,4P", "adam", 10,
+                   "tied")
+    assert len(_bitwise_lines(out)) == 4 * 3, out
+    out = pp_check(4, "2x1,2x2", "gpt", "1f1b,interleaved:2", "4", "adamw", 6, "tied,zero1")
+    assert "4 layouts equal one process" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [3, 4])
+def test_tied_weights_across_stages_full_grid(stages):
+    out = pp_check(stages, f"{stages}x1", "gpt", "gpipe,1f1b,interleaved:2,zb", "1,P-1,4P",
+                   "sgd,adamw", 10, "tied,recompute,dropout")
+    assert len(_bitwise_lines(out)) == 2 * 4 * 3, out
 
 
 @pytest.mark.slow
@@ -366,6 +411,41 @@ def test_train_command_equals_one_process_and_resumes_across_layouts(tmp_path):
         assert_bitwise_equal(model_arrays(tmp_path / "one" / "model.npz"),
                              model_arrays(out / "model.npz"))
     shutil.rmtree(tmp_path / "pp")
+
+
+def test_tied_gpt_equals_one_process_and_resumes_from_the_command_line(tmp_path):
+    """gpt-tiny with --tie-weights on 2 stages (the token embedding on the first, the head
+    reading its weight on the last; 1f1b, M = 4, float64, 32 steps): the saved model is
+    bitwise one process's with --accumulate 4 and the test loss the same (evaluation
+    takes the owner's weight too); killed after step 25, it resumes from its step-20
+    checkpoint on one process and ends bitwise there."""
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
+    rng = np.random.default_rng(0)
+    text = tmp_path / "tiny.txt"
+    text.write_text(" ".join(words[i] for i in rng.integers(0, len(words), 1500)) + "\n",
+                    encoding="utf-8")
+    run = ["--model", "gpt-tiny", "--dataset", "text", "--data-dir", str(text), "--layers",
+           "2", "--heads", "2", "--width", "16", "--context", "16", "--tie-weights",
+           "--batch-size", "4", "--micro-batches", "4", "--limit-train", "256",
+           "--limit-test", "16", "--epochs", "2"]
+    one = ["--strategy", "allreduce"]
+    pp = ["--pipeline-stages", "2"]
+    run_command(train_cmd(1, tmp_path / "one", *run, *one), timeout=300).check()
+    run_command(train_cmd(2, tmp_path / "pp", *run, *pp), timeout=300).check()
+    assert_bitwise_equal(model_arrays(tmp_path / "one" / "model.npz"),
+                         model_arrays(tmp_path / "pp" / "model.npz"))
+    a, b = (json.loads(open(tmp_path / d / "metrics.jsonl").readlines()[-1])
+            for d in ("one", "pp"))
+    assert a["step"] == b["step"] == 32 and a["test_loss"] == b["test_loss"], (a, b)
+    out = tmp_path / "crashed"
+    crashed = run_command(train_cmd(2, out, *run, *pp, "--checkpoint-every", "10"),
+                          env={"MPIDL_FAIL_AT": "1:25"}, timeout=300)
+    assert crashed.returncode != 0, crashed.output
+    launch = run_command(train_cmd(1, out, *run, *one, "--resume", "--checkpoint-every",
+                                   "10"), timeout=300).check()
+    assert "resumed from" in launch.output and "step 20" in launch.output, launch.output
+    assert_bitwise_equal(model_arrays(tmp_path / "one" / "model.npz"),
+                         model_arrays(out / "model.npz"))
 
 
 def test_async_pipeline_trains_and_resumes_exactly_from_the_command_line(tmp_path):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mpirun import fashion_available, mpiexec_cmd, run_command, run_ranks
+from mpirun import fashion_available, mpiexec_cmd, run_cli_cases, run_command, run_ranks
 
 MODEL_FILE = '''
 from mpidl.engine import Flatten, LayerNorm, Linear, Sequential, Tanh
@@ -76,19 +76,36 @@ def test_a_model_of_your_own_trains_saves_and_reloads(tmp_path, model_file, n):
     assert _records(again.output)
 
 
-@pytest.mark.parametrize("spec, message", [
+SPEC_MISTAKES = [
     ("{file}:nope", r"defines no 'nope' \(it defines not_a_model, tanh_net\)"),
     ("{file}:not_a_model", "returned list, not an mpidl Layer"),
     ("{file}:HIDDEN", "'HIDDEN' is not a function"),
     ("{dir}/missing.py:f", "no such file"),
     ("{file}:9bad", "expected FILE.py:FUNC"),
     ("{dir}/broken.py:f", "importing .*broken.py failed: SyntaxError"),
-])
-def test_mistakes_in_the_model_spec_are_one_line(tmp_path, model_file, spec, message):
-    (tmp_path / "broken.py").write_text("def f(:\n")
-    spec = spec.format(file=model_file, dir=tmp_path)
-    launch = _train(["--model", spec, "--dataset", "synthetic", "--epochs", "1"])
-    assert launch.returncode == 2, launch.output
+]
+
+
+@pytest.fixture(scope="module")
+def spec_mistakes(tmp_path_factory):
+    """Every mistake's (launch, spec) in one process (``mpirun.run_cli_cases``), but the
+    first, which runs as an ``mpidl`` process of its own."""
+    tmp = tmp_path_factory.mktemp("specs")
+    model = tmp / "my_model.py"
+    model.write_text(MODEL_FILE)
+    (tmp / "broken.py").write_text("def f(:\n")
+    specs = [spec.format(file=model, dir=tmp) for spec, _ in SPEC_MISTAKES]
+    args = [["--model", spec, "--dataset", "synthetic", "--epochs", "1"] for spec in specs]
+    launches = [_train(args[0])] + run_cli_cases([["train", *a] for a in args[1:]])
+    return list(zip(launches, specs))
+
+
+@pytest.mark.parametrize("case", range(len(SPEC_MISTAKES)),
+                         ids=[m.split(":")[-1] for m, _ in SPEC_MISTAKES])
+def test_mistakes_in_the_model_spec_are_one_line(spec_mistakes, case):
+    launch, spec = spec_mistakes[case]
+    message = SPEC_MISTAKES[case][1]
+    assert launch.returncode == 2, (spec, launch.output)
     lines = [ln for ln in launch.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("mpidl: error:"), launch.output
     assert re.search(message, lines[0]), lines[0]

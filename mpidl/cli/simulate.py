@@ -604,8 +604,10 @@ def pipeline_of(cfg):
     from mpidl.runtime.pipeline import Pipeline  # noqa: PLC0415
 
     micro = max(getattr(cfg, "accumulate", 1) or 1, cfg.micro_batches or 1)
-    return Pipeline(cfg.pipeline_stages, cfg.pipeline_schedule or "1f1b", micro,
-                    stage_costs=cfg.stage_costs)
+    pp = Pipeline(cfg.pipeline_stages, cfg.pipeline_schedule or "1f1b", micro,
+                  stage_costs=cfg.stage_costs)
+    pp.zero_stage = cfg.zero or 0
+    return pp
 
 
 def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse, rows,

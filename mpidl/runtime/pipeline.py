@@ -37,6 +37,19 @@ continues exactly; the end of training drains and drops it.
 they were: BatchNorm statistics, dropout counters); backward runs the forward again
 from them, so the same masks are drawn and statistics are not counted twice.
 
+Tied weights (``--tie-weights``: a ``TiedHead`` on the last stage reading the first
+stage's ``Embedding`` weight): the stage that holds the Embedding owns the ``Parameter``
+(its optimizer steps it, its data-parallel group syncs it, checkpoints keep it under
+the Embedding's name); the head's stage computes with a copy it receives from the owner
+at the start of every step (and of every evaluation batch), and after the head's
+backward of each micro-batch sends that micro-batch's gradient to the owner, which adds
+it just before the Embedding's backward of the same micro-batch. The owner's gradient
+is then accumulated in one process's order (head, embedding, head, embedding, ...), so
+the step is bitwise one process at any M; the price is one message of the weight's size
+per micro-batch (Megatron-LM sums each side over the step and all-reduces once, which
+rounds differently for M > 1). Not built with ``async`` (its stashed weight versions),
+``--emulate-compute`` or ZeRO stage 3.
+
 ``--emulate-compute`` (benchmarks): each action sleeps for its measured time instead
 of computing (still sending real arrays of the real shapes), so P stages overlap even
 on a machine with fewer cores than ranks; the losses are then meaningless.
@@ -50,7 +63,8 @@ import numpy as np
 
 from mpidl import backend
 from mpidl.backend import array_module, to_numpy
-from mpidl.engine.module import Sequential, SparseGrad
+from mpidl.engine.attention import TiedHead
+from mpidl.engine.module import Parameter, Sequential, SparseGrad
 from mpidl.errors import ConfigError
 from mpidl.options import Option
 from mpidl.runtime import pipeline_schedule
@@ -129,6 +143,37 @@ def piece_of(bounds):
     return piece
 
 
+def tied_pairs(layers, what):
+    """``[(j, i)]``: top-level layer ``i`` is a ``TiedHead`` computing with the weight of
+    the earlier layer ``j`` (``--tie-weights``), the one way stages can share a parameter
+    (module doc); any other parameter held by two top-level layers is one ConfigError
+    line, ``what`` naming the flag."""
+    owner, pairs = {}, []
+    for i, layer in enumerate(layers):
+        for _, p in layer.named_parameters():
+            j = owner.setdefault(id(p), i)
+            if j == i:
+                continue
+            if not (isinstance(layer, TiedHead) and layer.weight is p):
+                raise ConfigError(f"{what}: layers {j} and {i} share a parameter, which "
+                                  "stages can share only as a TiedHead's weight tied to an "
+                                  "earlier layer (--tie-weights): untie them")
+            pairs.append((j, i))
+    return pairs
+
+
+class _Tie:
+    """This rank's side of a tied weight whose two layers sit on different stages: the
+    ``owner`` side (``param``: the Parameter it steps) or the ``head`` side (``param``:
+    the copy the head computes with), on chunk ``chunk``; ``peer``: the other side's
+    pipeline rank; the virtual stages of both sides name the messages' tags (the head's
+    its gradients, the owner's the weight)."""
+
+    def __init__(self, side, param, chunk, peer, head_vs, owner_vs):
+        self.side, self.param, self.chunk, self.peer = side, param, chunk, peer
+        self.head_vs, self.owner_vs = head_vs, owner_vs
+
+
 def _snapshot(layer):
     """Copies of the buffers of ``layer`` and everything under it (BatchNorm statistics,
     dropout counters): what a forward changes besides its saved contexts."""
@@ -182,6 +227,8 @@ class Pipeline:
         self.pass_hook = None
         self.emulate = emulate_compute  # False, True (measured times) or {op: [s per chunk]}
         self.cost_spec = stage_costs
+        self.zero_stage = 0         # set by the ZeRO preset (stage 3: no tied weights)
+        self._ties = []             # this rank's _Tie sides (after cut)
         self.group = None
         self.rank = 0
         self.bounds = None          # layer boundaries of the P * v pieces
@@ -225,14 +272,15 @@ class Pipeline:
                               f"but the model has {len(layers)}: use fewer stages"
                               + (" or chunks" if self.chunks > 1 else "")
                               + " or a deeper model")
-        owner = {}
-        for i, layer in enumerate(layers):
-            for _, p in layer.named_parameters():
-                j = owner.setdefault(id(p), i)
-                if j != i:
-                    raise ConfigError(f"--pipeline-stages {self.degree}: layers {j} and {i} "
-                                      "share a parameter (tied weights, --tie-weights), which "
-                                      "stages cannot share yet: drop --tie-weights")
+        if tied_pairs(layers, f"--pipeline-stages {self.degree}"):
+            refuse = {"--schedule async": self.kind == "async",
+                      "--emulate-compute": bool(self.emulate),
+                      "--zero 3": self.zero_stage == 3}
+            for flag, bad in refuse.items():
+                if bad:
+                    raise ConfigError(f"--pipeline-stages {self.degree} with tied weights "
+                                      f"(--tie-weights) and {flag} is not built yet: drop "
+                                      "one of them")
         spec = self.cost_spec
         if spec not in (None, "", "measured", "layers"):
             self._parse_costs(spec, len(layers))
@@ -292,8 +340,9 @@ class Pipeline:
         self.whole_shapes = (tp.full_shapes(model) if tp is not None else
                              {k: tuple(v.shape) for k, v in model.state_dict().items()})
         self._check_tags()
-        # keep my chunks: virtual stage c * P + rank
         P = self.degree
+        self._ties = self._cut_ties(layers)
+        # keep my chunks: virtual stage c * P + rank
         mine = []
         self.chunk_layers = []
         for c in range(self.chunks):
@@ -317,6 +366,59 @@ class Pipeline:
         self._emulated = {}
         self._sleep_s = self._emulated_times() if self.emulate else None
 
+    def _cut_ties(self, layers):
+        """This rank's sides of the tied weights the cut puts on two stages; the head's
+        layer gets a copy of the weight that is no parameter of its stage (module doc)."""
+        piece, place = piece_of(self.bounds), self.plan.place
+        ties = []
+        for j, i in tied_pairs(layers, f"--pipeline-stages {self.degree}"):
+            owner_vs, head_vs = piece(str(j)), piece(str(i))
+            if owner_vs == head_vs:
+                continue  # one piece: one process's order as it is
+            (owner, owner_chunk), (head, head_chunk) = place(owner_vs), place(head_vs)
+            if owner == head:
+                raise ConfigError(f"--pipeline-stages {self.degree}: the tied layers {j} "
+                                  f"and {i} land on two chunks of stage {owner}, which is "
+                                  "not built: use another --schedule or untie them")
+            p = layers[i].weight  # (the TiedHead holds the Parameter itself)
+            if self.rank == owner:
+                ties.append(_Tie("owner", p, owner_chunk, head, head_vs, owner_vs))
+            elif self.rank == head:
+                copy = Parameter(p.data.copy(), placement=p.placement)
+                layers[i].weight = copy
+                del layers[i]._params["weight"]
+                ties.append(_Tie("head", copy, head_chunk, owner, head_vs, owner_vs))
+        return ties
+
+    def _share_tied(self, sends):
+        """The owners' tied weights to the heads' copies (a step's or an evaluation's
+        start): the owner sends, the head waits for it."""
+        for t in self._ties:
+            tag = self._tag(0, t.owner_vs, 3)
+            if t.side == "owner":
+                sends.append(self.group.isend(t.param.data, t.peer, tag))
+            else:
+                self.group.recv(t.param.data, t.peer, tag)
+
+    def _recv_tied(self, key, c):
+        """Owner: ``[(Parameter, the head's gradient of micro-batch key)]`` for this
+        chunk's backward of it, to add before that backward (one process's order)."""
+        out = []
+        for t in self._ties:
+            if t.side == "owner" and t.chunk == c:
+                data = t.param.data
+                buf = self._xp.empty(data.shape, dtype=data.dtype)
+                out.append((t.param, self.group.recv(buf, t.peer,
+                                                     self._tag(key, t.head_vs, 3))))
+        return out
+
+    def _send_tied(self, key, c, sends):
+        """Head: send micro-batch ``key``'s gradient of the tied weight to its owner."""
+        for t in self._ties:
+            if t.side == "head" and t.chunk == c:
+                g, t.param.grad = t.param.grad, None
+                sends.append(self.group.isend(g, t.peer, self._tag(key, t.head_vs, 3)))
+
     def part_of(self):
         """The fused buckets' ``part_of`` for this rank's chunks (after ``cut``)."""
         return piece_of(self.bounds)
@@ -324,7 +426,7 @@ class Pipeline:
     def _check_tags(self):
         from mpidl.comm.p2p import _tag_ub  # noqa: PLC0415
 
-        need = 3 * self._tag_span * self.plan.virtual_stages
+        need = 4 * self._tag_span * self.plan.virtual_stages
         if need > _tag_ub():
             raise ConfigError(f"--micro-batches {self.k} with {self.plan.virtual_stages} "
                               f"pipeline stages needs {need} message tags, more than this "
@@ -381,7 +483,8 @@ class Pipeline:
 
     def _tag(self, key, vs, kind):
         mb = key % self._tag_span
-        return (mb * self.plan.virtual_stages + vs) * 3 + kind  # kind 0: act, 1: grad, 2: shape
+        # kind 0: activation, 1: its gradient, 2: a shape, 3: a tied weight or its gradient
+        return (mb * self.plan.virtual_stages + vs) * 4 + kind
 
     def _send_act(self, out, mb, vs, m, sends):
         dest = self.plan.place(vs + 1)[0]
@@ -456,6 +559,8 @@ class Pipeline:
         # (async: the first step, and the first after a drain, carry nothing in)
         actions = plan.opening[r] if plan.flushless and not self._open else plan.actions[r]
         walk = _Walk(x, y, n // M, loss)
+        if self._ties:
+            self._share_tied(walk.sends)
         self._walk(actions, walk)
         if plan.flushless:
             self._turn_over()
@@ -518,6 +623,7 @@ class Pipeline:
             elif op == "B":
                 dy = self._grads.pop((key, c)) if vs == S - 1 else self._recv_grad(
                     key, vs, self._outputs.pop((key, c)))
+                tied = self._recv_tied(key, c) if self._ties else ()
                 t0 = _clock()
                 if emulate:
                     self._sleep(self._sleep_s["B"][vs], walk.sends)
@@ -526,6 +632,11 @@ class Pipeline:
                 elif mb < 0:
                     with self._previous_version():
                         dx = self._backward(chunk, key, c, dy, self._kept, self._deferred)
+                elif self._ties:
+                    for p, g in tied:  # the head's part first, as one process adds it
+                        p.accumulate(g)
+                    dx = self._backward(chunk, key, c, dy, self._kept, self._deferred)
+                    self._send_tied(key, c, walk.sends)
                 else:
                     dx = self._backward(chunk, key, c, dy, self._kept, self._deferred)
                 t1 = _clock()
@@ -697,6 +808,8 @@ class Pipeline:
         n = len(x)
         out = None
         sends = []
+        if self._ties:
+            self._share_tied(sends)
         for c, chunk in enumerate(self.chunk_layers):
             vs = c * P + self.rank
             inp = x if vs == 0 else self._recv_act(0, vs, ("eval", n))

@@ -406,6 +406,8 @@ def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
                  partial(zero_part.Sharded, stage=zero), sync_bn=sync_bn, unused=unused,
                  pipeline=pipeline, tensor_parallel=tensor_parallel)
     rt.checks.append(partial(zero_part.check_setup, zero, sparse_mode=sparse_mode))
+    if pipeline is not None:
+        pipeline.zero_stage = zero
     _add_checks(rt, tensor_parallel, pipeline)
     rt.zero = zero
     return rt

@@ -27,6 +27,9 @@ Each rank's traffic is then two parts:
   loss, broadcast over the group, goes through mpi4py itself and is not counted; the
   first message of each micro-batch size between two stages also sends its shape (a
   pickled object): a first step's, left out (the layout is of the steps after it).
+  Tied weights on two stages (``--tie-weights``) add the owner's weight to the head's
+  stage at the step's start and each micro-batch's gradient of it back, after the
+  head's backward (``mpidl.runtime.pipeline``);
 - its **data-parallel group's** step (``step.layout``, ZeRO stage 1 or 2 if asked) over
   the parameters its pieces hold, on ``D`` ranks (a group of one still calls). A
   pipeline's gradients are synced after the step's last backward (its backward passes
@@ -133,9 +136,10 @@ def layer_outputs(model, x):
     return out
 
 
-def messages_of(plan, bounds, outputs):
+def messages_of(plan, bounds, outputs, ties=()):
     """Every pipeline rank's messages of one step, and the bytes of each boundary's
-    (module doc); ``outputs``: ``layer_outputs`` for one micro-batch."""
+    (module doc); ``outputs``: ``layer_outputs`` for one micro-batch; ``ties``: ``(owner
+    layer, head layer, bytes)`` of each tied weight."""
     S, P = plan.virtual_stages, plan.P
     sizes = []
     for v in range(S - 1):
@@ -153,6 +157,14 @@ def messages_of(plan, bounds, outputs):
                 out.append(Message(r, plan.place(vs + 1)[0], sizes[vs], "activation"))
             elif op == "B" and vs > 0:
                 out.append(Message(r, plan.place(vs - 1)[0], sizes[vs - 1], "gradient"))
+    from mpidl.runtime.pipeline import piece_of  # noqa: PLC0415
+
+    piece = piece_of(bounds)
+    for j, i, nbytes in ties:
+        owner, head = (plan.place(piece(str(k)))[0] for k in (j, i))
+        if owner != head:
+            out.append(Message(owner, head, nbytes, "tied weight"))
+            out += [Message(head, owner, nbytes, "tied gradient")] * plan.M
     return out, sizes
 
 
@@ -177,7 +189,7 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
     run chunk by chunk, as the stages run it). ``zero``: each stage's dp group's ZeRO
     stage; ``recompute``: ``--recompute`` (stage 3 gathers for the forward backward runs
     again)."""
-    from mpidl.runtime.pipeline import partition, piece_of  # noqa: PLC0415
+    from mpidl.runtime.pipeline import partition, piece_of, tied_pairs  # noqa: PLC0415
 
     n = len(model.layers)
     if len(costs) != n:
@@ -194,9 +206,16 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
         per_tp = [(pc.named, pc.outputs, pc.calls, pc.share) for pc in pieces]
     else:
         per_tp = [(model.named_parameters(), layer_outputs(model, x), [], None)]
+    # each tied weight by its name in the whole model (a tp rank's piece: its slice)
+    name_of = {id(q): k for k, q in model.named_parameters()}
+    pairs = [(j, i, name_of[id(model.layers[i].weight)])
+             for j, i in tied_pairs(model.layers, f"--pipeline-stages {P}")]
     messages, sizes, named, dp, tp_calls = [], [], [], [], []
     for named_j, outputs, _, _ in per_tp:
-        m, b = messages_of(plan, bounds, outputs)
+        held = dict(named_j)
+        ties = [(j, i, int(held[k].data.size * held[k].data.dtype.itemsize))
+                for j, i, k in pairs]
+        m, b = messages_of(plan, bounds, outputs, ties)
         messages.append(m)
         sizes.append(b)
     for s in range(P):

@@ -10,7 +10,9 @@ OPTIMIZERS [STEPS] [FLAGS]``
   (resnet-tiny), ``gpt`` (gpt-tiny);
 * SCHEDULES: ``gpipe,1f1b,interleaved:2,zb,async``; MICRO: micro-batch counts, where ``P-1``,
   ``P`` and ``4P`` stand for those values; OPTIMIZERS: ``sgd`` (momentum 0.9, weight
-  decay), ``adam`` and/or ``adamw`` (gpt-tiny's recipe: lr 2e-3, weight decay 0.01); FLAGS: ``recompute``, ``zero1``, ``dropout``.
+  decay), ``adam`` and/or ``adamw`` (gpt-tiny's recipe: lr 2e-3, weight decay 0.01);
+  FLAGS: ``recompute``, ``zero1``, ``dropout``, ``tied`` (gpt-tiny's head tied to its
+  token embedding, on the first and last stages).
 
 For every combination, the model is built whole from one seed, trained STEPS steps
 (default 20, float64) with the layout, and compared on the root with one process
@@ -54,11 +56,11 @@ SHAPES = {"mlp": (1, 6, 6), "resnet": (1, 8, 8), "gpt": (7,)}
 CLASSES = {"mlp": 10, "resnet": 10, "gpt": 11}
 
 
-def make(name, optimizer, dropout):
+def make(name, optimizer, dropout, tied=False):
     if name == "gpt":
         model = build_model("gpt-tiny", input_shape=SHAPES[name], num_classes=11, seed=3,
                             dtype="float64", layers=2, heads=4, width=16, context=8,
-                            dropout=dropout)
+                            dropout=dropout, tie_weights=tied)
     elif name == "resnet":
         model = build_model("resnet-tiny", input_shape=SHAPES[name], num_classes=10, seed=3,
                             dtype="float64", widths=(4, 6, 8))
@@ -121,7 +123,8 @@ def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
     for stage in (1, 2, 3):
         if f"zero{stage}" in flags:
             options.update(zero=stage, sparse_grads="dense")
-    model, opt = make(name, optimizer, dropout)
+    tied = "tied" in flags
+    model, opt = make(name, optimizer, dropout, tied)
     try:
         rt = build("allreduce", comm, **options)
         rt.check(model, opt)
@@ -137,7 +140,7 @@ def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
     x, y = data(name, rng, steps * D * M)
     ref = pending = None
     if rt.is_root:
-        ref, ref_opt = make(name, optimizer, dropout)
+        ref, ref_opt = make(name, optimizer, dropout, tied)
         ref_rt = build("local", accumulate=M)
         ref_rt.setup(ref, ref_opt, TokenCrossEntropy())
     for s in range(steps):

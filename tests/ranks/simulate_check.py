@@ -26,7 +26,8 @@ recorded during the counted step and given to it), ``psc-NAME`` (``--strategy ps
 not apply), ``tpT`` (``--tensor-parallel T``: the tp and dp groups' counters, group by
 group), ``ppP[-SCHEDULE[-M]][-tT]`` (``--pipeline-stages P --schedule SCHEDULE
 --micro-batches M [--tensor-parallel T]``, default 1f1b, 2 and 1: the pipeline, dp and
-tp groups' counters; ``-rc`` in ``pp...``: ``--recompute``; ``tp...`` and ``pp...`` take
+tp groups' counters; ``-rc`` in ``pp...``: ``--recompute``, ``-tied``: gpt-tiny with
+``--tie-weights`` (its head and token embedding on two stages); ``tp...`` and ``pp...`` take
 ``+zeroK``: ZeRO stage K on the dp group; ``tp...`` also ``3r`` with ``--zero-reuse on``),
 ``parallax-MODE[-S]`` (``--sparse-sync ps``: gpt-tiny's Embeddings, or the mlp's
 biases with ``--ps-params '*.bias'``, on S servers; the rest all-reduced among the
@@ -59,11 +60,11 @@ B = 3
 VOCAB, CONTEXT = 23, 12
 
 
-def make(kind):
+def make(kind, tied=False):
     if kind in ("mlp", "cnn"):
         return build_model(kind, input_shape=(1, 28, 28), num_classes=10, seed=1)
     return build_model("gpt-tiny", input_shape=(CONTEXT,), num_classes=VOCAB, seed=1,
-                       layers=1, heads=2, width=16)
+                       layers=1, heads=2, width=16, tie_weights=tied)
 
 
 def batch(kind, step, rank):
@@ -534,8 +535,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     base, _, stage = how.partition("+zero")
     zero = int(stage or 0)
     parts = base[2:].split("-")
-    recompute = "rc" in parts
-    parts = [q for q in parts if q != "rc"]
+    recompute, tied = "rc" in parts, "tied" in parts
+    parts = [q for q in parts if q not in ("rc", "tied")]
     T = int(parts.pop()[1:]) if parts[-1].startswith("t") else 1
     P = int(parts[0])
     schedule = parts[1] if len(parts) > 1 else "1f1b"
@@ -543,7 +544,7 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     tables = gathers_by(algorithm)
     comm = Communicator(MPI.COMM_WORLD, _tables=tables)
     p, rank = comm.size, comm.rank
-    model = make(kind)
+    model = make(kind, tied)
     model.needs_input_grad = False
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb,
@@ -562,19 +563,19 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     x, y = step_batch(1)
     rt.train_step(x, y)
     counted = rt.mesh.counters()
-    whole = make(kind)
+    whole = make(kind, tied)
     sparse = sorted(sparse_param_names(whole))
     j = rank % T
     if T == 1:
         mine = touched_rows(whole, sparse, x)
     else:  # (the rows of this tp rank's slice of a vocabulary-parallel embedding)
-        mine = tensor.cut(lambda: make(kind), T, j, x, y, loss_of(kind), tables).rows
+        mine = tensor.cut(lambda: make(kind, tied), T, j, x, y, loss_of(kind), tables).rows
     everyone = MPI.COMM_WORLD.allgather((j, i, mine))
     d = p // (P * T)
     rows = {t: {n: [next(r[n] for tt, ii, r in everyone if ii == k and tt == t)
                     for k in range(d)] for n in mine} for t in range(T)}
     plan = pipeline.plan_of(P, schedule, M)
-    pieces = (lambda bounds: tensor.pieces_of(lambda: make(kind), T, (x[:B], y[:B]),
+    pieces = (lambda bounds: tensor.pieces_of(lambda: make(kind, tied), T, (x[:B], y[:B]),
                                               loss_of(kind), tables, bounds)[0]) \
         if T > 1 else None
     step = pipeline.layout(whole, p, plan, [1.0] * len(whole.layers), x[:B], algorithm,
