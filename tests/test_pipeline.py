@@ -234,12 +234,15 @@ def test_bad_input_from_the_command_line_is_one_line(tmp_path):
     tied = ["--model", "gpt-tiny", "--dataset", "text", "--data-dir", text, "--layers", "1",
             "--context", "16", "--tie-weights"]
     cases = {1: [(["--micro-batches", "0"], "--micro-batches must be at least 1"),
+                 (["--tied-exchange", "step"], "--tied-exchange needs --pipeline-stages P > 1"),
                  (["--pipeline-stages", "2"], "--pipeline-stages 2 does not divide the 1 "
                                               "rank")],
              2: [(["--pipeline-stages", "2", "--schedule", "interleaved:4"],
                   "needs at least 8 top-level layers to place, but the model has 6"),
                  (["--pipeline-stages", "2", "--zero", "3", "--zero-reuse", "on"],
                   "--pipeline-stages 2 with --zero 3 and --zero-reuse on is not built yet"),
+                 (["--pipeline-stages", "2", "--tied-exchange", "step"],
+                  "--tied-exchange step: the model has no tied weights (--tie-weights)"),
                  ([*tied, "--pipeline-stages", "2", "--zero", "3", "--sparse-grads", "dense"],
                   "--pipeline-stages 2 with tied weights (--tie-weights) and --zero 3 is not "
                   "built yet")]}
@@ -290,12 +293,15 @@ def test_tied_weights_across_stages_equal_one_process():
     schedule and M in {1, P, 4P} with Adam (the owner adds each micro-batch's head
     gradient before the embedding's, one process's order); with data parallelism 2, and
     tensor parallelism 2 with ZeRO 1 (4 ranks), within 1e-12 as every such layout. Slow:
-    P = 3 and 4 with recompute and dropout."""
+    P = 3 and 4 with recompute and dropout; 3-D layouts on 8 ranks with ZeRO 1."""
     out = pp_check(2, "2x1", "gpt", "gpipe,1f1b,interleaved:2,zb", "1,P,4P", "adam", 10,
                    "tied")
     assert len(_bitwise_lines(out)) == 4 * 3, out
     out = pp_check(4, "2x1,2x2", "gpt", "1f1b,interleaved:2", "4", "adamw", 6, "tied,zero1")
     assert "4 layouts equal one process" in out, out
+    # --tied-exchange step (Megatron's one sum per step): within 1e-12, not bitwise
+    out = pp_check(2, "2x1", "gpt", "1f1b,zb", "1,4P", "adam", 6, "tiedstep")
+    assert "4 layouts equal one process" in out and not _bitwise_lines(out), out
 
 
 @pytest.mark.slow
@@ -304,6 +310,13 @@ def test_tied_weights_across_stages_full_grid(stages):
     out = pp_check(stages, f"{stages}x1", "gpt", "gpipe,1f1b,interleaved:2,zb", "1,P-1,4P",
                    "sgd,adamw", 10, "tied,recompute,dropout")
     assert len(_bitwise_lines(out)) == 2 * 4 * 3, out
+
+
+@pytest.mark.slow
+def test_tied_weights_in_three_d_layouts():
+    out = pp_check(8, "2x2,4x2,2x4,4x1", "gpt", "1f1b,interleaved:2", "4", "adamw", 10,
+                   "tied,zero1", timeout=900)
+    assert "8 layouts equal one process" in out, out
 
 
 @pytest.mark.slow

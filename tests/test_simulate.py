@@ -70,7 +70,8 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (4, "ring,tree", "4", "mlp,gpt", "pp2-1f1b-2-t2,pp2-interleaved:2-4-t2", None),
     (4, "ring,recursive_doubling", "4", "mlp", "tp2+zero1,tp2+zero3r,pp2-1f1b-2+zero2,"
      "pp2-zb-3-rc+zero3,pp2-interleaved:2-4+zero3", None),
-    (4, "ring", "0.001", "gpt", "tp2+zero3,pp2-interleaved:2-4-tied,pp2-1f1b-2-t2-tied", None),
+    (4, "ring", "0.001", "gpt", "tp2+zero3,pp2-interleaved:2-4-tied,pp2-1f1b-2-t2-tied,"
+     "pp2-zb-4-tiedstep", None),
     (3, "tree,auto", "0.001", "mlp,gpt", "pp3-gpipe-3,pp3-interleaved:2-3", None),
     (3, "ring,recursive_doubling", "0.001,4", "cnn", "hybrid,hybrid+syncbn", None),
     (3, "ring,recursive_doubling", "0.001,4", "gpt,mlp", "parallax-sync,parallax-async", None),
@@ -90,7 +91,7 @@ def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts
     of the slices; uneven at T = 3) and pipeline parallelism (``ppP-SCHEDULE-M``: each
     stage's sends and receives of activations and gradients, walking the schedule, and
     its dp group's buckets of its layers; ``-tied``: a tied weight's copy to the head's
-    stage and its gradients back) and the conv-DP/FC-MP hybrid (``hybrid``: the
+    stage and its gradients back, ``-tiedstep`` their sum once a step) and the conv-DP/FC-MP hybrid (``hybrid``: the
     boundary's all-gathers and reduce-scatter, the FC block's all-reduces, the
     convolutions' buckets; uneven FC slices at p = 3) and Parallax (``parallax-MODE``:
     gpt-tiny's Embedding, or the mlp's biases, pushed to the servers as coalesced rows or

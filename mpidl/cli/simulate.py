@@ -53,7 +53,7 @@ MODELLED_TP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches
 #: ... and --pipeline-stages with these only
 MODELLED_PP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
                "sparse_grads", "pipeline_stages", "pipeline_schedule", "stage_costs",
-               "recompute", "emulate_compute", "zero")
+               "recompute", "emulate_compute", "zero", "tied_exchange")
 #: ... and under --strategy ps (the servers' settings; the rest is refused)
 MODELLED_PS = ("accumulate", "micro_batches", "servers", "mode", "staleness", "wait",
                "staleness_aware_lr", "epoch_quorum", "trace", "poll_max_ms", "group_size",
@@ -605,7 +605,8 @@ def pipeline_of(cfg):
 
     micro = max(getattr(cfg, "accumulate", 1) or 1, cfg.micro_batches or 1)
     pp = Pipeline(cfg.pipeline_stages, cfg.pipeline_schedule or "1f1b", micro,
-                  stage_costs=cfg.stage_costs)
+                  stage_costs=cfg.stage_costs,
+                  tied_exchange=getattr(cfg, "tied_exchange", None) or "micro-batch")
     pp.zero_stage = cfg.zero or 0
     return pp
 
@@ -632,10 +633,12 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
     T = cfg.tensor_parallel or 1
     d = p // (plan.P * T)
     zero = int(cfg.zero or 0)
+    per_step = getattr(cfg, "tied_exchange", None) == "step"
     if T == 1:
         return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, sparse,
                                {0: {n: [r] * d for n, r in rows.items()}},
-                               cost_source=source, zero=zero, recompute=bool(cfg.recompute))
+                               cost_source=source, zero=zero, recompute=bool(cfg.recompute),
+                               tied_per_step=per_step)
     loss = task_for(dataset).loss
     y = to_device(dataset.train_y[idx])
     xs, ids = draw_batch(dataset, rng, cfg.batch_size * plan.M, _param_dtype(model))
@@ -645,6 +648,7 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
     names = sorted({n for r in tp_rows.values() for n in r})
     return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, names, tp_rows,
                            cost_source=source, zero=zero, recompute=bool(cfg.recompute),
+                           tied_per_step=per_step,
                            pieces=lambda bounds: tensor.pieces_of(make_model, T, (x, y), loss,
                                                                   chunks=bounds)[0])
 

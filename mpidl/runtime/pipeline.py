@@ -46,9 +46,11 @@ backward of each micro-batch sends that micro-batch's gradient to the owner, whi
 it just before the Embedding's backward of the same micro-batch. The owner's gradient
 is then accumulated in one process's order (head, embedding, head, embedding, ...), so
 the step is bitwise one process at any M; the price is one message of the weight's size
-per micro-batch (Megatron-LM sums each side over the step and all-reduces once, which
-rounds differently for M > 1). Not built with ``async`` (its stashed weight versions),
-``--emulate-compute`` or ZeRO stage 3.
+per micro-batch. ``--tied-exchange step`` does it Megatron-LM's way instead: the head
+sums its gradient over the step and sends it once, after its last backward, and the
+owner adds it after its own (M times fewer messages; for M > 1 the sum is rounded in
+another order than one process's). Not built with ``async`` (its stashed weight
+versions), ``--emulate-compute`` or ZeRO stage 3.
 
 ``--emulate-compute`` (benchmarks): each action sleeps for its measured time instead
 of computing (still sending real arrays of the real shapes), so P stages overlap even
@@ -89,6 +91,11 @@ OPTIONS = [
     Option("emulate_compute", bool, False, "pipeline benchmarks: each stage sleeps its "
            "measured compute time instead of computing (losses are meaningless)",
            "parallelism"),
+    Option("tied_exchange", str, "micro-batch", "tied weights on two pipeline stages: "
+           "micro-batch (the head's gradient of each micro-batch goes to the embedding's "
+           "stage: bitwise one process) or step (summed over the step and sent once, "
+           "Megatron-LM's way: M times fewer messages, rounded differently)",
+           "parallelism", choices=("micro-batch", "step")),
     Option("stage_costs", str, None, "how the pipeline stages are balanced: measured "
            "(default: each layer timed on the first batch), layers (equal cost), or one "
            "cost per top-level layer, comma-separated", "parallelism", metavar="COSTS"),
@@ -216,7 +223,7 @@ class Pipeline:
     name = "pipeline"
 
     def __init__(self, stages, schedule="1f1b", micro_batches=1, recompute=False,
-                 emulate_compute=False, stage_costs=None):
+                 emulate_compute=False, stage_costs=None, tied_exchange="micro-batch"):
         self.degree = int(stages)
         self.kind, self.chunks = pipeline_schedule.parse(schedule)
         self.k = int(micro_batches)
@@ -229,6 +236,10 @@ class Pipeline:
         self.cost_spec = stage_costs
         self.zero_stage = 0         # set by the ZeRO preset (stage 3: no tied weights)
         self._ties = []             # this rank's _Tie sides (after cut)
+        if tied_exchange not in ("micro-batch", "step"):
+            raise ConfigError(f"--tied-exchange must be micro-batch or step, got "
+                              f"{tied_exchange!r}")
+        self.tied_per_step = tied_exchange == "step"
         self.group = None
         self.rank = 0
         self.bounds = None          # layer boundaries of the P * v pieces
@@ -272,7 +283,11 @@ class Pipeline:
                               f"but the model has {len(layers)}: use fewer stages"
                               + (" or chunks" if self.chunks > 1 else "")
                               + " or a deeper model")
-        if tied_pairs(layers, f"--pipeline-stages {self.degree}"):
+        tied = tied_pairs(layers, f"--pipeline-stages {self.degree}")
+        if self.tied_per_step and not tied:
+            raise ConfigError("--tied-exchange step: the model has no tied weights "
+                              "(--tie-weights) for it to exchange")
+        if tied:
             refuse = {"--schedule async": self.kind == "async",
                       "--emulate-compute": bool(self.emulate),
                       "--zero 3": self.zero_stage == 3}
@@ -402,22 +417,30 @@ class Pipeline:
 
     def _recv_tied(self, key, c):
         """Owner: ``[(Parameter, the head's gradient of micro-batch key)]`` for this
-        chunk's backward of it, to add before that backward (one process's order)."""
+        chunk's backward of it, to add before that backward (one process's order);
+        ``key`` None: the head's sum over the step (``--tied-exchange step``), for every
+        chunk."""
         out = []
+        if self.tied_per_step != (key is None):
+            return out
         for t in self._ties:
-            if t.side == "owner" and t.chunk == c:
+            if t.side == "owner" and (key is None or t.chunk == c):
                 data = t.param.data
                 buf = self._xp.empty(data.shape, dtype=data.dtype)
-                out.append((t.param, self.group.recv(buf, t.peer,
-                                                     self._tag(key, t.head_vs, 3))))
+                tag = self._tag(0 if key is None else key, t.head_vs, 3)
+                out.append((t.param, self.group.recv(buf, t.peer, tag)))
         return out
 
     def _send_tied(self, key, c, sends):
-        """Head: send micro-batch ``key``'s gradient of the tied weight to its owner."""
+        """Head: send micro-batch ``key``'s gradient of the tied weight to its owner (key
+        None: the sum over the step, ``--tied-exchange step``)."""
+        if self.tied_per_step != (key is None):
+            return
         for t in self._ties:
-            if t.side == "head" and t.chunk == c:
+            if t.side == "head" and (key is None or t.chunk == c):
                 g, t.param.grad = t.param.grad, None
-                sends.append(self.group.isend(g, t.peer, self._tag(key, t.head_vs, 3)))
+                tag = self._tag(0 if key is None else key, t.head_vs, 3)
+                sends.append(self.group.isend(g, t.peer, tag))
 
     def part_of(self):
         """The fused buckets' ``part_of`` for this rank's chunks (after ``cut``)."""
@@ -562,6 +585,10 @@ class Pipeline:
         if self._ties:
             self._share_tied(walk.sends)
         self._walk(actions, walk)
+        if self._ties and self.tied_per_step:  # the head's sum, after both sides' backwards
+            self._send_tied(None, None, walk.sends)
+            for p, g in self._recv_tied(None, None):
+                p.accumulate(g)
         if plan.flushless:
             self._turn_over()
         else:
@@ -861,6 +888,9 @@ class Pipeline:
                  + (", no flush: weights one step stale (PipeDream-2BW)"
                     if self.plan.flushless else "")
                  + (", recomputing activations" if self.recompute else "")
+                 + ((", tied weights: the head's gradient sent to the embedding's stage "
+                     + ("once per step" if self.tied_per_step else "per micro-batch"))
+                    if self._ties else "")
                  + (", compute emulated by sleeps" if self.emulate else "")]
         return lines
 

@@ -349,7 +349,8 @@ def _pipeline(comm, options, accumulate, tp, **given):
     one line for each setting that does not compose with it (yet)."""
     stages = options.get("pipeline_stages") or 1
     if stages == 1:  # (any schedule of one stage is plain accumulation)
-        extra = [k for k in ("recompute", "emulate_compute", "stage_costs") if options.get(k)]
+        extra = [k for k in ("recompute", "emulate_compute", "stage_costs", "tied_exchange")
+                 if options.get(k)]
         if extra:
             raise ConfigError(f"--{extra[0].replace('_', '-')} needs --pipeline-stages P > 1")
         pipeline_part.check_degree(stages, tp, _size(comm))
@@ -378,7 +379,8 @@ def _pipeline(comm, options, accumulate, tp, **given):
     return pipeline_part.Pipeline(stages, options.get("pipeline_schedule") or "1f1b",
                                   accumulate or 1, recompute=options.get("recompute", False),
                                   emulate_compute=options.get("emulate_compute", False),
-                                  stage_costs=options.get("stage_costs"))
+                                  stage_costs=options.get("stage_costs"),
+                                  tied_exchange=options.get("tied_exchange") or "micro-batch")
 
 
 def _check_tensor_parallel(tp, **given):

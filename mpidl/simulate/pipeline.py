@@ -136,10 +136,11 @@ def layer_outputs(model, x):
     return out
 
 
-def messages_of(plan, bounds, outputs, ties=()):
+def messages_of(plan, bounds, outputs, ties=(), tied_per_step=False):
     """Every pipeline rank's messages of one step, and the bytes of each boundary's
     (module doc); ``outputs``: ``layer_outputs`` for one micro-batch; ``ties``: ``(owner
-    layer, head layer, bytes)`` of each tied weight."""
+    layer, head layer, bytes)`` of each tied weight, whose gradient goes back once per
+    micro-batch or (``tied_per_step``) once per step."""
     S, P = plan.virtual_stages, plan.P
     sizes = []
     for v in range(S - 1):
@@ -164,7 +165,8 @@ def messages_of(plan, bounds, outputs, ties=()):
         owner, head = (plan.place(piece(str(k)))[0] for k in (j, i))
         if owner != head:
             out.append(Message(owner, head, nbytes, "tied weight"))
-            out += [Message(head, owner, nbytes, "tied gradient")] * plan.M
+            out += [Message(head, owner, nbytes, "tied gradient")] * (
+                1 if tied_per_step else plan.M)
     return out, sizes
 
 
@@ -178,7 +180,8 @@ def held_names(named, bounds, plan, rank):
 
 
 def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
-           rows=None, tables=None, cost_source="", pieces=None, zero=0, recompute=False):
+           rows=None, tables=None, cost_source="", pieces=None, zero=0, recompute=False,
+           tied_per_step=False):
     """``PipelineStep`` of ``p`` ranks for ``model`` (whole, built from the seed) cut by
     ``costs`` over ``plan``; ``x``: one micro-batch of input (its shape sets the
     messages). ``sparse``: the row-sparse parameters gathered as rows; ``rows[j][name]``:
@@ -188,7 +191,7 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
     cut's boundaries returning them (``tensor.pieces_of(..., chunks=bounds)``: the pass
     run chunk by chunk, as the stages run it). ``zero``: each stage's dp group's ZeRO
     stage; ``recompute``: ``--recompute`` (stage 3 gathers for the forward backward runs
-    again)."""
+    again); ``tied_per_step``: ``--tied-exchange step``."""
     from mpidl.runtime.pipeline import partition, piece_of, tied_pairs  # noqa: PLC0415
 
     n = len(model.layers)
@@ -215,7 +218,7 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
         held = dict(named_j)
         ties = [(j, i, int(held[k].data.size * held[k].data.dtype.itemsize))
                 for j, i, k in pairs]
-        m, b = messages_of(plan, bounds, outputs, ties)
+        m, b = messages_of(plan, bounds, outputs, ties, tied_per_step)
         messages.append(m)
         sizes.append(b)
     for s in range(P):
