@@ -880,6 +880,11 @@ class Pipeline:
         return model_out, opt_out
 
     # -- reports
+    def memory(self, ledger):
+        """The head's copies of tied weights (``mem_comm``: received each step, no
+        parameter of this stage)."""
+        ledger.add("mem_comm", [t.param.data for t in self._ties if t.side == "head"])
+
     def describe(self):
         P, v = self.degree, self.chunks
         lines = [f"pipeline: {P} stages, schedule {self.kind}"

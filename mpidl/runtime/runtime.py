@@ -440,6 +440,8 @@ class Runtime:
             placement.memory(ledger)
         for _, sync in self.syncs:
             sync.memory(ledger)
+        if self.pp is not None:
+            self.pp.memory(ledger)
         if self.group is not None:
             ledger.extra("mem_comm", self.group.buffer_nbytes())
         return ledger.as_dict()
