@@ -304,6 +304,19 @@ def test_tied_weights_across_stages_equal_one_process():
     assert "4 layouts equal one process" in out and not _bitwise_lines(out), out
 
 
+def test_sync_bn_in_pipelines_equals_one_process():
+    """--sync-bn with data parallelism 2 under a pipeline: each stage's BatchNorms
+    normalize over both replicas' micro-batch, so resnet-tiny matches one process whose
+    micro-batch is the replicas' together, within 1e-12 (without --sync-bn the same
+    comparison is off by about 5), every schedule, and with --recompute (the forward run
+    again synchronizes again, statistics counted once) and ZeRO 1."""
+    out = pp_check(4, "2x1", "resnet", "gpipe,1f1b,interleaved:2,zb,async", "1,4", "sgd", 6,
+                   "syncbn")
+    assert "10 layouts equal one process" in out, out
+    out = pp_check(4, "2x1", "resnet", "1f1b,zb", "4", "adam", 6, "syncbn,recompute,zero1")
+    assert "2 layouts equal one process" in out, out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [3, 4])
 def test_tied_weights_across_stages_full_grid(stages):

@@ -61,6 +61,7 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (3, "ring", "0.001", "mlp", "c-onebit,c-randomk,c-powersgd,c-dgc", None),
     (2, "ring", "4", "mlp,gpt", "c-fp16,c-qsgd,c-threshold", None),
     (3, "ring,auto", "4", "cnn", "syncbn,syncbn+local-sgd", None),
+    (4, "ring", "4", "cnn", "pp2-1f1b-3-rc-bn,pp2-interleaved:2-4-bn+zero1", None),
     (4, "ring", "4", "mlp,gpt", "ps-sync,ps-async,ps-backup-2", None),
     (3, "ring", "4", "mlp,gpt", "psc-onebit,psc-dgc,psc-qsgd,hogwild,hogwild-2", None),
     (5, "ring,tree,recursive_doubling", "4", "mlp,gpt", "groups2-sync,groups4-async", None),
@@ -91,7 +92,8 @@ def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts
     of the slices; uneven at T = 3) and pipeline parallelism (``ppP-SCHEDULE-M``: each
     stage's sends and receives of activations and gradients, walking the schedule, and
     its dp group's buckets of its layers; ``-tied``: a tied weight's copy to the head's
-    stage and its gradients back, ``-tiedstep`` their sum once a step) and the conv-DP/FC-MP hybrid (``hybrid``: the
+    stage and its gradients back, ``-tiedstep`` their sum once a step; ``-bn``: each
+    stage's BatchNorms synchronized over its dp group, ``--sync-bn``) and the conv-DP/FC-MP hybrid (``hybrid``: the
     boundary's all-gathers and reduce-scatter, the FC block's all-reduces, the
     convolutions' buckets; uneven FC slices at p = 3) and Parallax (``parallax-MODE``:
     gpt-tiny's Embedding, or the mlp's biases, pushed to the servers as coalesced rows or
@@ -517,6 +519,9 @@ BAD_INPUT = [
     (["--pipeline-stages", "2", "--stage-costs", "1,2"], ["--stage-costs", "6 costs"]),
     (["--pipeline-stages", "4", "--schedule", "async", "--micro-batches", "2", "--ranks",
       "4"], ["--micro-batches M >= 3"]),
+    (["--model", "cnn", "--pipeline-stages", "2", "--tensor-parallel", "2", "--sync-bn",
+      "--ranks", "8"], ["--sync-bn with --pipeline-stages and --tensor-parallel is not "
+                        "modelled yet"]),
     (["--tensor-parallel", "2", "--precision", "bf16", "--ranks", "4"],
      ["--precision bf16 with --tensor-parallel is not modelled yet"]),
     (["--tensor-parallel", "3", "--ranks", "4"], ["--tensor-parallel 3 divides none"]),

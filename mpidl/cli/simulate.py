@@ -53,7 +53,7 @@ MODELLED_TP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches
 #: ... and --pipeline-stages with these only
 MODELLED_PP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
                "sparse_grads", "pipeline_stages", "pipeline_schedule", "stage_costs",
-               "recompute", "emulate_compute", "zero", "tied_exchange")
+               "recompute", "emulate_compute", "zero", "tied_exchange", "sync_bn")
 #: ... and under --strategy ps (the servers' settings; the rest is refused)
 MODELLED_PS = ("accumulate", "micro_batches", "servers", "mode", "staleness", "wait",
                "staleness_aware_lr", "epoch_quorum", "trace", "poll_max_ms", "group_size",
@@ -634,11 +634,12 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
     d = p // (plan.P * T)
     zero = int(cfg.zero or 0)
     per_step = getattr(cfg, "tied_exchange", None) == "step"
+    sync_bn = bool(getattr(cfg, "sync_bn", False))
     if T == 1:
         return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, sparse,
                                {0: {n: [r] * d for n, r in rows.items()}},
                                cost_source=source, zero=zero, recompute=bool(cfg.recompute),
-                               tied_per_step=per_step)
+                               tied_per_step=per_step, sync_bn=sync_bn)
     loss = task_for(dataset).loss
     y = to_device(dataset.train_y[idx])
     xs, ids = draw_batch(dataset, rng, cfg.batch_size * plan.M, _param_dtype(model))
@@ -648,7 +649,7 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
     names = sorted({n for r in tp_rows.values() for n in r})
     return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, names, tp_rows,
                            cost_source=source, zero=zero, recompute=bool(cfg.recompute),
-                           tied_per_step=per_step,
+                           tied_per_step=per_step, sync_bn=sync_bn,
                            pieces=lambda bounds: tensor.pieces_of(make_model, T, (x, y), loss,
                                                                   chunks=bounds)[0])
 

@@ -367,8 +367,7 @@ def _pipeline(comm, options, accumulate, tp, **given):
             "precision": given.get("precision") not in (None, "fp32")
             and f"--precision {given['precision']}",
             "hybrid": given.get("hybrid") and f"--hybrid {given['hybrid']}",
-            "straggler": given.get("straggler") and f"--straggler {given['straggler']}",
-            "sync_bn": given.get("sync_bn") and "--sync-bn"}
+            "straggler": given.get("straggler") and f"--straggler {given['straggler']}"}
     for flag in what.values():
         if flag:
             raise ConfigError(f"--pipeline-stages {stages} with {flag} is not built yet: "

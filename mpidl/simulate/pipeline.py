@@ -181,7 +181,7 @@ def held_names(named, bounds, plan, rank):
 
 def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
            rows=None, tables=None, cost_source="", pieces=None, zero=0, recompute=False,
-           tied_per_step=False):
+           tied_per_step=False, sync_bn=False):
     """``PipelineStep`` of ``p`` ranks for ``model`` (whole, built from the seed) cut by
     ``costs`` over ``plan``; ``x``: one micro-batch of input (its shape sets the
     messages). ``sparse``: the row-sparse parameters gathered as rows; ``rows[j][name]``:
@@ -191,8 +191,12 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
     cut's boundaries returning them (``tensor.pieces_of(..., chunks=bounds)``: the pass
     run chunk by chunk, as the stages run it). ``zero``: each stage's dp group's ZeRO
     stage; ``recompute``: ``--recompute`` (stage 3 gathers for the forward backward runs
-    again); ``tied_per_step``: ``--tied-exchange step``."""
+    again); ``tied_per_step``: ``--tied-exchange step``; ``sync_bn``: ``--sync-bn`` (each
+    stage's BatchNorms all-reduce over its dp group in every pass: counted with its dp
+    group's calls; without tensor parallelism)."""
     from mpidl.runtime.pipeline import partition, piece_of, tied_pairs  # noqa: PLC0415
+
+    from .step import sync_bn_layers  # noqa: PLC0415
 
     n = len(model.layers)
     if len(costs) != n:
@@ -205,6 +209,14 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
         raise ConfigError(f"--pipeline-stages {P} x --tensor-parallel {T} does not divide "
                           f"{p} ranks")
     d = p // (P * T)
+    if sync_bn and T > 1:
+        raise ConfigError("mpidl simulate: --sync-bn with --pipeline-stages and "
+                          "--tensor-parallel is not modelled yet")
+    piece = piece_of(bounds)
+    # (a group of one is not synchronized; a chunk after the first computes every input
+    # gradient)
+    bn = [(k, c, dt, needs or piece(k) > 0) for k, c, dt, needs in sync_bn_layers(model)] \
+        if sync_bn and d > 1 else []
     if pieces:
         per_tp = [(pc.named, pc.outputs, pc.calls, pc.share) for pc in pieces]
     else:
@@ -233,7 +245,10 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
             dp[s].append(group_layout(held, d, algorithm, bucket_mb, names,
                                       {k: list(rows[j][k]) for k in names}, tables=tables,
                                       alone=True, zero=zero, micro=plan.M,
-                                      zero_recompute=recompute, part_of=piece_of(bounds)))
+                                      zero_recompute=recompute, part_of=piece,
+                                      sync_bn=[b for b in bn if int(b[0].split(".")[0])
+                                               in mine],
+                                      bn_forwards=2 if recompute else 1))
             tp_calls[s].append([c for c in calls if call_layer(c.name, n) in mine])
     kind = plan.kind + (f":{plan.v}" if plan.v > 1 else "")
     whole = sum(q.data.size for _, q in model.named_parameters())

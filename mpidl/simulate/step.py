@@ -123,7 +123,8 @@ def _dtype_name(dtype):
 
 def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), rows=None,
            tables=None, zero=0, micro=1, wire=None, period=None, compression=None,
-           sync_bn=(), alone=False, zero_keep=(), zero_recompute=False, part_of=None):
+           sync_bn=(), alone=False, zero_keep=(), zero_recompute=False, part_of=None,
+           bn_forwards=1):
     """The collectives of one step on ``p`` ranks (module doc). ``rows``: for each
     row-sparse parameter name, the rows every rank sends (a list of ``p`` counts).
     ``zero``: the ZeRO stage (``mpidl.runtime.zero``), ``micro`` the micro-batches of a
@@ -136,7 +137,8 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
     warm-up): the layout is then of one period, its one averaging. ``compression``:
     ``compression.layout``'s settings (spec, ratio, grads, frames, overlap) for
     ``--compression``. ``sync_bn``: ``sync_bn_layers(model)`` for ``--sync-bn`` (each
-    BatchNorm's all-reduces in every forward and backward of a micro-batch). ``alone``:
+    BatchNorm's all-reduces in every forward and backward of a micro-batch;
+    ``bn_forwards``: 2 under a pipeline's ``--recompute``). ``alone``:
     on one rank the calls are still made (a mesh's data-parallel group of one: they count
     as calls, moving nothing); otherwise one process makes none. ``part_of``: the
     buckets' parts (``fusion.plan``: a pipeline's chunks)."""
@@ -146,7 +148,8 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
     out = StepLayout(p)
     if p == 1 and not alone:
         return out
-    _sync_bn(out, sync_bn, selector, micro * (period or 1))  # (every step of a period)
+    # (every step of a period)
+    _sync_bn(out, sync_bn, selector, micro * (period or 1), bn_forwards)
     if period:
         return _averaging(out, named_params, selector, algorithm, bucket_mb, period)
     if compression:
@@ -247,14 +250,16 @@ def sync_bn_layers(model):
     return out
 
 
-def _sync_bn(out, layers, selector, micro):
+def _sync_bn(out, layers, selector, micro, forwards=1):
     """``--sync-bn``: per BatchNorm and micro-batch, forward sums the channels' values
     and the count (C + 1 words), then the squared deviations (C); backward, when the
     layer computes an input gradient, the two gradient sums (2 C); each a blocking
-    all-reduce that ``auto`` resolves by size (``engine.normalization``)."""
+    all-reduce that ``auto`` resolves by size (``engine.normalization``). ``forwards``:
+    forward passes per micro-batch (2: a pipeline's ``--recompute`` runs it again)."""
+    passes = [("forward-bn", lambda c, needs: (c + 1, c))] * forwards + [
+        ("backward-bn", lambda c, needs: (2 * c,) if needs else ())]
     for _ in range(micro):
-        for phase, sizes in (("forward-bn", lambda c, needs: (c + 1, c)),
-                             ("backward-bn", lambda c, needs: (2 * c,) if needs else ())):
+        for phase, sizes in passes:
             order = layers if phase == "forward-bn" else list(reversed(layers))
             for name, c, dtype, needs in order:
                 dtype = np.dtype(dtype)

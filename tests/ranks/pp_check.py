@@ -13,7 +13,9 @@ OPTIMIZERS [STEPS] [FLAGS]``
   decay), ``adam`` and/or ``adamw`` (gpt-tiny's recipe: lr 2e-3, weight decay 0.01);
   FLAGS: ``recompute``, ``zero1``, ``dropout``, ``tied`` (gpt-tiny's head tied to its
   token embedding, on the first and last stages), ``tiedstep`` (that with
-  ``--tied-exchange step``: held to 1e-12, its sum being rounded in another order).
+  ``--tied-exchange step``: held to 1e-12, its sum being rounded in another order),
+  ``syncbn`` (``--sync-bn``: BatchNorm statistics over the data-parallel replicas, so the
+  one process's micro-batch is theirs together).
 
 For every combination, the model is built whole from one seed, trained STEPS steps
 (default 20, float64) with the layout, and compared on the root with one process
@@ -120,7 +122,8 @@ def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
     D = comm.size // (P * T)
     dropout = 0.1 if "dropout" in flags else 0.0
     options = dict(pipeline_stages=P, tensor_parallel=T, micro_batches=M,
-                   pipeline_schedule=kind, recompute="recompute" in flags)
+                   pipeline_schedule=kind, recompute="recompute" in flags,
+                   sync_bn="syncbn" in flags)
     for stage in (1, 2, 3):
         if f"zero{stage}" in flags:
             options.update(zero=stage, sparse_grads="dense")
