@@ -215,7 +215,8 @@ def test_bad_pipelines_are_one_line_each():
                                           r"--micro-batches M >= 2"):
         Pipeline(3, "async", 1)
     for flags, what in [(dict(compression="fp16"), "--compression fp16"),
-                        (dict(sync="local-sgd", period=4), "--sync local-sgd"),
+                        (dict(sync="local-sgd", period=4, pipeline_schedule="async",
+                              micro_batches=2), "--schedule async and --sync local-sgd"),
                         (dict(zero=3, pipeline_schedule="async", micro_batches=2),
                          "--zero 3 and --schedule async"),
                         (dict(zero=3, emulate_compute=True), "--zero 3 and --emulate-compute"),
@@ -471,6 +472,44 @@ def test_tied_gpt_equals_one_process_and_resumes_from_the_command_line(tmp_path)
                                    "10"), timeout=300).check()
     assert "resumed from" in launch.output and "step 20" in launch.output, launch.output
     assert_bitwise_equal(model_arrays(tmp_path / "one" / "model.npz"),
+                         model_arrays(out / "model.npz"))
+
+
+@pytest.mark.parametrize("sync", [
+    pytest.param(["--sync", "local-sgd"], marks=pytest.mark.slow),
+    ["--sync", "diloco", "--warmup-steps", "2"]], ids=["local-sgd", "diloco"])
+def test_model_averaging_over_pipelines_equals_plain_data_parallelism(tmp_path, sync):
+    """--sync local-sgd (slow) and diloco on 2 replicas of a 2-stage pipeline (4 ranks) save
+    bitwise the model of 2 plain data-parallel ranks with --accumulate 2 (a replica's
+    stages compute what its one rank computes; each stage averages its own parameters,
+    a sum of two terms in either order); a DiLoCo run killed after step 11 resumes from
+    its step-9 checkpoint, mid-period with every rank's own parameters and outer state,
+    and ends bitwise there; without the pipeline it refuses that checkpoint in one
+    line."""
+    common = ["--model", "mlp", "--dataset", "synthetic", "--epochs", "2", "--limit-train",
+              "512", "--limit-test", "128", "--batch-size", "16", "--period", "4"]
+    pp = ["--pipeline-stages", "2", "--micro-batches", "2"]
+    run_command(train_cmd(2, tmp_path / "dp", *common, *sync, "--accumulate", "2"),
+                timeout=300).check()
+    launch = run_command(train_cmd(4, tmp_path / "pp", *common, *sync, *pp),
+                         timeout=300).check()
+    assert "pipeline 2 stages" in launch.output, launch.output
+    assert_bitwise_equal(model_arrays(tmp_path / "dp" / "model.npz"),
+                         model_arrays(tmp_path / "pp" / "model.npz"))
+    if sync[1] != "diloco":
+        return
+    out = tmp_path / "crashed"
+    crashed = run_command(train_cmd(4, out, *common, *sync, *pp, "--checkpoint-every", "3"),
+                          env={"MPIDL_FAIL_AT": "2:11"}, timeout=300)
+    assert crashed.returncode != 0, crashed.output
+    refused = run_command(train_cmd(2, out, *common, *sync, "--accumulate", "2", "--resume"),
+                          timeout=300)
+    assert refused.returncode == 2 and "model averaging with pipelines resumes only under " \
+        "the layout it was written with" in refused.output, refused.output
+    launch = run_command(train_cmd(4, out, *common, *sync, *pp, "--resume",
+                                   "--checkpoint-every", "3"), timeout=300).check()
+    assert "resumed from" in launch.output and "step 9" in launch.output, launch.output
+    assert_bitwise_equal(model_arrays(tmp_path / "pp" / "model.npz"),
                          model_arrays(out / "model.npz"))
 
 

@@ -363,11 +363,14 @@ def _pipeline(comm, options, accumulate, tp, **given):
         return None
     what = {"compression": given.get("compression") not in (None, "none")
             and f"--compression {given['compression']}",
-            "sync": given.get("sync") not in (None, "allreduce") and f"--sync {given['sync']}",
             "precision": given.get("precision") not in (None, "fp32")
             and f"--precision {given['precision']}",
             "hybrid": given.get("hybrid") and f"--hybrid {given['hybrid']}",
             "straggler": given.get("straggler") and f"--straggler {given['straggler']}"}
+    kind, _ = pipeline_part.pipeline_schedule.parse(options.get("pipeline_schedule")
+                                                    or "1f1b")
+    if kind == "async" and given.get("sync") not in (None, "allreduce"):
+        what["sync"] = f"--schedule async and --sync {given['sync']}"
     for flag in what.values():
         if flag:
             raise ConfigError(f"--pipeline-stages {stages} with {flag} is not built yet: "

@@ -768,7 +768,15 @@ class Runtime:
         avg = self.averaging
         if avg is not None:  # the replicas differ inside a period: every rank's own
             out["averaging"] = avg.shared_state()
-            out["averaging_ranks"] = self.gather(avg.local_state())
+            mine = avg.local_state()
+            if self.pp is None:
+                out["averaging_ranks"] = self.gather(mine)
+            else:  # a stage's outer state is of its own parameters: every rank's, in order
+                mine["shared"] = avg.shared_state()
+                out["averaging_layout"] = self._pipeline_layout()
+                with self._waiting("gather of model averaging's state", world=True):
+                    out["averaging_ranks"] = self.comm.mpi.gather(
+                        mine, root=self.trainer_ranks[0])
         return out if self.is_root else None
 
     def local_state(self):
@@ -823,6 +831,24 @@ class Runtime:
         if flushless:
             self.pp.resume_pending(mine)
 
+    def _resume_averaging_stage(self, avg, saved, ranks):
+        """Model averaging under a pipeline: every rank goes on with its own saved
+        parameters and inner and outer state, which are its stage's, so only under the
+        layout the checkpoint was written with (one ConfigError line otherwise)."""
+        from mpidl.errors import ConfigError  # noqa: PLC0415
+
+        layout = self._pipeline_layout()
+        if saved is None or list(saved) != layout:
+            def text(lay):
+                return ("no pipeline" if lay is None or lay[0] == 1 else
+                        f"{lay[0]} stages x {lay[1]} tensor-parallel on {lay[2]} ranks")
+            raise ConfigError(f"--resume: the checkpoint's --sync {avg.name} state was "
+                              f"written under {text(saved)}, this run has {text(layout)}; "
+                              "model averaging with pipelines resumes only under the "
+                              "layout it was written with")
+        entry = ranks[self.rank]
+        avg.load_state(entry["shared"], entry)
+
     def load_state_dict(self, state):
         """Every rank takes its own part of what ``state_dict`` saved (when the number of
         training ranks is the same; parameter servers take their shard's in any case)."""
@@ -843,9 +869,15 @@ class Runtime:
         avg = self.averaging
         if avg is not None and (state or {}).get("averaging") is not None:
             ranks = state.get("averaging_ranks") or []
-            # on another number of ranks, rank i goes on with the i-th saved rank's own
-            # parameters and inner optimizer (the first ones again when there are more)
-            avg.load_state(state["averaging"], ranks[index % len(ranks)] if ranks else None)
+            saved = state.get("averaging_layout")
+            if self.pp is not None or saved is not None:  # each rank its own stage's
+                self._resume_averaging_stage(avg, saved, ranks)
+            else:
+                # on another number of ranks, rank i goes on with the i-th saved rank's
+                # own parameters and inner optimizer (the first ones again when there
+                # are more)
+                avg.load_state(state["averaging"],
+                               ranks[index % len(ranks)] if ranks else None)
         elif avg is not None and state is not None:
             from mpidl.errors import ConfigError  # noqa: PLC0415
 
