@@ -214,7 +214,7 @@ def test_bad_pipelines_are_one_line_each():
     with pytest.raises(ConfigError, match=r"--schedule async with --pipeline-stages 3 needs "
                                           r"--micro-batches M >= 2"):
         Pipeline(3, "async", 1)
-    for flags, what in [(dict(compression="fp16"), "--compression fp16"),
+    for flags, what in [(dict(precision="bf16"), "--precision bf16"),
                         (dict(sync="local-sgd", period=4, pipeline_schedule="async",
                               micro_batches=2), "--schedule async and --sync local-sgd"),
                         (dict(zero=3, pipeline_schedule="async", micro_batches=2),
@@ -508,6 +508,46 @@ def test_model_averaging_over_pipelines_equals_plain_data_parallelism(tmp_path, 
         "the layout it was written with" in refused.output, refused.output
     launch = run_command(train_cmd(4, out, *common, *sync, *pp, "--resume",
                                    "--checkpoint-every", "3"), timeout=300).check()
+    assert "resumed from" in launch.output and "step 9" in launch.output, launch.output
+    assert_bitwise_equal(model_arrays(tmp_path / "pp" / "model.npz"),
+                         model_arrays(out / "model.npz"))
+
+
+@pytest.mark.parametrize("compression", [
+    ["dgc", "--ratio", "0.01"],
+    pytest.param(["powersgd"], marks=pytest.mark.slow),
+    pytest.param(["onebit"], marks=pytest.mark.slow),
+    pytest.param(["fp16"], marks=pytest.mark.slow)], ids=["dgc", "powersgd", "onebit", "fp16"])
+def test_compression_over_pipelines_equals_plain_data_parallelism(tmp_path, compression):
+    """--compression on 2 replicas of a 2-stage pipeline (4 ranks) saves bitwise the model
+    of 2 plain data-parallel ranks with --accumulate 2 (per-tensor compressors see the
+    same tensors; fp16's buckets sum two terms); a DGC run killed after step 11 resumes
+    from its step-9 checkpoint with every rank's own residuals and ends bitwise there;
+    without the pipeline it refuses that checkpoint in one line."""
+    common = ["--model", "mlp", "--dataset", "synthetic", "--epochs", "2", "--limit-train",
+              "512", "--limit-test", "128", "--batch-size", "16", "--compression",
+              *compression]
+    pp = ["--pipeline-stages", "2", "--micro-batches", "2"]
+    run_command(train_cmd(2, tmp_path / "dp", *common, "--accumulate", "2", dtype="float32"),
+                timeout=300).check()
+    launch = run_command(train_cmd(4, tmp_path / "pp", *common, *pp, dtype="float32"),
+                         timeout=300).check()
+    assert "pipeline 2 stages" in launch.output, launch.output
+    assert_bitwise_equal(model_arrays(tmp_path / "dp" / "model.npz"),
+                         model_arrays(tmp_path / "pp" / "model.npz"))
+    if compression[0] != "dgc":
+        return
+    out = tmp_path / "crashed"
+    crashed = run_command(train_cmd(4, out, *common, *pp, "--checkpoint-every", "3",
+                                    dtype="float32"),
+                          env={"MPIDL_FAIL_AT": "2:11"}, timeout=300)
+    assert crashed.returncode != 0, crashed.output
+    refused = run_command(train_cmd(2, out, *common, "--accumulate", "2", "--resume",
+                                    dtype="float32"), timeout=300)
+    assert refused.returncode == 2 and "gradient exchange state (error feedback " \
+        "residuals) was written under 2 stages" in refused.output, refused.output
+    launch = run_command(train_cmd(4, out, *common, *pp, "--resume", "--checkpoint-every",
+                                   "3", dtype="float32"), timeout=300).check()
     assert "resumed from" in launch.output and "step 9" in launch.output, launch.output
     assert_bitwise_equal(model_arrays(tmp_path / "pp" / "model.npz"),
                          model_arrays(out / "model.npz"))

@@ -361,9 +361,7 @@ def _pipeline(comm, options, accumulate, tp, **given):
                               "run one step stale so the stages never flush; one stage is "
                               "plain accumulation: use 1f1b)")
         return None
-    what = {"compression": given.get("compression") not in (None, "none")
-            and f"--compression {given['compression']}",
-            "precision": given.get("precision") not in (None, "fp32")
+    what = {"precision": given.get("precision") not in (None, "fp32")
             and f"--precision {given['precision']}",
             "hybrid": given.get("hybrid") and f"--hybrid {given['hybrid']}",
             "straggler": given.get("straggler") and f"--straggler {given['straggler']}"}

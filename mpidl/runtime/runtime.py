@@ -45,6 +45,13 @@ from mpidl.runtime.sync.base import GradSync
 _clock = time.perf_counter
 
 
+def _layout_text(layout):
+    """A pipeline layout ``[P, T, ranks]`` (``Runtime._pipeline_layout``) in words."""
+    if layout is None or layout[0] == 1:
+        return "no pipeline"
+    return f"{layout[0]} stages x {layout[1]} tensor-parallel on {layout[2]} ranks"
+
+
 class Runtime:
     """A composed step on one rank; build it with ``mpidl.runtime.build``."""
 
@@ -759,8 +766,12 @@ class Runtime:
             export(self)  # ZeRO: the shards' optimizer state, per parameter on the root
         pending = self._pipeline_pending()
         mine = [s.state_dict() for _, s in self.syncs]
-        per_rank = self.gather(mine)
-        out = {"syncs": per_rank}
+        if self.pp is None:
+            out = {"syncs": self.gather(mine)}
+        else:  # a stage's syncs hold its own parameters' state: every rank's, in order
+            with self._waiting("gather of the syncs' state", world=True):
+                every = self.comm.mpi.gather(mine, root=self.trainer_ranks[0])
+            out = {"syncs": every, "syncs_layout": self._pipeline_layout()}
         if pending is not None:
             out["pipeline_pending"] = pending
         if self.precision is not None:  # master weights and loss scale: alike on every rank
@@ -839,11 +850,9 @@ class Runtime:
 
         layout = self._pipeline_layout()
         if saved is None or list(saved) != layout:
-            def text(lay):
-                return ("no pipeline" if lay is None or lay[0] == 1 else
-                        f"{lay[0]} stages x {lay[1]} tensor-parallel on {lay[2]} ranks")
             raise ConfigError(f"--resume: the checkpoint's --sync {avg.name} state was "
-                              f"written under {text(saved)}, this run has {text(layout)}; "
+                              f"written under {_layout_text(saved)}, this run has "
+                              f"{_layout_text(layout)}; "
                               "model averaging with pipelines resumes only under the "
                               "layout it was written with")
         entry = ranks[self.rank]
@@ -883,10 +892,32 @@ class Runtime:
 
             raise ConfigError(f"the checkpoint was written without --sync {avg.name}; "
                               "resume with the settings it was written with")
-        if len(per_rank) != count:
+        saved = (state or {}).get("syncs_layout")
+        if self.pp is not None or saved is not None:
+            mine = self._stage_sync_state(saved, per_rank)
+        elif len(per_rank) != count:
             return
-        for (_, sync), st in zip(self.syncs, per_rank[index]):
+        else:
+            mine = per_rank[index]
+        for (_, sync), st in zip(self.syncs, mine or ()):
             sync.load_state_dict(st)
+
+    def _stage_sync_state(self, saved, per_rank):
+        """Under a pipeline, this rank's saved syncs' state (its own stage's), which
+        only the layout it was written with can take: under another one, stateless syncs
+        go on (None) and state that would be lost (compression's residuals) is one
+        ConfigError line."""
+        from mpidl.errors import ConfigError  # noqa: PLC0415
+
+        layout = self._pipeline_layout()
+        if saved is not None and list(saved) == layout and len(per_rank) == self.size:
+            return per_rank[self.rank]
+        if not any(st for entries in per_rank for st in (entries or ())):
+            return None
+        raise ConfigError(f"--resume: the checkpoint's gradient exchange state (error "
+                          f"feedback residuals) was written under {_layout_text(saved)}, "
+                          f"this run has {_layout_text(layout)}; resume under the layout "
+                          "it was written with")
 
     def finish(self):
         """Once at the end: the syncs say goodbye; every rank ran the same steps; an
