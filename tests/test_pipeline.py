@@ -214,7 +214,7 @@ def test_bad_pipelines_are_one_line_each():
     with pytest.raises(ConfigError, match=r"--schedule async with --pipeline-stages 3 needs "
                                           r"--micro-batches M >= 2"):
         Pipeline(3, "async", 1)
-    for flags, what in [(dict(precision="bf16"), "--precision bf16"),
+    for flags, what in [(dict(hybrid="conv-dp-fc-mp"), "--hybrid conv-dp-fc-mp"),
                         (dict(sync="local-sgd", period=4, pipeline_schedule="async",
                               micro_batches=2), "--schedule async and --sync local-sgd"),
                         (dict(zero=3, pipeline_schedule="async", micro_batches=2),
@@ -316,6 +316,38 @@ def test_sync_bn_in_pipelines_equals_one_process():
     assert "10 layouts equal one process" in out, out
     out = pp_check(4, "2x1", "resnet", "1f1b,zb", "4", "adam", 6, "syncbn,recompute,zero1")
     assert "2 layouts equal one process" in out, out
+
+
+def test_mixed_precision_in_pipelines_equals_one_process():
+    """--precision bf16 and fp16 under a pipeline: each chunk rounds its input and its
+    incoming gradient as the whole model does (values from a stage boundary are on the
+    grid already), so P = 2 is bitwise one process with the same precision over every
+    schedule; fp16 from a loss scale of 2**18 skips the same steps with the same scale,
+    and needs the stages to agree on an overflow (in this run a step overflows on one
+    stage only: without the agreement it is not bitwise, tried by hand)."""
+    out = pp_check(2, "2x1", "mlp", ALL_KINDS, "1,4", "sgd", 6, "bf16")
+    assert len(_bitwise_lines(out)) == 10, out
+    out = pp_check(2, "2x1", "mlp,resnet", "1f1b,zb", "1,4", "adam", 10, "fp16")
+    assert len(_bitwise_lines(out)) == 8, out
+
+
+@pytest.mark.slow
+def test_mixed_precision_over_pipelines_equals_plain_data_parallelism(tmp_path):
+    """bf16 and fp16 on 2 replicas of a 2-stage pipeline save bitwise the model of 2 plain
+    data-parallel ranks with --accumulate 2, fp16 with the same skipped steps and scale."""
+    for precision in (["bf16"], ["fp16", "--loss-scale", "262144"]):
+        common = ["--model", "mlp", "--dataset", "synthetic", "--epochs", "1",
+                  "--limit-train", "512", "--limit-test", "128", "--batch-size", "16",
+                  "--precision", *precision]
+        dp, pp = tmp_path / f"dp-{precision[0]}", tmp_path / f"pp-{precision[0]}"
+        run_command(train_cmd(2, dp, *common, "--accumulate", "2", dtype="float32"),
+                    timeout=300).check()
+        run_command(train_cmd(4, pp, *common, "--pipeline-stages", "2", "--micro-batches",
+                              "2", dtype="float32"), timeout=300).check()
+        assert_bitwise_equal(model_arrays(dp / "model.npz"), model_arrays(pp / "model.npz"))
+        a, b = (json.loads(open(d / "metrics.jsonl").readlines()[-1]) for d in (dp, pp))
+        assert a.get("skipped_steps_total") == b.get("skipped_steps_total"), (a, b)
+        assert a.get("loss_scale") == b.get("loss_scale"), (a, b)
 
 
 @pytest.mark.slow

@@ -179,11 +179,18 @@ class Precision:
         self.masters = OrderedDict()  # name -> float32 Parameter the optimizer steps
         self.params = OrderedDict()   # name -> the model's Parameter (working copy)
         self.optimizer = None
+        # fp16 under a pipeline: flag -> whether any stage overflowed (each stage sees
+        # its own gradients only; one process skips the whole step)
+        self.agree = None
 
     # -- set-up
-    def setup(self, model, optimizer, loss):
+    def setup(self, model, optimizer, loss, chunks=()):
         """Masters from the (already broadcast) parameters, the optimizer moved onto them,
-        the working copies rounded, the model's modules and the loss wrapped."""
+        the working copies rounded, the model's modules and the loss wrapped. ``chunks``:
+        a pipeline stage's pieces, which take the model's input (the first stage) or the
+        loss gradient (the last) in the model's place, so they round both as the whole
+        model does (a stage boundary's values are rounded already: rounding is
+        idempotent)."""
         from mpidl.engine.module import Parameter, Sequential  # noqa: PLC0415
 
         check_model(model, self.format)
@@ -204,6 +211,8 @@ class Precision:
             if isinstance(layer, Sequential) and not top:
                 continue  # its last child rounded its output already
             self._wrap(layer, round_input=top, round_output=not isinstance(layer, Sequential))
+        for chunk in chunks:
+            self._wrap(chunk, round_input=True, round_output=False)
         self._wrap_loss(loss)
 
     def _wrap(self, layer, round_input, round_output):
@@ -250,13 +259,16 @@ class Precision:
 
         grads = [(n, self.params[n].grad) for n in names]
         if self.dynamic:
-            for _, g in grads:
-                if g is not None and not bool(array_module(g).isfinite(g).all()):
-                    self.skipped_total += 1
-                    self.skipped_epoch += 1
-                    self.scale /= 2.0
-                    self.good_steps = 0
-                    return False
+            overflow = any(g is not None and not bool(array_module(g).isfinite(g).all())
+                           for _, g in grads)
+            if self.agree is not None:
+                overflow = self.agree(overflow)
+            if overflow:
+                self.skipped_total += 1
+                self.skipped_epoch += 1
+                self.scale /= 2.0
+                self.good_steps = 0
+                return False
         unscale = 1.0 / self.scale
         for n, g in grads:
             master = self.masters[n]

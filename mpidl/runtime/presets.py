@@ -361,9 +361,7 @@ def _pipeline(comm, options, accumulate, tp, **given):
                               "run one step stale so the stages never flush; one stage is "
                               "plain accumulation: use 1f1b)")
         return None
-    what = {"precision": given.get("precision") not in (None, "fp32")
-            and f"--precision {given['precision']}",
-            "hybrid": given.get("hybrid") and f"--hybrid {given['hybrid']}",
+    what = {"hybrid": given.get("hybrid") and f"--hybrid {given['hybrid']}",
             "straggler": given.get("straggler") and f"--straggler {given['straggler']}"}
     kind, _ = pipeline_part.pipeline_schedule.parse(options.get("pipeline_schedule")
                                                     or "1f1b")

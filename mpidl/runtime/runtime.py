@@ -38,6 +38,8 @@ in the same order.
 
 import time
 
+import numpy as np
+
 from mpidl.allocator import keep_freed_blocks
 from mpidl.engine.dropout import Dropout
 from mpidl.runtime.sync.base import GradSync
@@ -216,7 +218,10 @@ class Runtime:
         if self.cuda_graph:
             self._setup_graph(model, optimizer, loss)
         if self.precision is not None:  # after the broadcast: masters alike on every rank
-            self.precision.setup(model, optimizer, loss)
+            self.precision.setup(model, optimizer, loss,
+                                 chunks=self.pp.chunk_layers if self.pp is not None else ())
+            if self.pp is not None and self.pp_group is not None:
+                self.precision.agree = self._any_stage
         owned = set()
         for select, sync in self.syncs:
             if hasattr(select, "bind"):
@@ -243,6 +248,13 @@ class Runtime:
                 self._hooked = []
             else:
                 add_hook(self._on_grads_ready)
+
+    def _any_stage(self, flag):
+        """Whether ``flag`` holds on any stage of this rank's pipeline (collective over
+        its pipeline group)."""
+        out = np.array([1 if flag else 0], dtype=np.int32)
+        self.pp_group.allreduce(out, out=out, op="max", name="precision.overflow")
+        return bool(out[0])
 
     @property
     def broadcast_at_start(self):

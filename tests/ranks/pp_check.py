@@ -15,7 +15,9 @@ OPTIMIZERS [STEPS] [FLAGS]``
   token embedding, on the first and last stages), ``tiedstep`` (that with
   ``--tied-exchange step``: held to 1e-12, its sum being rounded in another order),
   ``syncbn`` (``--sync-bn``: BatchNorm statistics over the data-parallel replicas, so the
-  one process's micro-batch is theirs together).
+  one process's micro-batch is theirs together), ``bf16`` / ``fp16`` (``--precision``,
+  float32 models; fp16 from a loss scale of 2**20, so the first steps overflow and are
+  skipped: the same steps and the same scale as the one process).
 
 For every combination, the model is built whole from one seed, trained STEPS steps
 (default 20, float64) with the layout, and compared on the root with one process
@@ -59,17 +61,17 @@ SHAPES = {"mlp": (1, 6, 6), "resnet": (1, 8, 8), "gpt": (7,)}
 CLASSES = {"mlp": 10, "resnet": 10, "gpt": 11}
 
 
-def make(name, optimizer, dropout, tied=False):
+def make(name, optimizer, dropout, tied=False, dtype="float64"):
     if name == "gpt":
         model = build_model("gpt-tiny", input_shape=SHAPES[name], num_classes=11, seed=3,
-                            dtype="float64", layers=2, heads=4, width=16, context=8,
+                            dtype=dtype, layers=2, heads=4, width=16, context=8,
                             dropout=dropout, tie_weights=tied)
     elif name == "resnet":
         model = build_model("resnet-tiny", input_shape=SHAPES[name], num_classes=10, seed=3,
-                            dtype="float64", widths=(4, 6, 8))
+                            dtype=dtype, widths=(4, 6, 8))
     else:
         model = build_model("mlp", input_shape=SHAPES[name], num_classes=10, seed=3,
-                            dtype="float64", hidden=(12,) * 8, dropout=dropout)
+                            dtype=dtype, hidden=(12,) * 8, dropout=dropout)
     named = model.named_parameters()
     # NumPy updates (fused=False): the models are tiny, and loading Numba would cost each of
     # up to 8 ranks a second; the fused kernels are bitwise these (tests/test_optim.py)
@@ -128,9 +130,15 @@ def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
         if f"zero{stage}" in flags:
             options.update(zero=stage, sparse_grads="dense")
     tied = "tied" in flags or "tiedstep" in flags
+    fmt = next((f for f in ("bf16", "fp16") if f in flags), None)
+    dtype = "float32" if fmt else "float64"
+    # (fp16: a loss scale that overflows the first steps, so some are skipped)
+    low = dict(precision=fmt, loss_scale=2.0 ** 18 if fmt == "fp16" else None)
+    if fmt:
+        options.update(low)
     if "tiedstep" in flags:
         options.update(tied_exchange="step")
-    model, opt = make(name, optimizer, dropout, tied)
+    model, opt = make(name, optimizer, dropout, tied, dtype)
     try:
         rt = build("allreduce", comm, **options)
         rt.check(model, opt)
@@ -144,10 +152,12 @@ def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
     assert count == D, (count, D)
     rng = np.random.default_rng(11)
     x, y = data(name, rng, steps * D * M)
+    if fmt:
+        x = x.astype(np.float32)
     ref = pending = None
     if rt.is_root:
-        ref, ref_opt = make(name, optimizer, dropout, tied)
-        ref_rt = build("local", accumulate=M)
+        ref, ref_opt = make(name, optimizer, dropout, tied, dtype)
+        ref_rt = build("local", accumulate=M, **(low if fmt else {}))
         ref_rt.setup(ref, ref_opt, TokenCrossEntropy())
     for s in range(steps):
         block = slice(s * D * M, (s + 1) * D * M)  # D replicas x M micro-batches of B
@@ -199,6 +209,10 @@ def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
                 worst = max(worst, float(np.max(np.abs(a - b)) /
                                          max(float(np.max(np.abs(a))), 1e-300)))
         assert worst <= TOL, f"parameters differ from one process: {worst:.3g} > {TOL}"
+        if fmt == "fp16":  # the same steps skipped (every stage alike), the same scale
+            got = (rt.precision.scale, rt.precision.skipped_total)
+            want = (ref_rt.precision.scale, ref_rt.precision.skipped_total)
+            assert got == want and want[1] > 0, f"fp16 (scale, skipped): {got} vs {want}"
     rt.mesh.close()
     return held, worst
 
