@@ -536,8 +536,10 @@ def test_model_averaging_over_pipelines_equals_plain_data_parallelism(tmp_path, 
     assert crashed.returncode != 0, crashed.output
     refused = run_command(train_cmd(2, out, *common, *sync, "--accumulate", "2", "--resume"),
                           timeout=300)
-    assert refused.returncode == 2 and "model averaging with pipelines resumes only under " \
-        "the layout it was written with" in refused.output, refused.output
+    assert refused.returncode == 2 and "written under 2 pipeline stages x 1 tensor-parallel " \
+        "on 4 ranks, this run has plain data parallelism; model averaging over pipelines " \
+        "or tensor parallelism resumes only under the layout it was written with" \
+        in refused.output, refused.output
     launch = run_command(train_cmd(4, out, *common, *sync, *pp, "--resume",
                                    "--checkpoint-every", "3"), timeout=300).check()
     assert "resumed from" in launch.output and "step 9" in launch.output, launch.output
@@ -577,7 +579,7 @@ def test_compression_over_pipelines_equals_plain_data_parallelism(tmp_path, comp
     refused = run_command(train_cmd(2, out, *common, "--accumulate", "2", "--resume",
                                     dtype="float32"), timeout=300)
     assert refused.returncode == 2 and "gradient exchange state (error feedback " \
-        "residuals) was written under 2 stages" in refused.output, refused.output
+        "residuals) was written under 2 pipeline stages" in refused.output, refused.output
     launch = run_command(train_cmd(4, out, *common, *pp, "--resume", "--checkpoint-every",
                                    "3", dtype="float32"), timeout=300).check()
     assert "resumed from" in launch.output and "step 9" in launch.output, launch.output

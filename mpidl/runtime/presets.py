@@ -385,7 +385,6 @@ def _check_tensor_parallel(tp, **given):
     """One line for what does not compose with tensor parallelism yet."""
     what = {"compression": given["compression"] not in (None, "none")
             and f"--compression {given['compression']}",
-            "sync": given["sync"] not in (None, "allreduce") and f"--sync {given['sync']}",
             "precision": given["precision"] not in (None, "fp32")
             and f"--precision {given['precision']}"}
     for flag in what.values():

@@ -48,10 +48,11 @@ _clock = time.perf_counter
 
 
 def _layout_text(layout):
-    """A pipeline layout ``[P, T, ranks]`` (``Runtime._pipeline_layout``) in words."""
-    if layout is None or layout[0] == 1:
-        return "no pipeline"
-    return f"{layout[0]} stages x {layout[1]} tensor-parallel on {layout[2]} ranks"
+    """A layout ``[P, T, ranks]`` (``Runtime._pipeline_layout``) in words."""
+    if layout is None or (layout[0] == 1 and layout[1] == 1):
+        return "plain data parallelism"
+    stages = f"{layout[0]} pipeline stage" + ("s" if layout[0] > 1 else "")
+    return f"{stages} x {layout[1]} tensor-parallel on {layout[2]} ranks"
 
 
 class Runtime:
@@ -792,9 +793,10 @@ class Runtime:
         if avg is not None:  # the replicas differ inside a period: every rank's own
             out["averaging"] = avg.shared_state()
             mine = avg.local_state()
-            if self.pp is None:
+            if not self._split_model:
                 out["averaging_ranks"] = self.gather(mine)
-            else:  # a stage's outer state is of its own parameters: every rank's, in order
+            else:  # a stage's (a slice's) outer state is of its own parameters: every
+                # rank's, in order
                 mine["shared"] = avg.shared_state()
                 out["averaging_layout"] = self._pipeline_layout()
                 with self._waiting("gather of model averaging's state", world=True):
@@ -854,10 +856,17 @@ class Runtime:
         if flushless:
             self.pp.resume_pending(mine)
 
+    @property
+    def _split_model(self):
+        """Whether this rank holds a part of the model (a pipeline stage, tensor-parallel
+        slices) that the data-parallel group's root does not hold."""
+        return self.pp is not None or (self.tp is not None and not self.tp.over_dp)
+
     def _resume_averaging_stage(self, avg, saved, ranks):
-        """Model averaging under a pipeline: every rank goes on with its own saved
-        parameters and inner and outer state, which are its stage's, so only under the
-        layout the checkpoint was written with (one ConfigError line otherwise)."""
+        """Model averaging under a pipeline or tensor parallelism: every rank goes on with
+        its own saved parameters and inner and outer state, which are its stage's (its
+        slices'), so only under the layout the checkpoint was written with (one
+        ConfigError line otherwise)."""
         from mpidl.errors import ConfigError  # noqa: PLC0415
 
         layout = self._pipeline_layout()
@@ -865,8 +874,8 @@ class Runtime:
             raise ConfigError(f"--resume: the checkpoint's --sync {avg.name} state was "
                               f"written under {_layout_text(saved)}, this run has "
                               f"{_layout_text(layout)}; "
-                              "model averaging with pipelines resumes only under the "
-                              "layout it was written with")
+                              "model averaging over pipelines or tensor parallelism "
+                              "resumes only under the layout it was written with")
         entry = ranks[self.rank]
         avg.load_state(entry["shared"], entry)
 
@@ -891,7 +900,7 @@ class Runtime:
         if avg is not None and (state or {}).get("averaging") is not None:
             ranks = state.get("averaging_ranks") or []
             saved = state.get("averaging_layout")
-            if self.pp is not None or saved is not None:  # each rank its own stage's
+            if self._split_model or saved is not None:  # each rank its own stage's
                 self._resume_averaging_stage(avg, saved, ranks)
             else:
                 # on another number of ranks, rank i goes on with the i-th saved rank's
