@@ -64,6 +64,13 @@ def mpidl_rl(n, args, timeout):
             "final": lines[-1], "launch_wall_s": wall}
 
 
+def _write(out, args):
+    path = os.path.join(args.out_dir, args.name + ".json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return path
+
+
 def learn(args):
     out = {"machine": describe(), "load_average_before": os.getloadavg(), "runs": []}
     for algo in args.runs.split(","):
@@ -79,10 +86,9 @@ def learn(args):
             print(f"[bench rl] {algo} seed {seed}: final {f['final_eval_100']:.1f}, best "
                   f"{f.get('best_eval_100')} at {f.get('best_at_frames')} frames, "
                   f"{f['wall_s']:.0f} s", file=sys.stderr, flush=True)
+            _write(out, args)  # after every run: a long benchmark stopped keeps its runs
     out["load_average_after"] = os.getloadavg()
-    path = os.path.join(args.out_dir, args.name + ".json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    path = _write(out, args)
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
