@@ -292,14 +292,12 @@ def test_tied_weights_across_stages_equal_one_process():
     """gpt-tiny with --tie-weights (the token embedding on the first stage, the head
     reading its weight on the last): bitwise one process at P = 2 over every flushing
     schedule and M in {1, P, 4P} with Adam (the owner adds each micro-batch's head
-    gradient before the embedding's, one process's order); with data parallelism 2, and
-    tensor parallelism 2 with ZeRO 1 (4 ranks), within 1e-12 as every such layout. Slow:
-    P = 3 and 4 with recompute and dropout; 3-D layouts on 8 ranks with ZeRO 1."""
+    gradient before the embedding's, one process's order). Slow: P = 3 and 4 with
+    recompute and dropout; with data and tensor parallelism and ZeRO 1 (4 and 8 ranks),
+    within 1e-12 as every such layout."""
     out = pp_check(2, "2x1", "gpt", "gpipe,1f1b,interleaved:2,zb", "1,P,4P", "adam", 10,
                    "tied")
     assert len(_bitwise_lines(out)) == 4 * 3, out
-    out = pp_check(4, "2x1,2x2", "gpt", "1f1b,interleaved:2", "4", "adamw", 6, "tied,zero1")
-    assert "4 layouts equal one process" in out, out
     # --tied-exchange step (Megatron's one sum per step): within 1e-12, not bitwise
     out = pp_check(2, "2x1", "gpt", "1f1b,zb", "1,4P", "adam", 6, "tiedstep")
     assert "4 layouts equal one process" in out and not _bitwise_lines(out), out
@@ -309,11 +307,15 @@ def test_sync_bn_in_pipelines_equals_one_process():
     """--sync-bn with data parallelism 2 under a pipeline: each stage's BatchNorms
     normalize over both replicas' micro-batch, so resnet-tiny matches one process whose
     micro-batch is the replicas' together, within 1e-12 (without --sync-bn the same
-    comparison is off by about 5), every schedule, and with --recompute (the forward run
+    comparison is off by about 5), every schedule; slow: with --recompute (the forward run
     again synchronizes again, statistics counted once) and ZeRO 1."""
     out = pp_check(4, "2x1", "resnet", "gpipe,1f1b,interleaved:2,zb,async", "1,4", "sgd", 6,
                    "syncbn")
     assert "10 layouts equal one process" in out, out
+
+
+@pytest.mark.slow
+def test_sync_bn_in_pipelines_with_recompute_and_zero():
     out = pp_check(4, "2x1", "resnet", "1f1b,zb", "4", "adam", 6, "syncbn,recompute,zero1")
     assert "2 layouts equal one process" in out, out
 
@@ -360,6 +362,8 @@ def test_tied_weights_across_stages_full_grid(stages):
 
 @pytest.mark.slow
 def test_tied_weights_in_three_d_layouts():
+    out = pp_check(4, "2x1,2x2", "gpt", "1f1b,interleaved:2", "4", "adamw", 6, "tied,zero1")
+    assert "4 layouts equal one process" in out, out
     out = pp_check(8, "2x2,4x2,2x4,4x1", "gpt", "1f1b,interleaved:2", "4", "adamw", 10,
                    "tied,zero1", timeout=900)
     assert "8 layouts equal one process" in out, out

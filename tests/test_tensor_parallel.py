@@ -284,13 +284,15 @@ def test_degree_not_dividing_the_ranks_is_one_line(tmp_path):
     assert lines and "launch a multiple of 2 ranks" in lines[0], launch.output
 
 
-def test_model_averaging_over_tensor_parallelism(tmp_path):
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["equal", "resume"])
+def test_model_averaging_over_tensor_parallelism(tmp_path, resume):
     """--sync diloco (with a post-local-SGD warm-up) on 2 replicas of a 2-way
     tensor-parallel mlp (4 ranks, float64) ends within 1e-12 of 2 plain data-parallel
-    ranks: each rank averages its own slices over its data-parallel group. A run killed
-    after step 11 resumes from its step-9 checkpoint, mid-period with every rank's own
-    slices and outer state, bitwise; without tensor parallelism that checkpoint is one
-    line."""
+    ranks: each rank averages its own slices over its data-parallel group. Slow: a run
+    killed after step 11 resumes from its step-9 checkpoint, mid-period with every rank's
+    own slices and outer state, bitwise; without tensor parallelism that checkpoint is
+    one line (the pipeline's averaging test does the same in CI)."""
     common = ["--model", "mlp", "--dataset", "synthetic", "--epochs", "2", "--limit-train",
               "512", "--limit-test", "128", "--batch-size", "16", "--sync", "diloco",
               "--period", "4", "--warmup-steps", "2"]
@@ -301,6 +303,8 @@ def test_model_averaging_over_tensor_parallelism(tmp_path):
     b = model_arrays(tmp_path / "tp" / "model.npz")
     worst = max(float(np.max(np.abs(a[k] - b[k])) / np.max(np.abs(a[k]))) for k in a)
     assert worst <= 1e-12, worst
+    if not resume:
+        return
     out = tmp_path / "crashed"
     crashed = run_command(train_cmd(4, out, *common, *tp, "--checkpoint-every", "3"),
                           env={"MPIDL_FAIL_AT": "3:11"}, timeout=300)
