@@ -511,44 +511,53 @@ def test_tied_gpt_equals_one_process_and_resumes_from_the_command_line(tmp_path)
                          model_arrays(out / "model.npz"))
 
 
-@pytest.mark.parametrize("sync", [
-    pytest.param(["--sync", "local-sgd"], marks=pytest.mark.slow),
-    ["--sync", "diloco", "--warmup-steps", "2"]], ids=["local-sgd", "diloco"])
-def test_model_averaging_over_pipelines_equals_plain_data_parallelism(tmp_path, sync):
-    """--sync local-sgd (slow) and diloco on 2 replicas of a 2-stage pipeline (4 ranks) save
-    bitwise the model of 2 plain data-parallel ranks with --accumulate 2 (a replica's
-    stages compute what its one rank computes; each stage averages its own parameters,
-    a sum of two terms in either order); a DiLoCo run killed after step 11 resumes from
-    its step-9 checkpoint, mid-period with every rank's own parameters and outer state,
-    and ends bitwise there; without the pipeline it refuses that checkpoint in one
-    line."""
+def _over_pipelines_as_data_parallelism(tmp_path, args, refusal=None, dtype="float64"):
+    """2 replicas of a 2-stage mlp pipeline (4 ranks) against 2 plain data-parallel ranks
+    with --accumulate 2, both with ``args``: the saved models bitwise equal. With
+    ``refusal``: the pipelined run killed after step 11 resumes from its step-9
+    checkpoint and ends bitwise where it ended uninterrupted, and resuming that
+    checkpoint without the pipeline is refused with one line containing ``refusal``."""
     common = ["--model", "mlp", "--dataset", "synthetic", "--epochs", "2", "--limit-train",
-              "512", "--limit-test", "128", "--batch-size", "16", "--period", "4"]
+              "512", "--limit-test", "128", "--batch-size", "16", *args]
     pp = ["--pipeline-stages", "2", "--micro-batches", "2"]
-    run_command(train_cmd(2, tmp_path / "dp", *common, *sync, "--accumulate", "2"),
+    run_command(train_cmd(2, tmp_path / "dp", *common, "--accumulate", "2", dtype=dtype),
                 timeout=300).check()
-    launch = run_command(train_cmd(4, tmp_path / "pp", *common, *sync, *pp),
+    launch = run_command(train_cmd(4, tmp_path / "pp", *common, *pp, dtype=dtype),
                          timeout=300).check()
     assert "pipeline 2 stages" in launch.output, launch.output
     assert_bitwise_equal(model_arrays(tmp_path / "dp" / "model.npz"),
                          model_arrays(tmp_path / "pp" / "model.npz"))
-    if sync[1] != "diloco":
+    if refusal is None:
         return
     out = tmp_path / "crashed"
-    crashed = run_command(train_cmd(4, out, *common, *sync, *pp, "--checkpoint-every", "3"),
+    crashed = run_command(train_cmd(4, out, *common, *pp, "--checkpoint-every", "3",
+                                    dtype=dtype),
                           env={"MPIDL_FAIL_AT": "2:11"}, timeout=300)
     assert crashed.returncode != 0, crashed.output
-    refused = run_command(train_cmd(2, out, *common, *sync, "--accumulate", "2", "--resume"),
-                          timeout=300)
-    assert refused.returncode == 2 and "written under 2 pipeline stages x 1 tensor-parallel " \
-        "on 4 ranks, this run has plain data parallelism; model averaging over pipelines " \
-        "or tensor parallelism resumes only under the layout it was written with" \
-        in refused.output, refused.output
-    launch = run_command(train_cmd(4, out, *common, *sync, *pp, "--resume",
-                                   "--checkpoint-every", "3"), timeout=300).check()
+    refused = run_command(train_cmd(2, out, *common, "--accumulate", "2", "--resume",
+                                    dtype=dtype), timeout=300)
+    assert refused.returncode == 2 and refusal in refused.output, refused.output
+    launch = run_command(train_cmd(4, out, *common, *pp, "--resume", "--checkpoint-every",
+                                   "3", dtype=dtype), timeout=300).check()
     assert "resumed from" in launch.output and "step 9" in launch.output, launch.output
     assert_bitwise_equal(model_arrays(tmp_path / "pp" / "model.npz"),
                          model_arrays(out / "model.npz"))
+
+
+@pytest.mark.parametrize("sync", [
+    pytest.param(["--sync", "local-sgd"], marks=pytest.mark.slow),
+    ["--sync", "diloco", "--warmup-steps", "2"]], ids=["local-sgd", "diloco"])
+def test_model_averaging_over_pipelines_equals_plain_data_parallelism(tmp_path, sync):
+    """--sync local-sgd (slow) and diloco on 2 replicas of a 2-stage pipeline save bitwise
+    the model of 2 plain data-parallel ranks (a replica's stages compute what its one rank
+    computes; each stage averages its own parameters, a sum of two terms in either
+    order); a DiLoCo run resumes mid-period with every rank's own parameters and outer
+    state, bitwise; without the pipeline it refuses that checkpoint in one line."""
+    refusal = ("written under 2 pipeline stages x 1 tensor-parallel on 4 ranks, this run "
+               "has plain data parallelism; model averaging over pipelines or tensor "
+               "parallelism resumes only under the layout it was written with")
+    _over_pipelines_as_data_parallelism(tmp_path, [*sync, "--period", "4"],
+                                        refusal if sync[1] == "diloco" else None)
 
 
 @pytest.mark.parametrize("compression", [
@@ -557,38 +566,15 @@ def test_model_averaging_over_pipelines_equals_plain_data_parallelism(tmp_path, 
     pytest.param(["onebit"], marks=pytest.mark.slow),
     pytest.param(["fp16"], marks=pytest.mark.slow)], ids=["dgc", "powersgd", "onebit", "fp16"])
 def test_compression_over_pipelines_equals_plain_data_parallelism(tmp_path, compression):
-    """--compression on 2 replicas of a 2-stage pipeline (4 ranks) saves bitwise the model
-    of 2 plain data-parallel ranks with --accumulate 2 (per-tensor compressors see the
-    same tensors; fp16's buckets sum two terms); a DGC run killed after step 11 resumes
-    from its step-9 checkpoint with every rank's own residuals and ends bitwise there;
-    without the pipeline it refuses that checkpoint in one line."""
-    common = ["--model", "mlp", "--dataset", "synthetic", "--epochs", "2", "--limit-train",
-              "512", "--limit-test", "128", "--batch-size", "16", "--compression",
-              *compression]
-    pp = ["--pipeline-stages", "2", "--micro-batches", "2"]
-    run_command(train_cmd(2, tmp_path / "dp", *common, "--accumulate", "2", dtype="float32"),
-                timeout=300).check()
-    launch = run_command(train_cmd(4, tmp_path / "pp", *common, *pp, dtype="float32"),
-                         timeout=300).check()
-    assert "pipeline 2 stages" in launch.output, launch.output
-    assert_bitwise_equal(model_arrays(tmp_path / "dp" / "model.npz"),
-                         model_arrays(tmp_path / "pp" / "model.npz"))
-    if compression[0] != "dgc":
-        return
-    out = tmp_path / "crashed"
-    crashed = run_command(train_cmd(4, out, *common, *pp, "--checkpoint-every", "3",
-                                    dtype="float32"),
-                          env={"MPIDL_FAIL_AT": "2:11"}, timeout=300)
-    assert crashed.returncode != 0, crashed.output
-    refused = run_command(train_cmd(2, out, *common, "--accumulate", "2", "--resume",
-                                    dtype="float32"), timeout=300)
-    assert refused.returncode == 2 and "gradient exchange state (error feedback " \
-        "residuals) was written under 2 pipeline stages" in refused.output, refused.output
-    launch = run_command(train_cmd(4, out, *common, *pp, "--resume", "--checkpoint-every",
-                                   "3", dtype="float32"), timeout=300).check()
-    assert "resumed from" in launch.output and "step 9" in launch.output, launch.output
-    assert_bitwise_equal(model_arrays(tmp_path / "pp" / "model.npz"),
-                         model_arrays(out / "model.npz"))
+    """--compression on 2 replicas of a 2-stage pipeline saves bitwise the model of 2 plain
+    data-parallel ranks (per-tensor compressors see the same tensors; fp16's buckets sum
+    two terms); a DGC run resumes with every rank's own residuals, bitwise; without the
+    pipeline it refuses that checkpoint in one line."""
+    refusal = ("gradient exchange state (error feedback residuals) was written under 2 "
+               "pipeline stages")
+    _over_pipelines_as_data_parallelism(tmp_path, ["--compression", *compression],
+                                        refusal if compression[0] == "dgc" else None,
+                                        dtype="float32")
 
 
 def test_async_pipeline_trains_and_resumes_exactly_from_the_command_line(tmp_path):
