@@ -97,14 +97,17 @@ def test_one_process_reports_the_ledger_and_leaves_no_probe_behind():
     assert "mem_params" not in rt.metrics()  # no step since: nothing measured
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_the_ledger_of_mixed_precision_equals_its_formula(precision):
-    """bf16/fp16 at stage 0 on 2 ranks: the optimizer state (moments and float32 masters)
-    is the formula's K·Ψ; parameters and gradients are what the emulation holds
-    (``predict(emulated=True)``: float32 working copies, the decoded float32 gradient
-    beside the 2-byte buckets)."""
+@pytest.mark.parametrize("precision, ranks", [
+    ("bf16", 2), ("fp16", 2), ("bf16", 1), pytest.param("fp16", 4, marks=pytest.mark.slow),
+    pytest.param("bf16", 8, marks=pytest.mark.slow)])
+def test_the_ledger_of_mixed_precision_equals_its_formula(precision, ranks):
+    """bf16/fp16 at every stage on 1, 2, 4 and 8 ranks: the optimizer state (moments and float32
+    masters, sharded from stage 1) is the formula's K·Ψ (K·Ψ/N); parameters and gradients
+    are what the emulation holds (``predict(emulated=True)``: float32 working copies,
+    at stage 3 only the 2-byte chunk between passes; the decoded float32 gradient, or its
+    chunk, beside the 2-byte buckets)."""
     from mpirun import HERE, run_ranks
 
-    launch = run_ranks(2, [f"{HERE}/ranks/memory_check.py", "--stages", "0",
-                           "--precision", precision], timeout=300).check()
-    assert launch.output.count("= formula") == 2 * 2
+    launch = run_ranks(ranks, [f"{HERE}/ranks/memory_check.py", "--stages", "0,1,2,3",
+                               "--precision", precision], timeout=300).check()
+    assert launch.output.count("= formula") == ranks * 2 * 4

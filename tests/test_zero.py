@@ -9,6 +9,11 @@
   blocks exercise. With tensor parallelism and pipelines, each rank's slices or stage
   sharded over its data-parallel group are the same layout's stage-0 bits, and a
   tensor-parallel run stopped at --zero 3 resumes as if never stopped.
+* Mixed precision (``--precision bf16|fp16``): every stage against stage 0 in the same
+  precision, bitwise, with 2-byte reduce-scatters and gathers (the same ring bytes
+  formula at itemsize 2), fp16 skipping the same steps (a scale that overflows on some
+  ranks' chunks only: the ranks must agree), pipelines too; a run stopped at --zero 3
+  resumes at --zero 1 bitwise, its sharded masters and loss scale carried over.
 * Traffic with --algorithm ring, from the counters: per rank exactly stage 0's bytes for
   stages 1-2, and summed over the ranks exactly 2(N-1)·Ψ·itemsize per step (3(N-1)·Ψ for
   stage 3); ``bytes_sent_per_step`` equals the counters.
@@ -17,9 +22,11 @@
 """
 
 import os
+import re
 import sys
 
 import numpy as np
+
 import pytest
 
 from mpidl.errors import ConfigError
@@ -53,6 +60,29 @@ def test_sgd_float64_with_overlap_and_accumulation_on_2_ranks():
     out = check(2, "--model", "mlp", "--optimizers", "sgd", "--dtypes", "float64",
                 "--stages", "1,2,3", "--steps", "15", "--overlap", "on", "--accumulate", "2")
     assert "mlp sgd float64 --zero 3 == --zero 0" in out
+
+
+@pytest.mark.parametrize("n, args", [
+    (3, ["--precision", "fp16", "--loss-scale", str(2 ** 20), "--optimizers", "adamw",
+         "--steps", "12"]),
+    (2, ["--model", "cnn", "--precision", "bf16", "--optimizers", "sgd", "--accumulate",
+         "2", "--steps", "6"]),
+    pytest.param(4, ["--precision", "fp16", "--loss-scale", str(2 ** 20), "--optimizers",
+                     "adam", "--steps", "8", "--pipeline-stages", "2", "--accumulate", "2",
+                     "--bucket-mb", "0.0005"], marks=pytest.mark.slow, id="fp16-pp2"),
+    pytest.param(4, ["--precision", "bf16", "--optimizers", "sgd,adam", "--steps", "200",
+                     "--overlap", "on"], marks=pytest.mark.slow, id="bf16-p4-200"),
+    pytest.param(3, ["--model", "cnn", "--precision", "fp16", "--optimizers", "adam,adamw",
+                     "--steps", "200"], marks=pytest.mark.slow, id="cnn-fp16-p3-200"),
+])
+def test_mixed_precision_stages_bitwise_their_stage_0(n, args):
+    # the float32 masters sharded with the optimizer state; the buckets, the
+    # reduce-scatters and the gathers of the working copies in the 2-byte format
+    out = check(n, "--stages", "1,2,3", *args)
+    fmt = args[args.index("--precision") + 1]
+    assert f"float32 {fmt} (" in out and "--zero 3 == --zero 0 bitwise" in out, out
+    if "--loss-scale" in args:  # (zero_check: some steps skipped, not all)
+        assert "(0 skipped)" not in out, out
 
 
 def test_cnn_adamw_on_2_ranks():
@@ -257,23 +287,29 @@ def test_more_checkpoint_resumes(tmp_path, save_n, save_stage, resume_n, resume_
     assert f"resumed at --zero {resume_stage}: bitwise --zero 0" in out, out
 
 
-@pytest.mark.parametrize("first, then", [pytest.param(2, 1, marks=pytest.mark.slow),
-                                         (3, 0)])
+@pytest.mark.parametrize("first, then, precision", [
+    pytest.param(2, 1, "fp32", marks=pytest.mark.slow), (3, 0, "fp32"), (3, 1, "fp16"),
+    pytest.param(2, 0, "bf16", marks=pytest.mark.slow)])
 def test_cli_run_stopped_and_resumed_at_another_stage_as_if_never_stopped(tmp_path, first,
-                                                                         then):
+                                                                         then, precision):
     """mpidl train on 3 ranks with Adam: a --zero FIRST run fails after its step-4
     checkpoint and resumes at --zero THEN; the final model is bitwise the uninterrupted
-    --zero 0 run's (evaluation and the saved model at --zero 3 gather the parameters)."""
+    --zero 0 run's (evaluation and the saved model at --zero 3 gather the parameters).
+    Under --precision the checkpoint's float32 masters (sharded, gathered for it) and
+    the loss scale carry over too (fp16 with a scale that overflows at first: skipped
+    steps before and after the checkpoint)."""
     def train(args, env=None):
         cmd = [*mpiexec_cmd(), "-n", "3"] + MPIDL + [
             "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "200",
             "--limit-test", "32", "--epochs", "2", "--batch-size", "16", "--model", "mlp",
             "--optimizer", "adam", "--lr", "0.001", "--algorithm", "ring",
-            "--bucket-mb", "0.5"] + [str(a) for a in args]
+            "--bucket-mb", "0.5", "--precision", precision] + [str(a) for a in args]
+        if precision == "fp16":
+            cmd += ["--loss-scale", str(2.0 ** 17), "--loss-scale-window", "3"]
         return run_command(cmd, env=env, timeout=240)
 
     whole = tmp_path / "whole"
-    train(["--out-dir", whole, "--zero", "0"]).check()
+    uninterrupted = train(["--out-dir", whole, "--zero", "0"]).check()
     ck = tmp_path / "ck"
     common = ["--out-dir", tmp_path / "z", "--checkpoint-dir", ck, "--checkpoint-every", "2"]
     failed = train(common + ["--zero", first], env={"MPIDL_FAIL_AT": "0:5"})
@@ -285,6 +321,12 @@ def test_cli_run_stopped_and_resumed_at_another_stage_as_if_never_stopped(tmp_pa
 
     assert_bitwise_equal(model_arrays(tmp_path / "z" / "model.npz"),
                          model_arrays(whole / "model.npz"))
+    if precision == "fp16":  # 2 steps skipped before the checkpoint, 1 after
+        scale = re.compile(r'"loss_scale": [0-9.]+, "skipped_steps": [0-9]+, '
+                           r'"skipped_steps_total": [0-9]+')
+        assert scale.findall(resumed.output)[-1] == scale.findall(uninterrupted.output)[-1]
+        assert scale.findall(uninterrupted.output)[-1].endswith("total\": 3"), \
+            uninterrupted.output
 
 
 @pytest.mark.slow  # (stage 3's full_state path runs in CI through zero_check)

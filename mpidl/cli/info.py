@@ -235,9 +235,10 @@ def memory_report(args, world):
     closed = memory.paper_formula(sum(sizes), args.ranks, args.zero, slots,
                                   args.precision, args.dtype)
     today = None
-    if args.precision != "fp32" and args.zero == 0:  # what the emulation holds
-        today = [memory.predict(sizes, args.ranks, 0, slots=slots, precision=args.precision,
-                                dtype=args.dtype, rank=r, emulated=True)
+    if args.precision != "fp32":  # what the emulation holds
+        today = [memory.predict(sizes, args.ranks, args.zero, slots=slots,
+                                precision=args.precision, dtype=args.dtype, rank=r,
+                                emulated=True)
                  for r in range(args.ranks)]
     if args.json:
         print(json.dumps({"model": args.model, "dataset": args.dataset, "zero": args.zero,
@@ -259,8 +260,10 @@ def memory_report(args, world):
         print(f"{r.rank:>4}  {r.mem_params:>12,}  {r.mem_grads:>12,}  {r.mem_optimizer:>12,}"
               f"  {r.total:>12,}")
     if today is not None:
-        print(f"mpidl's {args.precision} path holds today (float32 working copies, the "
-              f"decoded float32 gradient): params {today[0].mem_params:,}, grads "
+        working = ("its 2-byte chunk of the working copies between passes" if args.zero == 3
+                   else "float32 working copies")
+        print(f"mpidl's {args.precision} path holds today ({working}, the decoded float32 "
+              f"gradient{' chunk' if args.zero else ''}): params {today[0].mem_params:,}, grads "
               f"{today[0].mem_grads:,}, optimizer {today[0].mem_optimizer:,} bytes")
     print(f"total per rank {rows[0].total / mib:.2f} MiB (rank 0); ZeRO's closed form "
           f"(Psi/N) gives {closed / mib:.2f} MiB. Activations and communication buffers "

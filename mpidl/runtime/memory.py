@@ -105,9 +105,11 @@ def predict(bucket_sizes, ranks, stage, *, slots, precision="fp32", dtype="float
     grads = p * (shard if stage >= 2 else psi + shard if stage == 1 else psi)
     optim = k * (shard if stage >= 1 else psi)
     if emulated and precision != "fp32":
-        if stage:
-            raise ValueError("ZeRO with a low precision is not built (mpidl refuses it)")
-        params, grads = 4 * psi, grads + 4 * psi
+        # float32 working copies (stage 3 keeps its chunk in the format between passes)
+        # and the decoded float32 gradient (chunk) the optimizer reads
+        if stage < 3:
+            params = 4 * psi
+        grads += 4 * (shard if stage else psi)
     return Prediction(rank, params, grads, optim, psi, shard)
 
 

@@ -104,13 +104,21 @@ class Wire:
         else:
             bfloat16.to_words(grad if scale == 1.0 else grad * np.float32(scale), out=out)
 
-    def decode(self, g):
-        """A gradient as float32 (a new array)."""
+    def decode(self, g, out=None):
+        """A gradient (or working copy) as float32: a new array, or into ``out``."""
         if g.dtype == np.float16:
-            return g.astype(np.float32)
+            if out is None:
+                return g.astype(np.float32)
+            out[...] = g
+            return out
         if g.dtype == np.uint16 or g.dtype == bfloat16.BFLOAT16:
-            return bfloat16.from_words(g).reshape(g.shape)
-        return g
+            if out is None:
+                return bfloat16.from_words(g).reshape(g.shape)
+            return bfloat16.from_words(g.reshape(out.shape), out=out)
+        if out is None:
+            return g
+        out[...] = g
+        return out
 
 
 # -- which layers have a low-precision path -------------------------------------------------
@@ -179,9 +187,12 @@ class Precision:
         self.masters = OrderedDict()  # name -> float32 Parameter the optimizer steps
         self.params = OrderedDict()   # name -> the model's Parameter (working copy)
         self.optimizer = None
-        # fp16 under a pipeline: flag -> whether any stage overflowed (each stage sees
-        # its own gradients only; one process skips the whole step)
+        # fp16 under a pipeline or ZeRO: flag -> whether any stage or shard overflowed
+        # (each rank sees its own gradients only; one process skips the whole step)
         self.agree = None
+        # ZeRO (``hand_masters_to``): its placement holds the masters, in shards
+        self.sharded = None
+        self.exported = {}  # a checkpoint's gathered masters on the root (ZeRO)
 
     # -- set-up
     def setup(self, model, optimizer, loss, chunks=()):
@@ -249,28 +260,37 @@ class Precision:
 
         loss.backward = scaled_backward
 
+    def hand_masters_to(self, placement):
+        """ZeRO: ``placement`` (``zero.Sharded``) took this rank's chunks of the masters
+        into its shards; the whole copies go, and the trainer's optimizer holds the
+        model's parameters again (the sharded optimizer steps the chunks)."""
+        for name, master in self.masters.items():
+            if self.optimizer.params.get(name) is master:
+                self.optimizer.params[name] = self.params[name]
+        self.masters = OrderedDict()
+        self.sharded = placement
+
     # -- a step
     def step(self, placement, names):
         """Apply the ready gradients ``names`` through ``placement`` to the masters, then
         round the masters into the working copies. fp16: on an overflow anywhere in them,
         skip, halve the scale and return False (the caller hands every name of the step
-        at once, so a skip is all or nothing)."""
+        at once, so a skip is all or nothing). Under ZeRO the placement decodes its
+        reduced chunks, steps its masters and gathers the working copies itself."""
         from mpidl.backend import array_module  # noqa: PLC0415
 
-        grads = [(n, self.params[n].grad) for n in names]
-        if self.dynamic:
-            overflow = any(g is not None and not bool(array_module(g).isfinite(g).all())
-                           for _, g in grads)
-            if self.agree is not None:
-                overflow = self.agree(overflow)
-            if overflow:
-                self.skipped_total += 1
-                self.skipped_epoch += 1
-                self.scale /= 2.0
-                self.good_steps = 0
-                return False
+        if self.sharded is not None:
+            grads = placement.reduced_chunks(names)
+        else:
+            grads = [self.params[n].grad for n in names]
+        if self.dynamic and self._overflowed(grads):
+            return False
+        if self.sharded is not None:
+            placement.step(names)
+            self._grow()
+            return True
         unscale = 1.0 / self.scale
-        for n, g in grads:
+        for n, g in zip(names, grads):
             master = self.masters[n]
             if g is None:
                 master.grad = None
@@ -280,17 +300,37 @@ class Precision:
                 g32 = g32 * np.float32(unscale)
             master.grad = g32
         placement.step(names)
-        for n, _ in grads:
+        for n in names:
             p, master = self.params[n], self.masters[n]
             xp = array_module(p.data)
             xp.copyto(p.data, master.data)
             self.round(p.data)
+        self._grow()
+        return True
+
+    def _overflowed(self, grads):
+        """fp16: whether any of ``grads`` (on any rank ``agree`` asks) holds an inf or a
+        NaN; if so the step is skipped: the scale halves."""
+        from mpidl.backend import array_module  # noqa: PLC0415
+
+        overflow = any(g is not None and not bool(array_module(g).isfinite(g).all())
+                       for g in grads)
+        if self.agree is not None:
+            overflow = self.agree(overflow)
+        if overflow:
+            self.skipped_total += 1
+            self.skipped_epoch += 1
+            self.scale /= 2.0
+            self.good_steps = 0
+        return overflow
+
+    def _grow(self):
+        """A clean step: fp16's scale doubles after ``window`` of them in a row."""
         if self.dynamic:
             self.good_steps += 1
             if self.good_steps >= self.window:
                 self.scale *= 2.0
                 self.good_steps = 0
-        return True
 
     # -- reporting and checkpoints
     def memory(self, ledger):
@@ -317,9 +357,12 @@ class Precision:
         return [text]
 
     def state_dict(self):
+        """Loss scale and master weights (under ZeRO the masters the placement gathered
+        on the root for this checkpoint: the same form, resumable at any stage)."""
+        masters = ({n: m.data.copy() for n, m in self.masters.items()}
+                   if self.sharded is None else dict(self.exported))
         return {"format": self.format, "scale": self.scale, "good_steps": self.good_steps,
-                "skipped_total": self.skipped_total,
-                "masters": {n: m.data.copy() for n, m in self.masters.items()}}
+                "skipped_total": self.skipped_total, "masters": masters}
 
     def load_state_dict(self, state):
         if not state or state.get("format") != self.format:
@@ -328,7 +371,9 @@ class Precision:
                               f"with --precision {got}, not {self.format}")
         from mpidl.backend import to_device  # noqa: PLC0415
 
-        for n, value in state["masters"].items():
+        if self.sharded is not None:
+            self.sharded.load_masters(state["masters"])
+        for n, value in (state["masters"].items() if self.sharded is None else ()):
             self.masters[n].data[...] = to_device(value, dtype=np.float32)
             self.params[n].data[...] = self.masters[n].data
             self.round(self.params[n].data)

@@ -17,7 +17,8 @@ hogwild    micro-batches (workers)   read / add to MPI windows on the       none
 =========  ========================  =====================================  ============
 
 ``--precision bf16|fp16`` (``precision``) composes with ``local`` and with ``allreduce``'s
-dense fused buckets (2-byte buckets); it refuses what cannot serve it: the parameter
+dense fused buckets (2-byte buckets), ZeRO included (the float32 masters sharded with the
+optimizer state); it refuses what cannot serve it: the parameter
 server, compressed exchange (its payloads are their own formats) and model averaging
 (which averages the working copies, not the float32 masters).
 
@@ -235,10 +236,7 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
                    compression=compression, sync=sync, precision=precision, hybrid=hybrid,
                    straggler=straggler, sync_bn=sync_bn)
     refuse = None
-    if zero:
-        refuse = (f"--zero {zero}", "the sharded optimizer steps the working copies, not "
-                  "float32 master weights (not built yet)")
-    elif compression not in (None, "none"):
+    if compression not in (None, "none"):
         refuse = (f"--compression {compression}", "a compressor sends its own payload "
                   "format, not the 2-byte gradients mixed precision reduces")
     elif sync not in (None, "allreduce"):
@@ -259,7 +257,7 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
     part = tp_part.TensorParallel(tp) if tp > 1 else None
     if zero:
         return _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode,
-                     sync_bn, pp, part, reuse=zero_reuse == "on")
+                     sync_bn, pp, part, reuse=zero_reuse == "on", precision=prec)
     try:
         from mpidl.compress import build_compression  # noqa: PLC0415
 
@@ -394,16 +392,17 @@ def _check_tensor_parallel(tp, **given):
 
 
 def _zero(comm, unused, sched, zero, algorithm, bucket_mb, overlap, sparse_mode, sync_bn,
-          pipeline=None, tensor_parallel=None, reuse=False):
+          pipeline=None, tensor_parallel=None, reuse=False, precision=None):
     """The allreduce preset with ZeRO stage ``zero`` (``zero.py``): every dense
-    parameter in reduce-scattered buckets, the optimizer sharded."""
+    parameter in reduce-scattered buckets, the optimizer (with mixed precision's master
+    weights) sharded."""
     from functools import partial  # noqa: PLC0415
 
     sync = zero_part.ZeroSync(zero, algorithm, bucket_mb, fused.check_overlap(overlap),
                               reuse=reuse)
     rt = Runtime(comm, f"allreduce+zero{zero}", sched, [(_everything, sync)],
                  partial(zero_part.Sharded, stage=zero), sync_bn=sync_bn, unused=unused,
-                 pipeline=pipeline, tensor_parallel=tensor_parallel)
+                 pipeline=pipeline, tensor_parallel=tensor_parallel, precision=precision)
     rt.checks.append(partial(zero_part.check_setup, zero, sparse_mode=sparse_mode))
     if pipeline is not None:
         pipeline.zero_stage = zero

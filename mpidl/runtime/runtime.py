@@ -37,6 +37,7 @@ in the same order.
 """
 
 import time
+from functools import partial
 
 import numpy as np
 
@@ -74,6 +75,7 @@ class Runtime:
         self.tp_group = None                  # its group (the mesh's tp axis)
         self.pp = pipeline                    # a pipeline.Pipeline (also the schedule) or None
         self.pp_group = None                  # its group (the mesh's pp axis)
+        self.zero = 0                         # the ZeRO stage (``presets._zero`` sets it)
         self.sample_batch = None              # (x, y) of one micro-batch: the pipeline
                                               # times its layers on it (set by the trainer)
         self._step_syncs = self.syncs         # the syncs the current step runs
@@ -221,8 +223,13 @@ class Runtime:
         if self.precision is not None:  # after the broadcast: masters alike on every rank
             self.precision.setup(model, optimizer, loss,
                                  chunks=self.pp.chunk_layers if self.pp is not None else ())
-            if self.pp is not None and self.pp_group is not None:
-                self.precision.agree = self._any_stage
+            # fp16's overflow, where this rank sees only some of the reduced gradients:
+            # its stage's (a pipeline), its shards' (ZeRO)
+            groups = [g for g, part in ((self.group, self.zero),
+                                        (self.pp_group, self.pp)) if part and g is not None
+                      and g.size > 1]
+            if groups:
+                self.precision.agree = partial(_any_rank, groups)
         owned = set()
         for select, sync in self.syncs:
             if hasattr(select, "bind"):
@@ -249,13 +256,6 @@ class Runtime:
                 self._hooked = []
             else:
                 add_hook(self._on_grads_ready)
-
-    def _any_stage(self, flag):
-        """Whether ``flag`` holds on any stage of this rank's pipeline (collective over
-        its pipeline group)."""
-        out = np.array([1 if flag else 0], dtype=np.int32)
-        self.pp_group.allreduce(out, out=out, op="max", name="precision.overflow")
-        return bool(out[0])
 
     @property
     def broadcast_at_start(self):
@@ -957,6 +957,15 @@ class Runtime:
                 raise RuntimeError(f"{self.name}: ranks ran different numbers of steps "
                                    f"{counts}; every rank must see the same number of "
                                    "batches (use mpidl.data.BatchLoader's sharding)")
+
+
+def _any_rank(groups, flag):
+    """Whether ``flag`` holds on any rank of ``groups`` (collective over each in turn;
+    MPI's own all-reduce, which the byte counters leave out)."""
+    out = np.array([1 if flag else 0], dtype=np.int32)
+    for group in groups:
+        group.allreduce(out, out=out, op="max", algorithm="mpi", name="precision.overflow")
+    return bool(out[0])
 
 
 def _sliced_over_dp(p):

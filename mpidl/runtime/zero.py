@@ -182,14 +182,21 @@ class Shard:
     ``lo:hi``: this rank's chunk of the bucket's flat layout; ``params``: the bucket's
     parameters as one flat buffer (their ``data`` are views of it); ``param``: the flat
     ``Parameter`` the inner optimizer steps (a view of ``params[lo:hi]``); ``grad``: the
-    reduced gradient chunk; ``algorithm``: the collective algorithm (stage 0's for this
-    bucket); ``exact_rs``: whether its reduce-scatter is used (else all-reduce + slice).
+    reduced gradient chunk (``grad_wire``: as the collectives see it); ``algorithm``: the
+    collective algorithm (stage 0's for this bucket); ``exact_rs``: whether its
+    reduce-scatter is used (else all-reduce + slice); ``dtype``: the parameters'.
+
+    Mixed precision (``precision``): the buckets and ``grad`` are 2-byte; ``param`` is
+    this rank's chunk of the float32 **masters** (its own array, taken from
+    ``precision.masters`` before they go), its ``grad`` the decoded float32 chunk;
+    ``params`` hold the working copies (the masters rounded); at stage 3 ``low`` is this
+    rank's chunk of them in the 2-byte format, which the gathers send.
     """
 
     __slots__ = ("bucket", "counts", "displs", "lo", "hi", "params", "param", "grad",
-                 "algorithm", "exact_rs")
+                 "grad_wire", "algorithm", "exact_rs", "dtype", "low")
 
-    def __init__(self, bucket, rank, size, algorithm, own=False):
+    def __init__(self, bucket, rank, size, algorithm, own=False, precision=None):
         self.bucket = bucket
         n = bucket.buffer.size
         self.counts, self.displs = even_split(n, size)
@@ -198,8 +205,9 @@ class Shard:
         self.algorithm = algorithm
         self.exact_rs = exact_reduce_scatter(algorithm, size)
         xp = array_module(bucket.buffer)
+        self.dtype = bucket.params[0].data.dtype  # (the bucket's is the wire format's)
         # the parameters move into one flat buffer (the all-gather's target)
-        self.params = xp.empty(n, dtype=bucket.dtype)
+        self.params = xp.empty(n, dtype=self.dtype)
         offset = 0
         for p in bucket.params:
             k = p.data.size
@@ -210,9 +218,20 @@ class Shard:
         # stage 3 (``own``): the chunk is this rank's own array, the full buffer comes and
         # goes (``ParamGathers``); stages 1-2: a view, the buffer stays
         chunk = self.params[self.lo:self.hi]
-        self.param = Parameter(chunk.copy() if own else chunk)
-        self.grad = xp.zeros(self.hi - self.lo, dtype=bucket.dtype)
-        self.param.grad = self.grad
+        self.grad = xp.zeros(self.hi - self.lo, dtype=bucket.buffer.dtype)
+        self.grad_wire = self.grad.view(bucket.dtype)
+        self.low = None
+        if precision is None:
+            self.param = Parameter(chunk.copy() if own else chunk)
+            self.param.grad = self.grad
+            return
+        masters = xp.concatenate([precision.masters[name].data.reshape(-1)
+                                  for name in bucket.names])
+        self.param = Parameter(masters[self.lo:self.hi].copy())
+        self.param.grad = xp.zeros(self.hi - self.lo, dtype=self.param.data.dtype)
+        if own:
+            self.low = xp.empty(self.hi - self.lo, dtype=bucket.buffer.dtype)
+            precision.wire.encode(chunk, 1.0, self.low)
 
 
 class ZeroSync(FusedAllreduce):
@@ -225,6 +244,7 @@ class ZeroSync(FusedAllreduce):
         self.stage = check_stage(stage)
         self.reuse = bool(reuse)  # --zero-reuse on (stage 3: check_options refuses it else)
         self.shards = []
+        self.precision = None  # mixed precision's part (2-byte buckets, sharded masters)
 
     def setup(self, ctx, named_params):
         # stage 2 packs every bucket into one shared communication buffer
@@ -234,25 +254,30 @@ class ZeroSync(FusedAllreduce):
         size = 1 if comm is None else comm.size
         rank = 0 if comm is None else comm.rank
         self.shards = []
+        self.precision = precision = getattr(ctx, "precision", None)
         for b in self.fusion.buckets:
             alg = self.algorithm
             if alg == "auto" and comm is not None:
                 alg = comm.selector.choose("allreduce", b.nbytes)  # as stage 0 would
-            self.shards.append(Shard(b, rank, size, alg, own=self.stage == 3))
+            self.shards.append(Shard(b, rank, size, alg, own=self.stage == 3,
+                                     precision=precision))
         self.micro = getattr(ctx.schedule, "k", 1)
         # gathers of a bucket per micro-batch: forward and backward (and with a pipeline's
         # --recompute, the forward backward runs again)
         pp = getattr(ctx, "pp", None)
         self.passes = 3 if pp is not None and pp.recompute else 2
         self.gathers = (ParamGathers(self, ctx.model, self.reuse,
-                                     None if pp is None else pp.part_of())
+                                     None if pp is None else pp.part_of(),
+                                     None if precision is None else precision.wire)
                         if self.stage == 3 else None)
         if pp is not None and self.gathers is not None:
             pp.pass_hook = self.gathers.new_pass
         placement = ctx.placement
         if not isinstance(placement, Sharded):
             raise TypeError("ZeroSync needs the Sharded optimizer placement")
-        placement.bind(self)
+        if precision is not None:  # the shards took their chunks of the masters
+            precision.hand_masters_to(placement)
+        placement.bind(self, precision)
 
     def _fusion(self, named_params, bucket_bytes, scale, wire=None, part_of=None):
         from mpidl.runtime.fusion import FusionBuffers  # noqa: PLC0415
@@ -268,16 +293,16 @@ class ZeroSync(FusedAllreduce):
             return None
         if sh.exact_rs:
             if blocking:
-                self.comm.reduce_scatter(b.buffer, out=sh.grad, op="sum",
+                self.comm.reduce_scatter(b.wire, out=sh.grad_wire, op="sum",
                                          algorithm=sh.algorithm, name=b.name)
                 return None
-            return self.comm.ireduce_scatter(b.buffer, out=sh.grad, op="sum",
+            return self.comm.ireduce_scatter(b.wire, out=sh.grad_wire, op="sum",
                                              algorithm=sh.algorithm, name=b.name)
         if blocking:
-            self.comm.allreduce(b.buffer, out=b.buffer, op="sum", algorithm=sh.algorithm,
+            self.comm.allreduce(b.wire, out=b.wire, op="sum", algorithm=sh.algorithm,
                                 name=b.name)
             return None
-        return self.comm.iallreduce(b.buffer, out=b.buffer, op="sum",
+        return self.comm.iallreduce(b.wire, out=b.wire, op="sum",
                                     algorithm=sh.algorithm, name=b.name)
 
     def _complete(self, b):
@@ -370,7 +395,14 @@ class ZeroSync(FusedAllreduce):
         # chunks; the reduced gradient chunks; stage 1's packed buckets are a full gradient
         # (as stage 0's), stage 2-3's one shared buffer is a communication buffer
         ledger.add("mem_params", [sh.params for sh in self.shards if sh.params is not None])
-        ledger.add("mem_params", [sh.param.data for sh in self.shards])
+        if self.precision is not None:
+            # mixed precision: the chunks of the float32 masters (optimizer state), the
+            # 2-byte working chunks (stage 3), the decoded float32 gradient chunks
+            ledger.add("mem_optimizer", [sh.param.data for sh in self.shards])
+            ledger.add("mem_params", [sh.low for sh in self.shards if sh.low is not None])
+            ledger.add("mem_grads", [sh.param.grad for sh in self.shards])
+        else:
+            ledger.add("mem_params", [sh.param.data for sh in self.shards])
         buckets = [b.buffer for b in self.fusion.buckets]
         if self.stage == 1:
             ledger.add("mem_grads", buckets)
@@ -400,6 +432,22 @@ class ZeroSync(FusedAllreduce):
         return total
 
 
+def _per_param(sh, flat):
+    """``(name, array)`` for each parameter of ``sh``'s bucket: its piece of ``flat`` (the
+    bucket's whole layout, gathered), shaped like it, on the parameters' device."""
+    offset = 0
+    for name, view in zip(sh.bucket.names, sh.bucket.views):
+        k = view.size
+        yield name, to_device(flat[offset:offset + k].reshape(view.shape),
+                              dtype=sh.dtype).copy()
+        offset += k
+
+
+def _words(buf):
+    """A 2-byte buffer as uint16 words: what a gather copies, whatever the format."""
+    return buf.view(array_module(buf).uint16)
+
+
 def _ranges(idx):
     return ", ".join(str(i) for i in idx) if len(idx) <= 4 else f"{idx[0]}..{idx[-1]}"
 
@@ -419,6 +467,7 @@ class Sharded:
         self.name = f"zero-{self.stage} sharded"
         self.sync = None
         self.inner = None
+        self.precision = None   # mixed precision: the masters are the shards' ``param``
         self.shards = {}        # bucket name -> Shard
         self.of_param = {}      # parameter name -> bucket name
         self._exported = False  # the root's optimizer holds a checkpoint's gathered state
@@ -432,8 +481,9 @@ class Sharded:
             ledger.add("mem_optimizer", state_arrays(self.inner))
         ledger.add("mem_optimizer", state_arrays(self.optimizer))
 
-    def bind(self, sync):
+    def bind(self, sync, precision=None):
         self.sync = sync
+        self.precision = precision
         self.shards = {sh.bucket.name: sh for sh in sync.shards}
         self.of_param = {n: sh.bucket.name for sh in sync.shards for n in sh.bucket.names}
         opt = self.optimizer
@@ -450,6 +500,8 @@ class Sharded:
         model.zero_grad()
         if self._exported:  # a checkpoint was written: the root lets go of its copy
             self.optimizer.state = {}
+            if self.precision is not None:
+                self.precision.exported = {}
             self._exported = False
 
     def _refresh(self):
@@ -469,11 +521,60 @@ class Sharded:
             return
         self._refresh()
         comm = self.sync.comm
+        prec = self.precision
         for b in buckets:
             sh = self.shards[b]
+            if prec is not None:  # the reduced 2-byte chunk, decoded and unscaled (exact)
+                prec.wire.decode(sh.grad, out=sh.param.grad)
+                if prec.scale != 1.0:
+                    sh.param.grad *= sh.param.grad.dtype.type(1.0 / prec.scale)
             self.inner.step([b])
-            if comm is not None and self.stage < 3:  # (stage 3 gathers before use)
+            if prec is not None:
+                self._publish(sh)
+            elif comm is not None and self.stage < 3:  # (stage 3 gathers before use)
                 comm.allgather_shards(sh.params, algorithm=sh.algorithm, name=f"{b}.params")
+
+    def _publish(self, sh):
+        """Mixed precision: the working copies become the masters rounded to the format.
+        Stages 1-2 all-gather the rounded chunks in the 2-byte format through the bucket's
+        buffer (its gradients are spent) and decode them; stage 3 keeps its chunk in that
+        format for the gathers before use."""
+        wire, b = self.precision.wire, sh.bucket
+        if self.stage == 3:
+            wire.encode(sh.param.data, 1.0, sh.low)
+            return
+        wire.encode(sh.param.data, 1.0, b.buffer[sh.lo:sh.hi])
+        comm = self.sync.comm
+        if comm is not None:  # (words: nothing is summed)
+            comm.allgather_shards(_words(b.buffer), algorithm=sh.algorithm,
+                                  name=f"{b.name}.params")
+        wire.decode(b.buffer, out=sh.params)
+
+    def reduced_chunks(self, names):
+        """The reduced gradient chunks this rank holds for the buckets of ``names``
+        (mixed precision reads them for overflows)."""
+        buckets = {self.of_param[n] for n in names if n in self.of_param}
+        return [self.shards[b].grad_wire for b in buckets]
+
+    def load_masters(self, masters):
+        """Mixed precision: a checkpoint's float32 masters (per parameter, any stage's)
+        cut into this rank's chunks, and the working copies rounded from them."""
+        wire = self.precision.wire
+        for b, sh in self.shards.items():
+            missing = [n for n in sh.bucket.names if n not in masters]
+            if missing:
+                raise ConfigError(f"--zero {self.stage}: the checkpoint has no master "
+                                  f"weights for {', '.join(missing[:3])}; resume it with "
+                                  "the model it was written with")
+            xp = array_module(sh.param.data)
+            flat = xp.concatenate([to_device(masters[n], dtype=sh.param.data.dtype)
+                                   .reshape(-1) for n in sh.bucket.names])
+            sh.param.data[...] = flat[sh.lo:sh.hi]
+            if sh.low is not None:
+                wire.encode(sh.param.data, 1.0, sh.low)
+            if sh.params is not None:  # (stage 3: while gathered)
+                sh.params[...] = flat
+                self.precision.round(sh.params)
 
     # -- checkpoints: the stage-0 form (module doc)
     def export_state(self, runtime):
@@ -487,14 +588,23 @@ class Sharded:
         mine = {}
         for b, st in self.inner.state.items():
             mine[b] = {k: (v if isinstance(v, int) else to_numpy(v)) for k, v in st.items()}
+        masters = None if self.precision is None else \
+            {b: to_numpy(sh.param.data) for b, sh in self.shards.items()}
         group = runtime.group
         if group is None or group.size == 1:
-            per_rank = [mine]
+            per_rank = [(mine, masters)]
         else:
             with group.waiting("in the gather of ZeRO optimizer shards (checkpoint)"):
-                per_rank = group.mpi.gather(mine, root=0)
+                per_rank = group.mpi.gather((mine, masters), root=0)
             if group.rank != 0:
                 return
+        import numpy as np  # noqa: PLC0415
+
+        if self.precision is not None:  # the float32 masters, per parameter
+            self.precision.exported = {
+                name: value for b, sh in self.shards.items()
+                for name, value in _per_param(sh, np.concatenate([m[b] for _, m in per_rank]))}
+        per_rank = [state for state, _ in per_rank]
         full = {}
         for b, sh in self.shards.items():
             states = [r.get(b) for r in per_rank]
@@ -503,20 +613,12 @@ class Sharded:
             if any(s is None for s in states):
                 raise RuntimeError(f"ZeRO checkpoint: bucket {b} has optimizer state on some "
                                    "ranks only")
-            import numpy as np  # noqa: PLC0415
-
             step = states[0]["step"]
-            slots = {k: np.concatenate([s[k] for s in states]) for k in states[0]
-                     if k != "step"}
-            offset = 0
-            for name, p in zip(sh.bucket.names, sh.bucket.params):
-                k = p.data.size
-                st = {"step": step}
-                for slot, flat in slots.items():
-                    st[slot] = to_device(flat[offset:offset + k].reshape(p.data.shape),
-                                         dtype=p.data.dtype).copy()
-                full[name] = st
-                offset += k
+            for k in states[0]:
+                if k == "step":
+                    continue
+                for name, value in _per_param(sh, np.concatenate([s[k] for s in states])):
+                    full.setdefault(name, {"step": step})[k] = value
         self.optimizer.state = full
         self._exported = True
 
@@ -631,14 +733,20 @@ class ParamGathers:
     first layer has taken its gathers from them: backward, where the gradients add to
     the activations, holds no spare (the last forward's buckets are its first ones, and
     the rest would be held until its end). The ledger counts them (``mem_comm``).
+
+    Under mixed precision (``wire``) a gather sends each rank's 2-byte chunk of the
+    working copies (``Shard.low``) into a 2-byte buffer, decoded into the full float32
+    buffer once it has arrived (``_bind``).
     """
 
-    def __init__(self, sync, model, reuse=False, part_of=None):
+    def __init__(self, sync, model, reuse=False, part_of=None, wire=None):
         if not hasattr(model, "modules"):
             raise ConfigError(f"--zero 3 gathers parameters layer by layer and needs an mpidl "
                               f"Layer; got {type(model).__name__} (use --zero 2)")
         self.comm = sync.comm
         self.shards = sync.shards
+        self.wire = wire
+        self.words = {}  # bucket index -> its 2-byte gather in flight (mixed precision)
         index_of = {id(p): sh.bucket.index for sh in self.shards for p in sh.bucket.params}
         self.needs = {}  # id(layer) -> indices of the buckets its own parameters are in
         for m, params in param_layers(model):
@@ -705,7 +813,13 @@ class ParamGathers:
     def _start(self, i, blocking):
         sh = self.shards[i]
         buf = self._buffer(sh)
-        buf[sh.lo:sh.hi] = sh.param.data
+        if self.wire is None:
+            sent = buf
+            buf[sh.lo:sh.hi] = sh.param.data
+        else:
+            sent = self.words[i] = array_module(buf).empty(buf.size, dtype=sh.low.dtype)
+            sent[sh.lo:sh.hi] = sh.low
+            sent = _words(sent)
         handle = None
         if not self.pinned:
             self.gathers += 1
@@ -713,9 +827,9 @@ class ParamGathers:
         if self.comm is not None:
             name = f"{sh.bucket.name}.params"
             if blocking:
-                self.comm.allgather_shards(buf, algorithm=sh.algorithm, name=name)
+                self.comm.allgather_shards(sent, algorithm=sh.algorithm, name=name)
             else:
-                handle = self.comm.iallgather_shards(buf, algorithm=sh.algorithm, name=name)
+                handle = self.comm.iallgather_shards(sent, algorithm=sh.algorithm, name=name)
         self.gathered[i] = [buf, handle]
         if not self.pinned:
             self.high = max(self.high, self._held(self.gathered.values()))
@@ -726,7 +840,7 @@ class ParamGathers:
         """An uninitialised full buffer for ``sh``'s bucket: a spare of its size, or new
         (the smallest spares dropped first if a new one would pass ``high``)."""
         xp = array_module(sh.param.data)
-        n, dtype = sh.bucket.buffer.size, sh.bucket.dtype
+        n, dtype = sh.bucket.buffer.size, sh.dtype
         for k, spare in enumerate(self.spares):
             if spare.size == n and spare.dtype == dtype and array_module(spare) is xp:
                 self.reused += 1
@@ -754,6 +868,9 @@ class ParamGathers:
 
     def _bind(self, i, buf):
         sh = self.shards[i]
+        words = self.words.pop(i, None)
+        if words is not None:
+            self.wire.decode(words, out=buf)
         sh.params = buf
         offset = 0
         for p, view in zip(sh.bucket.params, sh.bucket.views):
@@ -777,6 +894,7 @@ class ParamGathers:
         entry = self.gathered.pop(i)
         if entry[1] is not None:  # a prefetch nobody used: finish it before freeing
             entry[1].wait()
+        self.words.pop(i, None)
         sh = self.shards[i]
         sh.params = None
         for name, p in zip(sh.bucket.names, sh.bucket.params):
@@ -817,8 +935,9 @@ class ParamGathers:
         parameters back, and every full buffer is freed."""
         if not self.pinned:
             return
-        for i, (buf, _) in self.gathered.items():
-            sh = self.shards[i]
-            sh.param.data[...] = buf[sh.lo:sh.hi]
+        if self.wire is None:  # (mixed precision: the masters are the chunks, and the
+            for i, (buf, _) in self.gathered.items():  # checkpoint's reach them directly)
+                sh = self.shards[i]
+                sh.param.data[...] = buf[sh.lo:sh.hi]
         self.release_all()
         self.pinned = False

@@ -179,6 +179,13 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
         out.overlap = zero == 1
         out.update_share = 1.0 / p
         out.what = f"ZeRO stage {zero}"
+        if wire is not None and np.dtype(wire) == np.float16:
+            # fp16: each rank checks its own chunks for an overflow, so the ranks agree
+            # (MPI's all-reduce of one int32) before any update
+            first = next((i for i, c in enumerate(out.calls) if c.phase == "update"),
+                         len(out.calls))
+            out.calls.insert(first, Call("allreduce", "precision.overflow", "mpi", 1, 4,
+                                         "int32", (), phase="update"))
     sparse = [(n, q) for n, q in named_params if n in sparse_names]
     out.sparse = tuple(n for n, _ in sparse)
     for name, q in sparse:
@@ -207,14 +214,17 @@ def _zero_bucket(out, index, names, n, dtype, selector, algorithm, stage, micro,
     from mpidl.runtime.zero import exact_reduce_scatter  # noqa: PLC0415
 
     p, size = out.p, dtype.itemsize
-    alg = algorithm if algorithm != "auto" else selector.choose("allreduce", n * size)
-    kind = "reduce_scatter" if exact_reduce_scatter(alg, p) else "allreduce"
-    alg = resolve(selector, kind, alg, n * size, dtype)
+    chosen = algorithm if algorithm != "auto" else selector.choose("allreduce", n * size)
+    kind = "reduce_scatter" if exact_reduce_scatter(chosen, p) else "allreduce"
+    alg = resolve(selector, kind, chosen, n * size, dtype)
     name = f"bucket{index}"
     out.calls.append(Call(kind, name, alg, n, size, _dtype_name(dtype), names,
                           phase="backward" if stage == 1 else "after"))
     counts = tuple(even_split(n, p)[0])
-    gather = Call("allgather", f"{name}.params", alg, counts, size, _dtype_name(dtype), names)
+    # (the gather copies words, which MPI's own collective can: the bucket's algorithm
+    # as chosen, where a 2-byte format's reduction goes to the ring instead)
+    gather = Call("allgather", f"{name}.params", chosen, counts, size, _dtype_name(dtype),
+                  names)
     if stage < 3:
         gather.phase = "update"
         out.calls.append(gather)

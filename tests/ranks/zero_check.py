@@ -17,6 +17,12 @@ runs again too, (3k+1)) both stages run the same layout: ZeRO shards each rank's
 its pipeline stage over its data-parallel group of N/(P T) ranks (N above), and every
 rank's parameters must be stage 0's bits.
 
+With ``--precision bf16|fp16`` both stages train in it (float32 only): 2-byte buckets
+and gathers (itemsize 2 in the byte checks), the float32 masters sharded with the
+optimizer state. ``--loss-scale S`` (fp16): a scale large enough to overflow makes steps
+be skipped, which every stage must skip alike (under ZeRO a rank sees only its chunks of
+the gradients, so the ranks must agree on an overflow); ``skipped_steps`` must match.
+
 Usage: mpiexec -n N python -m mpi4py tests/ranks/zero_check.py --model mlp
        --optimizers sgd,adam --dtypes float32 --stages 1,2 --steps 20
 """
@@ -90,6 +96,10 @@ def run(comm, args, opt_name, dtype, stage):
         options["zero_reuse"] = "on"
     if args.model == "gpt-tiny":  # ZeRO exchanges the embeddings' gradients dense
         options["sparse_grads"] = "dense"
+    if args.precision != "fp32":
+        options["precision"] = args.precision
+        if args.loss_scale:
+            options["loss_scale"] = args.loss_scale
     rt = build("allreduce", comm, **options)
     rt.setup(model, opt, TokenCrossEntropy() if args.model == "gpt-tiny"
              else SoftmaxCrossEntropy())
@@ -114,6 +124,7 @@ def run(comm, args, opt_name, dtype, stage):
         out.append(digest(model))
     m = rt.metrics()
     metrics = m.get("bytes_sent_per_step")
+    skipped = m.get("skipped_steps", 0)
     sync = rt.syncs[0][1]
     kept = 0  # elements of the buckets --zero-reuse on keeps from forward into backward
     if stage == 3 and args.reuse:
@@ -131,8 +142,13 @@ def run(comm, args, opt_name, dtype, stage):
             raise AssertionError("--zero 3: no gather reused a spare buffer")
     rt.finish()
     psi = model.num_parameters()  # (this rank's slices of its stage's layers)
-    return (out, sent / args.steps, metrics, psi, np.dtype(dtype).itemsize, rt.describe(),
-            kept, rt.group)
+    item = np.dtype(dtype).itemsize if args.precision == "fp32" else 2
+    if skipped and stage in (1, 2):  # a skipped step (fp16) gathers no updated shards:
+        p, me = rt.group.size, rt.group.rank  # count them as sent: the formula holds
+        sent += skipped * item * sum(sh.bucket.buffer.size - sh.counts[(me + 1) % p]
+                                     for sh in sync.shards)
+    return (out, sent / args.steps, metrics, psi, item, rt.describe(), kept, rt.group,
+            skipped)
 
 
 def main():
@@ -151,18 +167,28 @@ def main():
     ap.add_argument("--pipeline-stages", type=int, default=1)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--loss-scale", type=float, default=None)
     args = ap.parse_args()
     comm = Communicator()
     n = comm.size // (args.tensor_parallel * args.pipeline_stages)  # the dp group's ranks
     stages = [int(s) for s in args.stages.split(",")]
     for opt_name in args.optimizers.split(","):
         for dtype in args.dtypes.split(","):
-            ref, ref_sent, _, psi, item, _, _, _ = run(comm, args, opt_name, dtype, 0)
+            ref, ref_sent, _, psi, item, _, _, _, ref_skipped = run(comm, args, opt_name,
+                                                                     dtype, 0)
             if ref[0] == ref[-1]:
                 raise AssertionError("stage 0 did not move the parameters")
+            if args.loss_scale and not 0 < ref_skipped < args.steps:
+                raise AssertionError(f"--loss-scale {args.loss_scale:g} skipped "
+                                     f"{ref_skipped} of {args.steps} steps: choose one "
+                                     "that overflows some steps only")
             for stage in stages:
-                got, sent, metrics, _, _, lines, kept, dp = run(comm, args, opt_name, dtype,
-                                                                stage)
+                got, sent, metrics, _, _, lines, kept, dp, skipped = run(
+                    comm, args, opt_name, dtype, stage)
+                if skipped != ref_skipped:
+                    raise AssertionError(f"--zero {stage} skipped {skipped} steps, --zero 0 "
+                                         f"{ref_skipped}")
                 for s, (a, b) in enumerate(zip(ref, got)):
                     if b is not None and a != b:
                         raise AssertionError(
@@ -193,8 +219,10 @@ def main():
                     tp = (f" x tp {args.tensor_parallel}" if args.tensor_parallel > 1 else "") \
                         + (f" x pp {args.pipeline_stages} {args.schedule}"
                            if args.pipeline_stages > 1 else "")
-                    print(f"[p={n}{tp}] {args.model} {opt_name} {dtype} --zero {stage} == "
-                          f"--zero 0 bitwise over {args.steps} steps (Ψ={psi}); bytes/step "
+                    prec = "" if args.precision == "fp32" else \
+                        f" {args.precision} ({skipped} skipped)"
+                    print(f"[p={n}{tp}] {args.model} {opt_name} {dtype}{prec} --zero {stage} "
+                          f"== --zero 0 bitwise over {args.steps} steps (Ψ={psi}); bytes/step "
                           f"rank 0: {sent:g}", flush=True)
                     if opt_name == args.optimizers.split(",")[0] and dtype == \
                             args.dtypes.split(",")[0]:
