@@ -288,7 +288,8 @@ def test_more_checkpoint_resumes(tmp_path, save_n, save_stage, resume_n, resume_
 
 
 @pytest.mark.parametrize("first, then, precision", [
-    pytest.param(2, 1, "fp32", marks=pytest.mark.slow), (3, 0, "fp32"), (3, 1, "fp16"),
+    pytest.param(2, 1, "fp32", marks=pytest.mark.slow),
+    pytest.param(3, 0, "fp32", marks=pytest.mark.slow), (3, 1, "fp16"),
     pytest.param(2, 0, "bf16", marks=pytest.mark.slow)])
 def test_cli_run_stopped_and_resumed_at_another_stage_as_if_never_stopped(tmp_path, first,
                                                                          then, precision):
