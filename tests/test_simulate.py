@@ -70,7 +70,8 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
     (4, "ring,hierarchical", "0.001,4", "mlp,gpt", "pp2,pp4-zb-4,pp2-async-2", 2),
     (4, "ring,tree", "4", "mlp,gpt", "pp2-1f1b-2-t2,pp2-interleaved:2-4-t2", None),
     (4, "ring,recursive_doubling", "4", "mlp", "tp2+zero1,tp2+zero3r,pp2-1f1b-2+zero2,"
-     "pp2-zb-3-rc+zero3,pp2-interleaved:2-4+zero3", None),
+     "pp2-zb-3-rc+zero3,pp2-interleaved:2-4+zero3,pp2-gpipe-2-fp16+zero3,"
+     "pp2-interleaved:2-4-bf16", None),
     (4, "ring", "0.001", "gpt", "tp2+zero3,pp2-interleaved:2-4-tied,pp2-1f1b-2-t2-tied,"
      "pp2-zb-4-tiedstep", None),
     (3, "tree,auto", "0.001", "mlp,gpt", "pp3-gpipe-3,pp3-interleaved:2-3", None),

@@ -25,9 +25,9 @@ tensor parallelism with data parallelism (``--tensor-parallel T``,
 conv-DP/FC-MP hybrid (``--hybrid conv-dp-fc-mp``, ``mpidl.simulate.hybrid``); Parallax
 (``--sparse-sync ps``, ``mpidl.simulate.parallax``); Hogwild (``--strategy hogwild``: its
 one-sided reads and adds, ``mpidl.simulate.hogwild``). Other
-strategies, the parameter server's dealt portions, and tensor or pipeline parallelism
-combined with ZeRO, averaging, mixed precision or compression are refused with one line
-until they are modelled.
+strategies, the parameter server's dealt portions, tensor parallelism with averaging,
+mixed precision, compression or ``--sync-bn``, and pipelines with averaging or
+compression are refused with one line until they are modelled.
 """
 
 import argparse
@@ -53,7 +53,8 @@ MODELLED_TP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches
 #: ... and --pipeline-stages with these only
 MODELLED_PP = ("algorithm", "bucket_mb", "overlap", "accumulate", "micro_batches",
                "sparse_grads", "pipeline_stages", "pipeline_schedule", "stage_costs",
-               "recompute", "emulate_compute", "zero", "tied_exchange", "sync_bn")
+               "recompute", "emulate_compute", "zero", "tied_exchange", "sync_bn",
+               "precision", "loss_scale", "loss_scale_window")
 #: ... and under --strategy ps (the servers' settings; the rest is refused)
 MODELLED_PS = ("accumulate", "micro_batches", "servers", "mode", "staleness", "wait",
                "staleness_aware_lr", "epoch_quorum", "trace", "poll_max_ms", "group_size",
@@ -136,7 +137,11 @@ def _refuse_unmodelled(cfg):
         modelled, split = MODELLED_PP + ("tensor_parallel",), "--pipeline-stages"
     elif strategy == "allreduce" and degree > 1:
         modelled, split = MODELLED_TP, "--tensor-parallel"
-    if stages > 1:  # (mpidl train's words)
+    if stages > 1 and degree > 1:  # (mpidl train's words)
+        from mpidl.runtime.presets import _check_tensor_parallel  # noqa: PLC0415
+
+        _check_tensor_parallel(degree, compression=cfg.compression, precision=cfg.precision)
+    if stages > 1:
         from mpidl.runtime.zero import check_pipeline  # noqa: PLC0415
 
         check_pipeline(cfg.zero, stages, cfg.pipeline_schedule,
@@ -635,11 +640,16 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
     zero = int(cfg.zero or 0)
     per_step = getattr(cfg, "tied_exchange", None) == "step"
     sync_bn = bool(getattr(cfg, "sync_bn", False))
+    wire = None
+    if (cfg.precision or "fp32") != "fp32":
+        from mpidl.runtime.precision import Wire  # noqa: PLC0415
+
+        wire = Wire(cfg.precision).dtype
     if T == 1:
         return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, sparse,
                                {0: {n: [r] * d for n, r in rows.items()}},
                                cost_source=source, zero=zero, recompute=bool(cfg.recompute),
-                               tied_per_step=per_step, sync_bn=sync_bn)
+                               tied_per_step=per_step, sync_bn=sync_bn, wire=wire)
     loss = task_for(dataset).loss
     y = to_device(dataset.train_y[idx])
     xs, ids = draw_batch(dataset, rng, cfg.batch_size * plan.M, _param_dtype(model))

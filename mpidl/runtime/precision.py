@@ -22,15 +22,19 @@ today's code path). With ``bf16`` or ``fp16``:
 * **Master weights**: the optimizer holds its own float32 copy of every parameter
   (``Precision.masters``: the optimizer's ``params`` are replaced by them, and its
   moments are float32 like them). After each update the working copy becomes the master
-  rounded to the format.
+  rounded to the format. Under ZeRO (``--zero 1|2|3``) the sharded placement takes each
+  rank's chunks of the masters at set-up (``hand_masters_to``), steps them and gathers
+  the rounded working copies itself (``zero.Sharded``); this part keeps the loss scale.
 * **fp16 dynamic loss scaling** (Micikevicius et al. 2018): the loss gradient is
   multiplied by the scale S (initially ``--loss-scale``, 2**16). If any reduced gradient
   holds an inf or a NaN, the whole step is skipped (parameters and optimizer state
   untouched), S is halved; after ``--loss-scale-window`` clean steps in a row S is
   doubled. Otherwise the gradients are divided by S (exact: S is a power of two) into
-  float32 before the optimizer. All ranks decide alike without any extra message: the
-  check reads the all-reduced gradients, which are bitwise identical on every rank.
-  bf16 has float32's exponent range and needs no scaling.
+  float32 before the optimizer. Data-parallel ranks decide alike without any extra
+  message: the check reads the all-reduced gradients, which are bitwise identical on
+  every rank. Where a rank sees only some of them (a pipeline's stage, ZeRO's chunks)
+  the ranks agree first (``agree``: one int32 all-reduce). bf16 has float32's exponent
+  range and needs no scaling.
 """
 
 from collections import OrderedDict

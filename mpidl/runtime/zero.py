@@ -44,10 +44,22 @@ holds two chunks' parameters (``fusion.plan``'s ``part_of``, for every stage ali
 the bits stay stage 0's) and a pass prefetches within its chunk, so each pass gathers
 its chunk's buckets once. What that cannot serve yet is refused by ``check_pipeline``.
 
+**Mixed precision** (``--precision bf16|fp16``): the buckets are 2-byte, and so is
+every collective. Each ``Shard`` holds its chunk of the float32 master weights (the
+inner optimizer steps it) and decodes its reduced gradient chunk into float32, divided
+by the loss scale, before the update (``Sharded.step``); the updated chunk, rounded to
+the format, is all-gathered as 2-byte words and decoded into the working copies (stages
+1-2), or kept in that format for stage 3's gathers, which decode what arrives. Each
+rank sees only its chunks, so fp16's overflow check is agreed over the group before
+any update (``Precision.agree``). The same bits as stage 0 in the same precision: the
+decode, the unscale, the elementwise update and the rounding are stage 0's, chunk by
+chunk.
+
 **Checkpoints** hold the stage-0 form: ``Runtime.state_dict`` (collective) gathers the
 shards' optimizer state into the trainer's optimizer on the root (per parameter, as a
 replicated optimizer keeps it) and ``load_state_dict`` cuts it into this run's shards,
-so a checkpoint resumes at any stage and any number of ranks.
+so a checkpoint resumes at any stage and any number of ranks; mixed precision's masters
+are gathered alike into ``Precision.exported`` and cut again by ``Sharded.load_masters``.
 """
 
 import copy

@@ -52,6 +52,8 @@ step.
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mpidl.comm.counters import FIELDS, KINDS
 from mpidl.errors import ConfigError
 
@@ -99,6 +101,9 @@ class PipelineStep:
     every: int = 1
     servers: int = 0
     calls: list = field(default_factory=list)  # (stage 0's dp calls, for --json)
+    # fp16: the stages agree on an overflow, one MPI all-reduce on the pipeline group per
+    # step (counted as a call; its four bytes are not priced)
+    overflow_agreement: bool = False
 
 
 def plan_of(stages, schedule, micro):
@@ -181,7 +186,7 @@ def held_names(named, bounds, plan, rank):
 
 def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
            rows=None, tables=None, cost_source="", pieces=None, zero=0, recompute=False,
-           tied_per_step=False, sync_bn=False):
+           tied_per_step=False, sync_bn=False, wire=None):
     """``PipelineStep`` of ``p`` ranks for ``model`` (whole, built from the seed) cut by
     ``costs`` over ``plan``; ``x``: one micro-batch of input (its shape sets the
     messages). ``sparse``: the row-sparse parameters gathered as rows; ``rows[j][name]``:
@@ -193,7 +198,9 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
     stage; ``recompute``: ``--recompute`` (stage 3 gathers for the forward backward runs
     again); ``tied_per_step``: ``--tied-exchange step``; ``sync_bn``: ``--sync-bn`` (each
     stage's BatchNorms all-reduce over its dp group in every pass: counted with its dp
-    group's calls; without tensor parallelism)."""
+    group's calls; without tensor parallelism); ``wire``: mixed precision's bucket dtype
+    (each stage's buckets 2-byte; fp16's overflow agreed over the stages, and with ZeRO
+    over each dp group)."""
     from mpidl.runtime.pipeline import partition, piece_of, tied_pairs  # noqa: PLC0415
 
     from .step import sync_bn_layers  # noqa: PLC0415
@@ -248,7 +255,7 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
                                       zero_recompute=recompute, part_of=piece,
                                       sync_bn=[b for b in bn if int(b[0].split(".")[0])
                                                in mine],
-                                      bn_forwards=2 if recompute else 1))
+                                      bn_forwards=2 if recompute else 1, wire=wire))
             tp_calls[s].append([c for c in calls if call_layer(c.name, n) in mine])
     kind = plan.kind + (f":{plan.v}" if plan.v > 1 else "")
     whole = sum(q.data.size for _, q in model.named_parameters())
@@ -257,7 +264,8 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
                         tp_calls=tp_calls, share=[sh for *_, sh in per_tp], micro=plan.M,
                         whole_params=whole, cost_source=cost_source,
                         what=f"pipeline {P} stages ({kind}, {plan.M} micro-batches)"
-                        f"{tp_text} x data parallelism {d}", calls=dp[0][0].calls)
+                        f"{tp_text} x data parallelism {d}", calls=dp[0][0].calls,
+                        overflow_agreement=wire is not None and np.dtype(wire) == np.float16)
 
 
 def layers_of(bounds, plan, rank):
@@ -307,7 +315,9 @@ def traffic(step, per_node=1, ranks=None, seg_bytes=None):
         s, i, j = groups_of(r, step)
         pp = {kind: dict(zip(FIELDS, p2p[j][s] if kind == "p2p" else [0, 0, 0, 0]))
               for kind in KINDS}
-        pp["total"] = dict(pp["p2p"])
+        if step.overflow_agreement:
+            pp["allreduce"].update(calls=1, native_calls=1)
+        pp["total"] = {f: sum(pp[k][f] for k in KINDS) for f in FIELDS}
         groups = {"pp": pp, "dp": group_traffic(step.dp[s][j], dp_topo.per_node, ranks=[i],
                                                 seg_bytes=seg_bytes)[i]}
         if T > 1:

@@ -179,7 +179,7 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
         out.overlap = zero == 1
         out.update_share = 1.0 / p
         out.what = f"ZeRO stage {zero}"
-        if wire is not None and np.dtype(wire) == np.float16:
+        if wire is not None and np.dtype(wire) == np.float16 and p > 1:
             # fp16: each rank checks its own chunks for an overflow, so the ranks agree
             # (MPI's all-reduce of one int32) before any update
             first = next((i for i, c in enumerate(out.calls) if c.phase == "update"),

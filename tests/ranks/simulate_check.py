@@ -28,7 +28,8 @@ group), ``ppP[-SCHEDULE[-M]][-tT]`` (``--pipeline-stages P --schedule SCHEDULE
 --micro-batches M [--tensor-parallel T]``, default 1f1b, 2 and 1: the pipeline, dp and
 tp groups' counters; ``-rc`` in ``pp...``: ``--recompute``, ``-tied``: gpt-tiny with
 ``--tie-weights`` (its head and token embedding on two stages), ``-tiedstep`` that with
-``--tied-exchange step``, ``-bn``: ``--sync-bn`` (the cnn); ``tp...`` and ``pp...`` take
+``--tied-exchange step``, ``-bn``: ``--sync-bn`` (the cnn), ``-bf16``/``-fp16``:
+``--precision`` (the mlp); ``tp...`` and ``pp...`` take
 ``+zeroK``: ZeRO stage K on the dp group; ``tp...`` also ``3r`` with ``--zero-reuse on``),
 ``parallax-MODE[-S]`` (``--sparse-sync ps``: gpt-tiny's Embeddings, or the mlp's
 biases with ``--ps-params '*.bias'``, on S servers; the rest all-reduced among the
@@ -538,7 +539,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     parts = base[2:].split("-")
     recompute, tied, per_step = "rc" in parts, "tied" in parts, "tiedstep" in parts
     tied, sync_bn = tied or per_step, "bn" in parts
-    parts = [q for q in parts if q not in ("rc", "tied", "tiedstep", "bn")]
+    precision = next((q for q in parts if q in ("bf16", "fp16")), None)
+    parts = [q for q in parts if q not in ("rc", "tied", "tiedstep", "bn", "bf16", "fp16")]
     T = int(parts.pop()[1:]) if parts[-1].startswith("t") else 1
     P = int(parts[0])
     schedule = parts[1] if len(parts) > 1 else "1f1b"
@@ -553,7 +555,7 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
                pipeline_stages=P, pipeline_schedule=schedule, micro_batches=M,
                stage_costs="layers", tensor_parallel=T, zero=zero, recompute=recompute,
                tied_exchange="step" if per_step else None, sync_bn=sync_bn,
-               sparse_grads="dense" if zero else "allgather")
+               sparse_grads="dense" if zero else "allgather", precision=precision)
     rt.setup(model, opt, loss_of(kind))
     i = rt.shard()[0]  # (a replica's stages share its data)
 
@@ -584,7 +586,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     step = pipeline.layout(whole, p, plan, [1.0] * len(whole.layers), x[:B], algorithm,
                            bucket_mb, () if zero else sparse if T == 1 else sorted(mine),
                            rows, tables=tables, pieces=pieces, zero=zero,
-                           recompute=recompute, tied_per_step=per_step, sync_bn=sync_bn)
+                           recompute=recompute, tied_per_step=per_step, sync_bn=sync_bn,
+                           wire=None if precision is None else wire_dtype(precision))
     assert step.bounds == rt.pp.bounds, (step.bounds, rt.pp.bounds)
     predicted = pipeline.traffic(step, per_node, ranks=[rank])[rank]["groups"]
     same_groups(predicted, {g: counted[g] for g in predicted},
