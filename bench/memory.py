@@ -3,6 +3,7 @@
     python bench/memory.py                 # -> bench/results/memory.json + memory.png
     python bench/memory.py --quick         # a small model, N = 1, 2 (the test's)
     python bench/memory.py --time-only     # only the step times at p = 2
+    python bench/memory.py --memory-only --precision bf16 --out bench/results/memory_bf16.json
 
 Memory: an MLP 784-4096-4096-10 (20 M parameters, Adam, float32) on N = 1, 2, 4, 8 ranks
 at every ZeRO stage. Each rank traces its allocations (``tracemalloc``, which sees every
@@ -13,7 +14,9 @@ activations kept for backward, the ledger's ``mem_peak`` (ledger + activations +
 gradients backward makes before they are packed, an upper bound of the step's high
 water mark), ``tracemalloc``'s peak during that step, and the formula
 (``mpidl.runtime.memory.predict``). The ranks oversubscribe 2 cores at N = 4, 8: memory
-does not care.
+does not care. ``--precision bf16|fp16``: the same in mixed precision (the float32
+masters sharded with the optimizer state), against the formula as the CPU's emulation
+holds it (``predict(emulated=True)``: float32 working copies, decoded float32 gradients).
 
 Time: at p = 2 (one rank per core) ``--time-steps`` steps of each stage, and of stage 3
 with ``--zero-reuse on``, ring algorithm, stage 0 as the anchor in the same run, the
@@ -65,8 +68,10 @@ def rank_main(a):
     hidden = tuple(int(h) for h in a.hidden.split(","))
     model = build_model("mlp", (1, 28, 28), 10, seed=0, hidden=hidden)
     opt = make_optimizer("adam", model.named_parameters(), lr=1e-4)
-    sizes = memory.bucket_sizes(model.named_parameters(), 4.0)
+    sizes = memory.bucket_sizes(model.named_parameters(), 4.0, a.precision)
     options = {"algorithm": "ring", "overlap": "off"}
+    if a.precision != "fp32":
+        options["precision"] = a.precision
     if a.stage:
         options["zero"] = a.stage
     if a.reuse:
@@ -87,7 +92,8 @@ def rank_main(a):
         times.append(time.perf_counter() - t)
     _, peak = tracemalloc.get_traced_memory()
     m = rt.metrics()
-    want = memory.predict(sizes, n, a.stage, slots=2, rank=r)
+    want = memory.predict(sizes, n, a.stage, slots=2, rank=r, precision=a.precision,
+                          emulated=True)
     mine = {k: m[k] for k in m if k.startswith("mem_")}
     mine.update(rank=r, tracemalloc_peak=peak, formula=want.as_dict(),
                 step_s=times[1:] or times, param_gathers=m.get("param_gathers"),
@@ -95,7 +101,7 @@ def rank_main(a):
     rows = comm.mpi.gather(mine, root=0)
     if r == 0:
         print("MEMORY " + json.dumps({"ranks": n, "stage": a.stage, "reuse": a.reuse,
-                                      "per_rank": rows,
+                                      "precision": a.precision, "per_rank": rows,
                                       "parameters": int(sum(sizes))}), flush=True)
     comm.close()
 
@@ -111,7 +117,8 @@ def label(stage, reuse):
 def launch(n, stage, a, steps, batch, timeline=None, reuse=False):
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", __file__, "--rank",
            "--stage", str(stage), "--hidden", a.hidden, "--steps", str(steps),
-           "--batch", str(batch)] + (["--timeline", timeline] if timeline else []) + \
+           "--batch", str(batch), "--precision", a.precision] + \
+        (["--timeline", timeline] if timeline else []) + \
         (["--reuse"] if reuse else [])
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=launch_env(ROOT), timeout=3600)
@@ -172,7 +179,9 @@ def plot(result, path):
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("ranks N")
     ax1.set_ylabel("MiB on rank 0")
-    ax1.set_title(f"{result['parameters'] / 1e6:.1f} M parameters, Adam, float32")
+    fmt = result["settings"].get("precision", "fp32")
+    ax1.set_title(f"{result['parameters'] / 1e6:.1f} M parameters, Adam, "
+                  f"{'float32' if fmt == 'fp32' else fmt + ' (CPU emulation)'}")
     ax1.legend(fontsize=6, ncol=2)
     t = result.get("time")
     if t:
@@ -194,6 +203,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ranks", default="1,2,4,8")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     ap.add_argument("--time-steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3,
                     help="timing rounds, the four stages in turn in each (default 3)")

@@ -35,6 +35,22 @@ _HIGH = np.uint32(0xFFFF0000)
 _QUIET = np.uint32(0x00400000)
 _SHIFT = np.uint32(16)
 
+#: elements converted at a time when the result goes into a given array: the integer
+#: temporaries stay a few MiB, however large the tensor (a 4096 x 4096 weight would
+#: otherwise take 5 bytes an element beside it)
+CHUNK = 1 << 20
+
+
+def pieces(x, out):
+    """``(x piece, out piece)``: flat views of ``CHUNK`` elements each, or the whole
+    arrays at once when they are small or not contiguous (a flat view would be a copy)."""
+    if x.size <= CHUNK or not (x.flags.c_contiguous and out.flags.c_contiguous):
+        yield x, out
+        return
+    xf, of = x.reshape(-1), out.reshape(-1)
+    for lo in range(0, xf.size, CHUNK):
+        yield xf[lo:lo + CHUNK], of[lo:lo + CHUNK]
+
 
 def _xp(x):
     from mpidl.backend import array_module  # noqa: PLC0415
@@ -61,32 +77,34 @@ def round_bits(x):
 
 def round_(x, out=None):
     """``x`` (float32) rounded to the bfloat16 grid, as float32 (``out=x``: in place)."""
-    r = round_bits(x).view(np.float32).reshape(x.shape)
     if out is None:
-        return r
-    out[...] = r
+        return round_bits(x).view(np.float32).reshape(x.shape)
+    for xs, os in pieces(x, out):
+        os[...] = round_bits(xs).view(np.float32).reshape(xs.shape)
     return out
 
 
 def to_words(x, out=None):
     """``x`` (float32) rounded to bfloat16, as uint16 words (into ``out`` if given)."""
     xp = _xp(x)
-    w = (round_bits(x) >> _SHIFT).astype(xp.uint16).reshape(x.shape)
     if out is None:
-        return w
-    out.view(xp.uint16)[...] = w
+        return (round_bits(x) >> _SHIFT).astype(xp.uint16).reshape(x.shape)
+    for xs, os in pieces(x, out.view(xp.uint16)):
+        os[...] = (round_bits(xs) >> _SHIFT).astype(xp.uint16).reshape(xs.shape)
     return out
 
 
 def from_words(w, out=None):
     """bfloat16 words (uint16 or ``BFLOAT16``) as float32 values (exact)."""
     xp = _xp(w)
-    u = w.view(xp.uint16).astype(xp.uint32)
-    u <<= _SHIFT
-    f = u.view(xp.float32)
     if out is None:
-        return f
-    out[...] = f
+        u = w.view(xp.uint16).astype(xp.uint32)
+        u <<= _SHIFT
+        return u.view(xp.float32)
+    for ws, os in pieces(w.view(xp.uint16), out):
+        u = ws.astype(xp.uint32)
+        u <<= _SHIFT
+        os[...] = u.view(xp.float32).reshape(os.shape)
     return out
 
 

@@ -109,6 +109,28 @@ def test_bf16_words_round_trip_and_add_is_correctly_rounded():
     assert bfloat16.add(a, b, a) is a and np.array_equal(a, out)  # in place
 
 
+def test_large_tensors_convert_piece_by_piece_with_the_same_bits():
+    # into a given array, more than bfloat16.CHUNK elements go a piece at a time (small
+    # temporaries): the bits are the whole-array conversion's, NaN and infinities too
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(2 * bfloat16.CHUNK + 3) * 1e4).astype(np.float32)
+    x[[0, 5, -1]] = [np.nan, np.inf, 3.4e38]
+    whole = bfloat16.round_bits(x)
+    rounded = x.copy()
+    bfloat16.round_(rounded, out=rounded)
+    assert np.array_equal(rounded.view(np.uint32), whole)
+    words = np.empty(x.size, np.uint16)
+    bfloat16.to_words(x, out=words)
+    assert np.array_equal(words, (whole >> 16).astype(np.uint16))
+    back = np.empty_like(x)
+    bfloat16.from_words(words, out=back)
+    assert np.array_equal(back.view(np.uint32), whole)
+    half = x.copy()
+    ROUND["fp16"](half)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(half, x.astype(np.float16).astype(np.float32), equal_nan=True)
+
+
 def test_fp16_rounding_overflows_to_inf():
     x = np.array([65504.0, 65519.0, 65520.0, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11],
                  dtype=np.float32)

@@ -69,7 +69,8 @@ def _round_fp16(x):
     """``x`` (float32) rounded in place to float16 values (nearest even; beyond 65504:
     inf)."""
     with np.errstate(over="ignore"):  # overflowing to inf is float16's (and the point)
-        x[...] = x.astype(np.float16)
+        for xs, _ in bfloat16.pieces(x, x):  # (a float16 copy of a piece at a time)
+            xs[...] = xs.astype(np.float16)
     return x
 
 
