@@ -35,10 +35,11 @@ _HIGH = np.uint32(0xFFFF0000)
 _QUIET = np.uint32(0x00400000)
 _SHIFT = np.uint32(16)
 
-#: elements converted at a time when the result goes into a given array: the integer
-#: temporaries stay a few MiB, however large the tensor (a 4096 x 4096 weight would
-#: otherwise take 5 bytes an element beside it)
-CHUNK = 1 << 20
+#: elements converted (or added) at a time when the result goes into a given array: the
+#: temporaries stay about a MiB each, however large the tensor (a 4096 x 4096 weight
+#: would otherwise take 5 bytes an element beside it, a ring's addition of its halves
+#: about 9)
+CHUNK = 1 << 18
 
 
 def pieces(x, out):
@@ -113,7 +114,16 @@ def add(a, b, out):
     rounded to float32's 24 bits), rounded once to bfloat16. Rounding to 24 bits first
     cannot change the final result (24 >= 2*8 + 2: double rounding is innocuous), so each
     call is a correctly rounded bfloat16 addition. ``out`` may be ``a`` or ``b``."""
-    s = from_words(a)
-    s += from_words(b)
-    to_words(s, out=out)
+    xp = _xp(a)
+    a16, b16, o16 = (v.view(xp.uint16) for v in (a, b, out))
+    if not (a16.flags.c_contiguous and b16.flags.c_contiguous and o16.flags.c_contiguous):
+        s = from_words(a)
+        s += from_words(b)
+        to_words(s, out=out)
+        return out
+    a16, b16, o16 = a16.reshape(-1), b16.reshape(-1), o16.reshape(-1)
+    for lo in range(0, a16.size, CHUNK):
+        s = from_words(a16[lo:lo + CHUNK])
+        s += from_words(b16[lo:lo + CHUNK])
+        to_words(s, out=o16[lo:lo + CHUNK])
     return out

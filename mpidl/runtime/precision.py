@@ -300,9 +300,15 @@ class Precision:
             if g is None:
                 master.grad = None
                 continue
-            g32 = self.wire.decode(g)
+            # (into last step's buffer: a new one beside it would double the largest)
+            keep = master.grad
+            reuse = keep is not None and keep.shape == g.shape and keep.dtype == np.float32
+            g32 = self.wire.decode(g, out=keep if reuse else None)
             if unscale != 1.0:  # exact: the scale is a power of two
-                g32 = g32 * np.float32(unscale)
+                if g32 is g:  # (float32 already, the caller's: not scaled in place)
+                    g32 = g32 * np.float32(unscale)
+                else:
+                    g32 *= np.float32(unscale)
             master.grad = g32
         placement.step(names)
         for n in names:
