@@ -20,7 +20,7 @@ from mpidl.engine import (SGD, Adam, Embedding, Flatten, Layer, Linear, ReLU, Se
                           SoftmaxCrossEntropy)
 from mpidl.errors import ConfigError
 from mpidl.runtime import build
-from mpidl.runtime.precision import ROUND, Precision, check_model
+from mpidl.runtime.precision import ROUND, Precision, Wire, check_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "ranks", "precision_check.py")
@@ -111,7 +111,8 @@ def test_bf16_words_round_trip_and_add_is_correctly_rounded():
 
 def test_large_tensors_convert_piece_by_piece_with_the_same_bits():
     # into a given array, more than bfloat16.CHUNK elements go a piece at a time (small
-    # temporaries): the bits are the whole-array conversion's, NaN and infinities too
+    # temporaries): the bits are the whole-array conversion's (and sum's), NaN and
+    # infinities too
     rng = np.random.default_rng(4)
     x = (rng.standard_normal(2 * bfloat16.CHUNK + 3) * 1e4).astype(np.float32)
     x[[0, 5, -1]] = [np.nan, np.inf, 3.4e38]
@@ -125,6 +126,12 @@ def test_large_tensors_convert_piece_by_piece_with_the_same_bits():
     back = np.empty_like(x)
     bfloat16.from_words(words, out=back)
     assert np.array_equal(back.view(np.uint32), whole)
+    other = np.roll(words, 7)
+    total = bfloat16.to_words(bfloat16.from_words(words) + bfloat16.from_words(other))
+    assert np.array_equal(bfloat16.add(words, other, other), total)  # (in place)
+    halved = np.empty_like(words)  # (a bucket's encoding, times 1/N)
+    Wire("bf16").encode(x, 0.5, halved)
+    assert np.array_equal(halved, bfloat16.to_words(x * np.float32(0.5)))
     half = x.copy()
     ROUND["fp16"](half)
     with np.errstate(over="ignore"):

@@ -106,8 +106,11 @@ class Wire:
                 xp.copyto(out, grad, casting="same_kind")
             else:
                 xp.multiply(grad, scale, out=out)  # float32 product, rounded once
-        else:
-            bfloat16.to_words(grad if scale == 1.0 else grad * np.float32(scale), out=out)
+        elif scale == 1.0:
+            bfloat16.to_words(grad, out=out)
+        else:  # (a piece at a time: no float32 copy of a whole tensor)
+            for gs, os in bfloat16.pieces(grad, out):
+                bfloat16.to_words(gs * np.float32(scale), out=os)
 
     def decode(self, g, out=None):
         """A gradient (or working copy) as float32: a new array, or into ``out``."""
