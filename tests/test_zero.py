@@ -156,6 +156,27 @@ def test_auto_resolves_like_stage_0_and_stays_exact_on_4_ranks():
     assert "all-reduce + own chunk" in out
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_stage_3_gathers_decode_in_place_from_the_buffers_second_half(fmt):
+    # mixed precision at stage 3: the 2-byte words arrive in the second half of the full
+    # float32 buffer's bytes and are decoded into it, piece by piece from the front;
+    # every value must be what decoding them elsewhere gives (several pieces, a ragged end)
+    from mpidl import bfloat16
+    from mpidl.runtime.precision import Wire
+    from mpidl.runtime.zero import _decode_tail, _words
+
+    wire = Wire(fmt)
+    n = 3 * bfloat16.CHUNK + 5
+    values = (np.random.default_rng(1).standard_normal(n) * 100).astype(np.float32)
+    words = np.empty(n, wire.storage)
+    wire.encode(values, 1.0, words)
+    buf = np.empty(n, np.float32)
+    tail = _words(buf)[n:]
+    tail[...] = _words(words)
+    _decode_tail(wire, tail, buf)
+    assert np.array_equal(buf, wire.decode(words))
+
+
 def test_exactness_table():
     assert exact_reduce_scatter("ring", 4) and exact_reduce_scatter("tree", 5)
     assert exact_reduce_scatter("recursive_doubling", 3)

@@ -264,7 +264,8 @@ def prepare(args, world):
             log.info(
                 f"training {cfg.model} on {dataset.name} ({len(dataset.train_y)} train / "
                 f"{len(dataset.test_y)} test, input {dataset.input_shape}) | {world.size} "
-                f"rank(s), strategy {name}{layout_note(cfg, world.size)}, device {backend.device()}, {cfg.dtype} | batch "
+                f"rank(s), strategy {runtime.name}{layout_note(cfg, world.size)}, device "
+                f"{backend.device()}, {cfg.dtype} | batch "
                 f"{cfg.batch_size}/rank = {trainer.loader.global_batch_size} global, "
                 f"{trainer.steps_per_epoch} steps/epoch x {cfg.epochs} epochs | "
                 f"{cfg.optimizer} lr {trainer.base_lr:g} ({cfg.schedule}, warm-up "

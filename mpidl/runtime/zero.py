@@ -460,6 +460,18 @@ def _words(buf):
     return buf.view(array_module(buf).uint16)
 
 
+def _decode_tail(wire, words, buf):
+    """Decode ``words`` (the 2-byte format, the second half of float32 ``buf``'s bytes)
+    into ``buf`` in place: a piece at a time from the front, each piece read whole before
+    it is written, and piece [lo, hi) writes bytes below 4·hi <= 2·n + 2·hi, where the
+    words still to be read begin: nothing unread is overwritten."""
+    from mpidl.bfloat16 import CHUNK  # noqa: PLC0415
+
+    storage = words.view(wire.storage)
+    for lo in range(0, buf.size, CHUNK):
+        wire.decode(storage[lo:lo + CHUNK], out=buf[lo:lo + CHUNK])
+
+
 def _ranges(idx):
     return ", ".join(str(i) for i in idx) if len(idx) <= 4 else f"{idx[0]}..{idx[-1]}"
 
@@ -747,8 +759,9 @@ class ParamGathers:
     the rest would be held until its end). The ledger counts them (``mem_comm``).
 
     Under mixed precision (``wire``) a gather sends each rank's 2-byte chunk of the
-    working copies (``Shard.low``) into a 2-byte buffer, decoded into the full float32
-    buffer once it has arrived (``_bind``).
+    working copies (``Shard.low``) into the second half of the full float32 buffer's
+    bytes, decoded into the whole buffer once it has arrived (``_bind``, ``_decode_tail``):
+    no buffer beside it.
     """
 
     def __init__(self, sync, model, reuse=False, part_of=None, wire=None):
@@ -758,7 +771,7 @@ class ParamGathers:
         self.comm = sync.comm
         self.shards = sync.shards
         self.wire = wire
-        self.words = {}  # bucket index -> its 2-byte gather in flight (mixed precision)
+        self.words = {}  # bucket index -> its gathered 2-byte words (mixed precision)
         index_of = {id(p): sh.bucket.index for sh in self.shards for p in sh.bucket.params}
         self.needs = {}  # id(layer) -> indices of the buckets its own parameters are in
         for m, params in param_layers(model):
@@ -829,9 +842,8 @@ class ParamGathers:
             sent = buf
             buf[sh.lo:sh.hi] = sh.param.data
         else:
-            sent = self.words[i] = array_module(buf).empty(buf.size, dtype=sh.low.dtype)
-            sent[sh.lo:sh.hi] = sh.low
-            sent = _words(sent)
+            sent = self.words[i] = _words(buf)[buf.size:]  # (the second half of its bytes)
+            sent[sh.lo:sh.hi] = _words(sh.low)
         handle = None
         if not self.pinned:
             self.gathers += 1
@@ -882,7 +894,7 @@ class ParamGathers:
         sh = self.shards[i]
         words = self.words.pop(i, None)
         if words is not None:
-            self.wire.decode(words, out=buf)
+            _decode_tail(self.wire, words, buf)
         sh.params = buf
         offset = 0
         for p, view in zip(sh.bucket.params, sh.bucket.views):
