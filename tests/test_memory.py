@@ -52,6 +52,23 @@ def test_info_memory_prints_the_prediction():
     assert sum(r["mem_optimizer"] for r in rows) == 8 * psi
 
 
+def test_info_memory_of_zero_3_in_bf16_prints_what_the_emulation_holds():
+    out = subprocess.run([sys.executable, "-m", "mpidl", "info", "--memory", "--model", "mlp",
+                          "--zero", "3", "--ranks", "4", "--optimizer", "adam",
+                          "--precision", "bf16", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    psi = info["per_rank"][0]["elements"]
+    formula, held = info["per_rank"], info["per_rank_emulated"]
+    # the paper's (2 + 2 + 12)Ψ/N; the emulation adds the decoded float32 gradient chunk
+    assert sum(r["mem_params"] for r in formula) == sum(r["mem_params"] for r in held) \
+        == 2 * psi
+    assert sum(r["mem_grads"] for r in formula) == 2 * psi
+    assert sum(r["mem_grads"] for r in held) == 6 * psi
+    assert sum(r["mem_optimizer"] for r in held) == 12 * psi
+
+
 def test_info_memory_bad_model_is_one_line():
     out = subprocess.run([sys.executable, "-m", "mpidl", "info", "--memory", "--model",
                           "nope"], capture_output=True, text=True, timeout=120)
