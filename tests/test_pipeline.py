@@ -279,12 +279,12 @@ def _bitwise_lines(out):
 
 
 def test_every_schedule_equals_one_process_bitwise():
-    """Point 1 (the CI slice): every schedule (and async) x three models, 10 steps,
+    """Point 1 (the CI slice): every schedule (and async) x three models, 6 steps,
     bitwise one process and the memory formulas -- P = 2 over M in {1, P, 4P} with SGD +
     momentum. Adam is in CI through the 3-D layouts, P = 4 and 8 through
     test_eight_stages_oversubscribed and the 3-D layouts; the full grids at P = 2, 3 and 4
     (Adam too) are the slow test below."""
-    out = pp_check(2, "2x1", "mlp,resnet,gpt", ALL_KINDS, "1,P,4P", "sgd", 10)
+    out = pp_check(2, "2x1", "mlp,resnet,gpt", ALL_KINDS, "1,P,4P", "sgd", 6)
     assert len(_bitwise_lines(out)) == 3 * 1 * 5 * 3, out
 
 
@@ -324,11 +324,12 @@ def test_mixed_precision_in_pipelines_equals_one_process():
     """--precision bf16 and fp16 under a pipeline: each chunk rounds its input and its
     incoming gradient as the whole model does (values from a stage boundary are on the
     grid already), so P = 2 is bitwise one process with the same precision over every
-    schedule; fp16 from a loss scale of 2**18 skips the same steps with the same scale,
+    schedule (the gpt-tiny too: its embeddings' rows, attention and position embedding);
+    fp16 from a loss scale of 2**18 skips the same steps with the same scale,
     and needs the stages to agree on an overflow (in this run a step overflows on one
     stage only: without the agreement it is not bitwise, tried by hand)."""
-    out = pp_check(2, "2x1", "mlp", ALL_KINDS, "1,4", "sgd", 6, "bf16")
-    assert len(_bitwise_lines(out)) == 10, out
+    out = pp_check(2, "2x1", "mlp,gpt", ALL_KINDS, "1,4", "sgd", 6, "bf16")
+    assert len(_bitwise_lines(out)) == 20, out
     out = pp_check(2, "2x1", "mlp,resnet", "1f1b,zb", "1,4", "adam", 10, "fp16")
     assert len(_bitwise_lines(out)) == 8, out
 
@@ -382,9 +383,9 @@ def test_recompute_and_dropout_equal_one_process_bitwise():
     """--recompute re-runs each stage's forward from its kept input with the buffers it
     saw (the same dropout masks, BatchNorm statistics counted once): still bitwise, and
     only the inputs are held."""
-    out = pp_check(2, "2x1", "mlp,gpt", ALL_KINDS, "1,4P", "sgd", 10, "recompute,dropout")
+    out = pp_check(2, "2x1", "mlp,gpt", ALL_KINDS, "1,4P", "sgd", 6, "recompute,dropout")
     assert out.count("bitwise") == 2 * 5 * 2, out
-    out = pp_check(3, "3x1", "resnet", "1f1b,zb", "1,P", "adam", 10, "recompute")
+    out = pp_check(3, "3x1", "resnet", "1f1b,zb", "1,P", "adam", 6, "recompute")
     assert out.count("bitwise") == 2 * 2, out
 
 
@@ -408,7 +409,7 @@ LAYOUTS_3D = "2x2,4x1,2x1,4x2,1x4,2x4,1x2"  # P x T; data parallelism: 8 / (P T)
 
 
 @pytest.mark.parametrize("models, zero2_meshes, async_meshes, steps", [
-    ("gpt", None, "2x2", 10),
+    ("gpt", None, "2x2", 6),
     pytest.param("gpt,mlp", "2x2,2x1,1x2", "2x2,4x1,2x1", 20, marks=pytest.mark.slow,
                  id="full-grid"),
 ])

@@ -187,6 +187,40 @@ def test_training_loss_falls_with_masters_and_working_copies_on_the_grid(fmt, st
     assert np.array_equal(x[0], problem(40)[0][0]), "the input batch is never modified"
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_gpt_tiny_trains_with_its_embeddings_gradient_rounded_once_per_row(fmt):
+    # the token Embedding's row-sparse gradient: duplicate rows summed, then rounded (as
+    # a dense gradient would be), and given to the optimizer dense; the attention and
+    # position embedding round like any layer
+    from mpidl.engine.losses import TokenCrossEntropy
+    from mpidl.engine.models import build_model
+    from mpidl.engine.module import SparseGrad
+    from mpidl.engine.optim import make_optimizer
+
+    model = build_model("gpt-tiny", (8,), 7, seed=0, layers=1, heads=2, width=16, context=8)
+    opt = make_optimizer("adam", model.named_parameters(), lr=3e-3)
+    rt = build("local", None, precision=fmt)
+    rt.setup(model, opt, TokenCrossEntropy())
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 7, size=(6, 8))  # (every id many times: duplicate rows)
+    y = np.roll(x, -1, axis=1)
+    losses = [rt.train_step(x, y) for _ in range(30)]
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
+    sparse = [(n, p.grad) for n, p in model.named_parameters()
+              if isinstance(p.grad, SparseGrad)]
+    assert len(sparse) == 1, [n for n, _ in sparse]
+    _, g = sparse[0]
+    assert np.array_equal(g.indices, np.unique(x)) and on_grid(fmt, g.values)
+    for name, p in model.named_parameters():
+        assert on_grid(fmt, p.data), name
+    # data parallelism exchanges those rows in the 2-byte buckets only
+    rt = build("allreduce", None, precision=fmt)
+    with pytest.raises(ConfigError, match="row-sparse gradients, which --sparse-grads "
+                                          "allgather .* add --sparse-grads dense"):
+        rt.setup(build_model("gpt-tiny", (8,), 7, seed=0, layers=1, heads=2, width=16,
+                             context=8), opt, TokenCrossEntropy())
+
+
 def test_fp32_has_no_precision_part():
     assert build("local", None).precision is None
     assert build("allreduce", None, precision="fp32").precision is None
@@ -279,7 +313,8 @@ class MyLayer(Layer):
 
 
 @pytest.mark.parametrize("model, needle", [
-    (lambda: Sequential(Embedding(10, 4), Flatten(), Linear(8, 2)), "layer '0' (Embedding)"),
+    (lambda: Sequential(Embedding(10, 4), Flatten(), Sequential(MyLayer())),
+     "layer '2.0' (MyLayer)"),
     (lambda: Sequential(Linear(4, 4), MyLayer()), "layer '1' (MyLayer)"),
 ])
 def test_layers_without_a_low_precision_path_are_refused(model, needle):

@@ -147,6 +147,7 @@ def test_signal_mid_epoch_checkpoints_and_resume_is_bitwise_equal(tmp_path, unin
     assert json_lines(resumed.output)[-1]["test_loss"] == full_lines[-1]["test_loss"]
 
 
+@pytest.mark.slow  # (CI: the stop's own checkpoint and resume, in the test above)
 def test_signal_with_checkpoint_every_reuses_that_checkpoint_folder(tmp_path, uninterrupted):
     """With --checkpoint-every and --checkpoint-dir the stop's checkpoint goes beside the
     periodic ones (pruned with them), and --resume auto takes it."""

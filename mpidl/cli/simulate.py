@@ -197,6 +197,7 @@ def _check_model(cfg, model, optimizer):
     zero.check_setup(zero.check_stage(cfg.zero or 0), model, optimizer,
                      check_sparse_mode(cfg.sparse_grads))
     precision.check_model(model, cfg.precision)
+    precision.check_sparse_exchange(model, cfg.precision, check_sparse_mode(cfg.sparse_grads))
     from mpidl.runtime.presets import ALIASES  # noqa: PLC0415
 
     if ALIASES.get(cfg.strategy, cfg.strategy) == "hogwild":  # (plain SGD only)

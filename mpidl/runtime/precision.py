@@ -131,14 +131,54 @@ class Wire:
 
 # -- which layers have a low-precision path -------------------------------------------------
 def _supported_types():
-    from mpidl.engine import activations, conv, dropout, linear, module, normalization  # noqa
-    from mpidl.engine import pooling, reshape, residual  # noqa: PLC0415
+    from mpidl.engine import activations, attention, conv, dropout, embedding  # noqa
+    from mpidl.engine import linear, module, normalization, pooling, reshape  # noqa
+    from mpidl.engine import residual  # noqa: PLC0415
 
     return (module.Sequential, linear.Linear, conv.Conv2d, activations.ReLU,
             activations.LeakyReLU, activations.Tanh, activations.Sigmoid, activations.GELU,
             dropout.Dropout, reshape.Flatten, reshape.Reshape, pooling.MaxPool2d,
             pooling.AvgPool2d, pooling.GlobalAvgPool2d, normalization.BatchNorm1d,
-            normalization.BatchNorm2d, normalization.LayerNorm, residual.Residual)
+            normalization.BatchNorm2d, normalization.LayerNorm, residual.Residual,
+            embedding.Embedding, attention.PositionEmbedding, attention.CausalAttention)
+
+
+def _round_grad(grad, rnd):
+    """A parameter's gradient rounded to the format: in place, or for a row-sparse one
+    (an Embedding's) its duplicate rows summed first, as a dense gradient would hold
+    them (a new ``SparseGrad``)."""
+    from mpidl.engine.module import SparseGrad  # noqa: PLC0415
+
+    if isinstance(grad, SparseGrad):
+        grad = grad.coalesce()
+        if grad.values.size:  # (coalesce made the rows anew)
+            rnd(grad.values)
+        return grad
+    return rnd(grad)
+
+
+def _dense(grad):
+    """A row-sparse gradient as its dense array (exact: its rows are unique and on the
+    grid already, ``_round_grad``); any other as it is."""
+    from mpidl.engine.module import SparseGrad  # noqa: PLC0415
+
+    return grad.to_dense() if isinstance(grad, SparseGrad) else grad
+
+
+def check_sparse_exchange(model, fmt, sparse_mode):
+    """ConfigError when row-sparse gradients would travel outside the 2-byte buckets
+    (``--sparse-grads allgather`` gathers float32 rows): mixed precision wants them in
+    the buckets (``--sparse-grads dense``)."""
+    if fmt in (None, "fp32") or sparse_mode != "allgather":
+        return
+    from mpidl.runtime.sync.rowsparse import sparse_param_names  # noqa: PLC0415
+
+    sparse = sorted(sparse_param_names(model))
+    if sparse:
+        raise ConfigError(f"--precision {fmt}: {', '.join(sparse[:3])} ha"
+                          f"{'s' if len(sparse) == 1 else 've'} row-sparse gradients, which "
+                          "--sparse-grads allgather exchanges as float32 rows outside the "
+                          "2-byte buckets; add --sparse-grads dense")
 
 
 def check_model(model, fmt):
@@ -251,7 +291,7 @@ class Precision:
             dx = backward(dy)
             for p in own:
                 if p.grad is not None:
-                    rnd(p.grad)
+                    p.grad = _round_grad(p.grad, rnd)
             return rnd(dx) if dx is not None and round_output else dx
 
         layer.forward, layer.backward = low_forward, low_backward
@@ -289,8 +329,8 @@ class Precision:
 
         if self.sharded is not None:
             grads = placement.reduced_chunks(names)
-        else:
-            grads = [self.params[n].grad for n in names]
+        else:  # (one process: an Embedding's gradient is still row-sparse)
+            grads = [_dense(self.params[n].grad) for n in names]
         if self.dynamic and self._overflowed(grads):
             return False
         if self.sharded is not None:

@@ -282,6 +282,9 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
                  sched, syncs, Replicated, sync_bn=sync_bn, unused=unused, averaging=averaging,
                  precision=prec, tensor_parallel=part, pipeline=pp)
     rt.compressor = compressor
+    if prec is not None and sparse_mode == "allgather":
+        rt.checks.append(lambda model, optimizer: precision_part.check_sparse_exchange(
+            model, prec.format, sparse_mode))
     _add_checks(rt, part, pp)
     return rt
 
