@@ -42,15 +42,16 @@ _SHIFT = np.uint32(16)
 CHUNK = 1 << 18
 
 
-def pieces(x, out):
-    """``(x piece, out piece)``: flat views of ``CHUNK`` elements each, or the whole
-    arrays at once when they are small or not contiguous (a flat view would be a copy)."""
-    if x.size <= CHUNK or not (x.flags.c_contiguous and out.flags.c_contiguous):
-        yield x, out
+def pieces(*arrays):
+    """Tuples of the same piece of each of ``arrays`` (equal sizes): flat views of
+    ``CHUNK`` elements, from the front, or the whole arrays at once when they are small
+    or one is not contiguous (a flat view would be a copy)."""
+    if arrays[0].size <= CHUNK or not all(a.flags.c_contiguous for a in arrays):
+        yield arrays
         return
-    xf, of = x.reshape(-1), out.reshape(-1)
-    for lo in range(0, xf.size, CHUNK):
-        yield xf[lo:lo + CHUNK], of[lo:lo + CHUNK]
+    flat = [a.reshape(-1) for a in arrays]
+    for lo in range(0, flat[0].size, CHUNK):
+        yield tuple(f[lo:lo + CHUNK] for f in flat)
 
 
 def _xp(x):
@@ -115,15 +116,8 @@ def add(a, b, out):
     cannot change the final result (24 >= 2*8 + 2: double rounding is innocuous), so each
     call is a correctly rounded bfloat16 addition. ``out`` may be ``a`` or ``b``."""
     xp = _xp(a)
-    a16, b16, o16 = (v.view(xp.uint16) for v in (a, b, out))
-    if not (a16.flags.c_contiguous and b16.flags.c_contiguous and o16.flags.c_contiguous):
-        s = from_words(a)
-        s += from_words(b)
-        to_words(s, out=out)
-        return out
-    a16, b16, o16 = a16.reshape(-1), b16.reshape(-1), o16.reshape(-1)
-    for lo in range(0, a16.size, CHUNK):
-        s = from_words(a16[lo:lo + CHUNK])
-        s += from_words(b16[lo:lo + CHUNK])
-        to_words(s, out=o16[lo:lo + CHUNK])
+    for a16, b16, o16 in pieces(*(v.view(xp.uint16) for v in (a, b, out))):
+        s = from_words(a16)
+        s += from_words(b16)
+        to_words(s, out=o16)
     return out

@@ -69,7 +69,7 @@ def _round_fp16(x):
     """``x`` (float32) rounded in place to float16 values (nearest even; beyond 65504:
     inf)."""
     with np.errstate(over="ignore"):  # overflowing to inf is float16's (and the point)
-        for xs, _ in bfloat16.pieces(x, x):  # (a float16 copy of a piece at a time)
+        for (xs,) in bfloat16.pieces(x):  # (a float16 copy of a piece at a time)
             xs[...] = xs.astype(np.float16)
     return x
 
@@ -427,10 +427,11 @@ class Precision:
 
         if self.sharded is not None:
             self.sharded.load_masters(state["masters"])
-        for n, value in (state["masters"].items() if self.sharded is None else ()):
-            self.masters[n].data[...] = to_device(value, dtype=np.float32)
-            self.params[n].data[...] = self.masters[n].data
-            self.round(self.params[n].data)
+        else:
+            for n, value in state["masters"].items():
+                self.masters[n].data[...] = to_device(value, dtype=np.float32)
+                self.params[n].data[...] = self.masters[n].data
+                self.round(self.params[n].data)
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
         self.skipped_total = int(state["skipped_total"])

@@ -465,11 +465,10 @@ def _decode_tail(wire, words, buf):
     into ``buf`` in place: a piece at a time from the front, each piece read whole before
     it is written, and piece [lo, hi) writes bytes below 4·hi <= 2·n + 2·hi, where the
     words still to be read begin: nothing unread is overwritten."""
-    from mpidl.bfloat16 import CHUNK  # noqa: PLC0415
+    from mpidl.bfloat16 import pieces  # noqa: PLC0415
 
-    storage = words.view(wire.storage)
-    for lo in range(0, buf.size, CHUNK):
-        wire.decode(storage[lo:lo + CHUNK], out=buf[lo:lo + CHUNK])
+    for piece, out in pieces(words.view(wire.storage), buf):
+        wire.decode(piece, out=out)
 
 
 def _ranges(idx):
