@@ -373,6 +373,18 @@ def test_cli_layer_without_fp16_path(tmp_path):
                    tmp_path=tmp_path)
 
 
+def test_cli_gpt_tiny_over_ranks_needs_its_rows_in_the_buckets(tmp_path):
+    # (one process trains it as it is: test_gpt_tiny_trains_with_...)
+    from mpirun import assert_one_line_error, mpiexec_cmd
+
+    launch = run_command([*mpiexec_cmd(), "-n", "2"] + MPIDL + [
+        "train", "--model", "gpt-tiny", "--precision", "bf16", "--no-progress",
+        "--limit-train", "64", "--limit-test", "32", "--epochs", "1", "--out-dir",
+        str(tmp_path / "out")], timeout=120)
+    assert_one_line_error(launch, "--precision bf16", "row-sparse gradients",
+                          "add --sparse-grads dense")
+
+
 def test_cli_parameter_server(tmp_path):
     one_line_error(["train", "--precision", "fp16", "--strategy", "ps"] + FAST,
                    "--precision fp16 cannot be used with --strategy ps", tmp_path=tmp_path)
