@@ -460,7 +460,8 @@ def build_model_and_optimizer(cfg, dataset, init=None, steps=None):
                               f"take {flag}: {', '.join(_taking(MODELS, name))})")
     try:
         model = build_model(cfg.model, input_shape=input_shape, num_classes=num_classes,
-                            seed=cfg.seed, dtype=cfg.dtype, **options)
+                            seed=cfg.seed, dtype=cfg.dtype,
+                            lazy=init is None and builds_lazily(cfg), **options)
     except (ShapeError, ValueError) as e:  # the model's arguments come from the user
         raise UserError(f"{where}: {e}") from None
     if init is not None:
@@ -471,6 +472,19 @@ def build_model_and_optimizer(cfg, dataset, init=None, steps=None):
                               f"{e}") from None
     check_model_fits(model, dataset, where, cfg.dtype)
     return model, make_optimizer(cfg, model, steps)
+
+
+def builds_lazily(cfg):
+    """Whether the model is built lazily, each rank drawing only what it keeps
+    (``mpidl.engine.lazy``): a zoo model under a layout that keeps only part of it on a
+    rank (tensor or pipeline parallelism, the conv-DP/FC-MP hybrid). A model of your own
+    (``FILE.py:FUNC``) is built as it is written: its builder may read the values it
+    draws."""
+    from mpidl.engine.models import MODELS  # noqa: PLC0415
+
+    return cfg.model in MODELS and ((getattr(cfg, "tensor_parallel", 1) or 1) > 1
+                                    or (getattr(cfg, "pipeline_stages", 1) or 1) > 1
+                                    or bool(getattr(cfg, "hybrid", None)))
 
 
 def _taking(models, option):
@@ -498,12 +512,14 @@ def check_model_fits(model, dataset, where, dtype):
     from mpidl.backend import to_device  # noqa: PLC0415
     from mpidl.data.loader import input_dtype  # noqa: PLC0415
     from mpidl.engine import ShapeError  # noqa: PLC0415
+    from mpidl.engine.lazy import shape_only  # noqa: PLC0415
 
     x = dataset.test_x[:2] if len(dataset.test_x) else dataset.train_x[:2]
     x = to_device(x, dtype=input_dtype(x, dtype))
     model.eval()
     try:
-        out = model(x)
+        with shape_only(model):  # a lazily built model's parameters read as zeros
+            out = model(x)
     except ShapeError as e:
         raise UserError(f"{where}: {e}") from None
     finally:

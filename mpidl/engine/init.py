@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from mpidl.backend import to_device
+from mpidl.engine.lazy import LazyRNG, defer, elementwise
 
 
 def as_generator(rng):
@@ -30,40 +31,48 @@ def _uniform(rng, shape, bound):
     return rng.uniform(-bound, bound, size=shape)
 
 
+@elementwise
 def he_uniform(rng, shape, fan_in, fan_out=None):
     """Kaiming/He uniform for ReLU nets: U(-b, b), b = sqrt(6 / fan_in)."""
     return _uniform(rng, shape, math.sqrt(6.0 / fan_in))
 
 
+@elementwise
 def he_normal(rng, shape, fan_in, fan_out=None):
     """Kaiming/He normal for ReLU nets: N(0, 2 / fan_in)."""
     return rng.normal(0.0, math.sqrt(2.0 / fan_in), size=shape)
 
 
+@elementwise
 def glorot_uniform(rng, shape, fan_in, fan_out):
     """Glorot/Xavier uniform: U(-b, b), b = sqrt(6 / (fan_in + fan_out))."""
     return _uniform(rng, shape, math.sqrt(6.0 / (fan_in + fan_out)))
 
 
+@elementwise
 def glorot_normal(rng, shape, fan_in, fan_out):
     """Glorot/Xavier normal: N(0, 2 / (fan_in + fan_out))."""
     return rng.normal(0.0, math.sqrt(2.0 / (fan_in + fan_out)), size=shape)
 
 
+@elementwise
 def lecun_uniform(rng, shape, fan_in, fan_out=None):
     """U(-b, b), b = sqrt(3 / fan_in) (unit variance for linear/tanh layers)."""
     return _uniform(rng, shape, math.sqrt(3.0 / fan_in))
 
 
+@elementwise
 def normal(rng, shape, fan_in=None, fan_out=None):
     """N(0, 1) (Embedding's default, as in PyTorch)."""
     return rng.standard_normal(size=shape)
 
 
+@elementwise
 def zeros(rng, shape, fan_in=None, fan_out=None):
     return np.zeros(shape)
 
 
+@elementwise
 def ones(rng, shape, fan_in=None, fan_out=None):
     return np.ones(shape)
 
@@ -82,7 +91,9 @@ INITIALIZERS = {
 
 def initialize(init, shape, fan_in=None, fan_out=None, rng=None, dtype="float32"):
     """Draw an array of ``shape`` with initializer ``init`` (a name or a callable
-    ``f(rng, shape, fan_in, fan_out) -> ndarray``) and return it on the device."""
+    ``f(rng, shape, fan_in, fan_out) -> ndarray``) and return it on the device. Under a
+    ``LazyRNG`` (``mpidl.engine.lazy``) an ``elementwise`` initializer returns a
+    ``LazyInit`` instead, drawn later where the values are kept."""
     if callable(init):
         fn = init
     else:
@@ -91,6 +102,10 @@ def initialize(init, shape, fan_in=None, fan_out=None, rng=None, dtype="float32"
         except KeyError:
             raise ValueError(f"unknown initializer {init!r}: expected one of "
                              f"{', '.join(sorted(INITIALIZERS))} or a callable") from None
+    if isinstance(rng, LazyRNG):  # a lazy build: draw later, where the values are kept
+        lazy = defer(fn, tuple(shape), fan_in, fan_out, rng, dtype)
+        if lazy is not None:
+            return lazy
     host = np.asarray(fn(as_generator(rng), tuple(shape), fan_in, fan_out))
     if host.shape != tuple(shape):
         raise ValueError(f"initializer {init!r} returned shape {host.shape}, expected {tuple(shape)}")

@@ -14,6 +14,7 @@ from mpidl.engine.conv import Conv2d
 from mpidl.engine.dropout import Dropout
 from mpidl.engine.embedding import Embedding
 from mpidl.engine.init import as_generator
+from mpidl.engine.lazy import LazyRNG, elementwise
 from mpidl.engine.linear import Linear
 from mpidl.engine.module import Sequential
 from mpidl.engine.normalization import BatchNorm2d, LayerNorm
@@ -94,6 +95,7 @@ def resnet_tiny(input_shape, num_classes, rng, dtype, widths=(16, 32, 64), stem_
 def _normal(std):
     """An initializer drawing N(0, std^2) (GPT-2's scheme: small weights keep the
     residual stream near the embeddings' scale at the start)."""
+    @elementwise
     def init(rng, shape, fan_in=None, fan_out=None):
         return rng.normal(0.0, std, size=shape)
     return init
@@ -199,10 +201,14 @@ def model_builder(name):
 
 
 def build_model(name, input_shape=(1, 28, 28), num_classes=10, seed=0, dtype="float32",
-                **options):
+                lazy=False, **options):
     """Build model ``name`` (one of ``MODELS``, or ``FILE.py:FUNC``) for inputs of
     ``input_shape`` (without the batch axis). ``options`` go to the builder (e.g.
     ``dropout=0.0``, ``hidden=(512,)``).
+
+    ``lazy``: the parameters are not drawn yet (``mpidl.engine.lazy``): a parallel
+    runtime draws only the slices and layers this rank keeps, bitwise those of the eager
+    build; ``mpidl.engine.lazy.materialize`` draws the rest.
 
     The returned model does not compute the gradient of its input (nobody needs the
     gradient of the data), which saves the first layer's ``dx`` GEMM.
@@ -211,8 +217,9 @@ def build_model(name, input_shape=(1, 28, 28), num_classes=10, seed=0, dtype="fl
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
     try:
-        model = builder(tuple(input_shape), int(num_classes), as_generator(seed), dtype,
-                        **options)
+        rng = as_generator(seed)
+        model = builder(tuple(input_shape), int(num_classes), LazyRNG(rng) if lazy else rng,
+                        dtype, **options)
     except TypeError as e:
         if "unexpected keyword" in str(e):
             raise ValueError(f"model {name!r} does not take option(s) {sorted(options)}: {e}") from None

@@ -6,7 +6,9 @@ balanced by cost: by default each layer's forward + backward time measured on th
 first micro-batch (on world rank 0, broadcast, so every rank cuts alike), or a cost per
 layer the user gives (``--stage-costs``). Every rank builds the whole model from the
 seed, then keeps its pieces (the same ``Parameter`` objects, under their names in the
-whole model, so checkpoints and parameter names do not depend on the layout).
+whole model, so checkpoints and parameter names do not depend on the layout); built
+lazily (``mpidl.engine.lazy``, what ``mpidl train`` does), the layers of other stages are
+never drawn.
 
 A step runs the schedule's list of actions for this rank (``pipeline_schedule``): a
 forward of a micro-batch through a chunk takes its input from the data (the first
@@ -64,8 +66,9 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from mpidl import backend
-from mpidl.backend import array_module, to_numpy
+from mpidl.backend import array_module, to_device, to_numpy
 from mpidl.engine.attention import TiedHead
+from mpidl.engine.lazy import drawn, is_lazy
 from mpidl.engine.module import Parameter, Sequential, SparseGrad
 from mpidl.errors import ConfigError
 from mpidl.options import Option
@@ -324,18 +327,21 @@ class Pipeline:
         spec = self.cost_spec
         measured = None
         if spec in (None, "", "measured") and sample is not None:
-            measured = self._measure(layers, sample)
             self.cost_source = "measured"
         elif spec in (None, "", "measured", "layers"):
             self.cost_source = "one per layer" + ("" if spec == "layers" else
                                                   " (no batch to time them on)")
         else:
             self.cost_source = "given"
-        if self.emulate and sample is not None and measured is None:
-            measured = self._measure(layers, sample)  # the shapes the stages send
-        if measured is not None and world is not None:
-            with world.waiting("in the broadcast of measured layer times (pipeline)"):
-                measured = world.mpi.bcast(measured, root=0)
+        # (emulated compute needs the times, and the shapes the stages send, in any case)
+        if sample is not None and (self.cost_source == "measured" or self.emulate):
+            # world rank 0's times are used; the other ranks time the layers too only
+            # where a layer's forward is collective (tensor parallelism)
+            if tp is not None or world is None or world.rank == 0:
+                measured = self._measure(layers, sample)
+            if world is not None:
+                with world.waiting("in the broadcast of measured layer times (pipeline)"):
+                    measured = world.mpi.bcast(measured, root=0)
         if self.cost_source == "measured":
             self.costs = [f + b + w for f, b, w in zip(*measured[:3])]
         elif self.cost_source == "given":
@@ -399,7 +405,8 @@ class Pipeline:
             if self.rank == owner:
                 ties.append(_Tie("owner", p, owner_chunk, head, head_vs, owner_vs))
             elif self.rank == head:
-                copy = Parameter(p.data.copy(), placement=p.placement)
+                copy = Parameter(to_device(p.data.draw()) if is_lazy(p.data) else
+                                 p.data.copy(), placement=p.placement)
                 layers[i].weight = copy
                 del layers[i]._params["weight"]
                 ties.append(_Tie("head", copy, head_chunk, owner, head_vs, owner_vs))
@@ -458,7 +465,10 @@ class Pipeline:
     def _measure(self, layers, sample):
         """Per layer: forward, input-gradient and weight-gradient seconds on ``sample``
         (the best of three), and the output shape and dtype; nothing of the model is
-        changed (buffers restored, gradients and contexts dropped)."""
+        changed (buffers restored, gradients and contexts dropped). A lazily built
+        layer's parameters are drawn for its forward and for its backward only, and each
+        layer's gradients are dropped once timed, so no more than one layer's parameters
+        and gradients are held at a time."""
         x = sample[0]
         snap = [_snapshot(layer) for layer in layers]
         fwd, bwd, wgt = [np.inf] * len(layers), [np.inf] * len(layers), [np.inf] * len(layers)
@@ -466,7 +476,7 @@ class Pipeline:
         for rep in range(3):
             h, outs = x, []
             for i, layer in enumerate(layers):
-                with layer.micro_batch("measure"):
+                with drawn(layer), layer.micro_batch("measure"):
                     t = _clock()
                     h = layer(h)
                     fwd[i] = min(fwd[i], _clock() - t)
@@ -477,14 +487,17 @@ class Pipeline:
             for i in range(len(layers) - 1, -1, -1):
                 layer = layers[i]
                 deferred = []
-                with _deferring(layer, deferred), layer.micro_batch("measure"):
+                with drawn(layer):
+                    with _deferring(layer, deferred), layer.micro_batch("measure"):
+                        t = _clock()
+                        dy = layer.backprop(dy)
+                        bwd[i] = min(bwd[i], _clock() - t)
                     t = _clock()
-                    dy = layer.backprop(dy)
-                    bwd[i] = min(bwd[i], _clock() - t)
-                t = _clock()
-                for fn in deferred:
-                    fn()
-                wgt[i] = min(wgt[i], _clock() - t)
+                    for fn in deferred:
+                        fn()
+                    wgt[i] = min(wgt[i], _clock() - t)
+                for _, p in layer.named_parameters():  # timed: no layer's gradient is kept
+                    p.grad = None
                 if dy is None:
                     for earlier in layers[:i]:
                         with earlier.micro_batch("measure"):

@@ -43,6 +43,8 @@ import numpy as np
 
 from mpidl.allocator import keep_freed_blocks
 from mpidl.engine.dropout import Dropout
+from mpidl.engine.lazy import lazy_parameters, materialize
+from mpidl.runtime.fusion import MiB
 from mpidl.runtime.sync.base import GradSync
 
 _clock = time.perf_counter
@@ -182,9 +184,10 @@ class Runtime:
         self.check(model, optimizer)
         self.model, self.optimizer, self.loss = model, optimizer, loss
         self.named_params = model.named_parameters()
+        whole = _unique_nbytes(self.named_params) if lazy_parameters(model) else None
         self.schedule.setup(model)
         self._build_groups()
-        if self.tp is not None:  # the model, built whole, is cut into this rank's slices
+        if self.tp is not None:  # the model is cut into this rank's slices
             self.tp.setup(model, self.tp_group)
             self.loss = loss = self.tp.loss(loss)
             self.named_params = model.named_parameters()
@@ -192,6 +195,10 @@ class Runtime:
             self.pp.cut(model, optimizer, self.pp_group, self.comm, self.sample_batch,
                         self.tp)
             self.named_params = model.named_parameters()
+        materialize(model)  # a lazily built model: what this rank keeps, drawn whole
+        # (bytes this rank drew, the whole model's) of a lazily built model, for the log
+        self.lazy_build = None if whole is None else (_unique_nbytes(self.named_params),
+                                                      whole)
         if self.compressor is not None and self.comm is not None:
             # momentum applied once: a momentum-correcting memory (onebit, dgc) takes it
             # over from whoever runs the optimizer (this rank, or this parameter server)
@@ -572,6 +579,10 @@ class Runtime:
         out = [] if lines is None else lines(batch_size)
         if self.pp is not None:
             out += self.pp.start_lines()
+        if getattr(self, "lazy_build", None) is not None:
+            mine, whole = self.lazy_build
+            out.append(f"model built lazily: this rank drew {mine / MiB:.1f} MiB of the "
+                       f"model's {whole / MiB:.1f} MiB of parameters, only what it keeps")
         return out
 
     def eval_batches(self, x, y, batch_size, dtype=None):
@@ -966,6 +977,11 @@ def _any_rank(groups, flag):
     for group in groups:
         group.allreduce(out, out=out, op="max", algorithm="mpi", name="precision.overflow")
     return bool(out[0])
+
+
+def _unique_nbytes(named_params):
+    """Bytes of the parameters (a tied weight once)."""
+    return sum({id(p): p.data.nbytes for _, p in named_params}.values())
 
 
 def _sliced_over_dp(p):

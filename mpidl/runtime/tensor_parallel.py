@@ -30,14 +30,16 @@ positions, the activations between blocks) is replicated: every rank of the grou
 computes it on the same data, so its parameters get the same gradient bits on every
 rank, and data parallelism averages all parameters over the ``dp`` axis as usual.
 
-The model is built whole from the seed on every rank, then cut: the same initial values
-as one process, which is what makes the run provably equal to one process (within the
-rounding of the all-reduced partial sums). Checkpoints and ``--save`` hold the whole
+The model is cut from the whole model one process would build from the seed: the same
+initial values, which is what makes the run provably equal to one process (within the
+rounding of the all-reduced partial sums). Built lazily (``mpidl.engine.lazy``, what
+``mpidl train`` does), a rank draws only its slices of the split layers, so no rank ever
+holds the whole model. Checkpoints and ``--save`` hold the whole
 model: ``TensorParallel.full_state`` gathers the slices over the group, and
 ``load_full_state`` cuts a whole state (saved at any T) into this rank's slices.
 """
 
-from mpidl.backend import array_module, is_gpu_array, to_numpy
+from mpidl.backend import array_module, is_gpu_array, to_device, to_numpy
 from mpidl.comm.layout import even_split
 from mpidl.engine.activations import GELU, LeakyReLU, ReLU, Sigmoid, Tanh
 from mpidl.engine.dropout import Dropout
@@ -47,6 +49,7 @@ from mpidl.engine.linear import Linear
 from mpidl.engine.losses import Loss, SoftmaxCrossEntropy
 from mpidl.engine._util import as_input, colsum
 from mpidl.engine.gemm import matmul
+from mpidl.engine.lazy import is_lazy
 from mpidl.engine.module import Layer, Sequential, ShapeError, SparseGrad
 from mpidl.engine.placement import Placement
 from mpidl.errors import ConfigError
@@ -97,7 +100,10 @@ class Slice:
 
     def take(self, a):
         """This rank's piece of the whole array ``a``: a copy, so the whole array is not
-        kept alive behind a view."""
+        kept alive behind a view. A ``LazyInit`` (a lazily built model) draws only the
+        piece."""
+        if is_lazy(a):
+            return to_device(a.draw(self.dim, self.lo, self.hi))
         index = [slice(None)] * a.ndim
         index[self.dim] = slice(self.lo, self.hi)
         return a[tuple(index)].copy()

@@ -61,17 +61,19 @@ SHAPES = {"mlp": (1, 6, 6), "resnet": (1, 8, 8), "gpt": (7,)}
 CLASSES = {"mlp": 10, "resnet": 10, "gpt": 11}
 
 
-def make(name, optimizer, dropout, tied=False, dtype="float64"):
+def make(name, optimizer, dropout, tied=False, dtype="float64", lazy=False):
+    """The model and its optimizer; ``lazy``: built lazily, as ``mpidl train`` builds a
+    split model (the pipeline draws only its stages' layers)."""
     if name == "gpt":
         model = build_model("gpt-tiny", input_shape=SHAPES[name], num_classes=11, seed=3,
                             dtype=dtype, layers=2, heads=4, width=16, context=8,
-                            dropout=dropout, tie_weights=tied)
+                            dropout=dropout, tie_weights=tied, lazy=lazy)
     elif name == "resnet":
         model = build_model("resnet-tiny", input_shape=SHAPES[name], num_classes=10, seed=3,
-                            dtype=dtype, widths=(4, 6, 8))
+                            dtype=dtype, widths=(4, 6, 8), lazy=lazy)
     else:
         model = build_model("mlp", input_shape=SHAPES[name], num_classes=10, seed=3,
-                            dtype=dtype, hidden=(12,) * 8, dropout=dropout)
+                            dtype=dtype, hidden=(12,) * 8, dropout=dropout, lazy=lazy)
     named = model.named_parameters()
     # NumPy updates (fused=False): the models are tiny, and loading Numba would cost each of
     # up to 8 ranks a second; the fused kernels are bitwise these (tests/test_optim.py)
@@ -138,7 +140,7 @@ def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
         options.update(low, sparse_grads="dense")
     if "tiedstep" in flags:
         options.update(tied_exchange="step")
-    model, opt = make(name, optimizer, dropout, tied, dtype)
+    model, opt = make(name, optimizer, dropout, tied, dtype, lazy=True)
     try:
         rt = build("allreduce", comm, **options)
         rt.check(model, opt)

@@ -2,8 +2,8 @@
 
 ``mpiexec -n N python -m mpi4py tests/ranks/tp_check.py MODEL T STEPS OPTIMIZER [DROPOUT]``
 
-Builds ``MODEL`` (a small zoo model, float64) whole from one seed on every rank and
-trains it STEPS steps with ``--tensor-parallel T`` on N ranks (data parallelism over
+Builds ``MODEL`` (a small zoo model, float64) from one seed on every rank, lazily (each
+rank draws only its slices, ``mpidl.engine.lazy``), and trains it STEPS steps with ``--tensor-parallel T`` on N ranks (data parallelism over
 N / T, each data-parallel rank its piece of the global batch), beside a one-process
 reference trained here on the whole global batch. Checks:
 
@@ -48,11 +48,13 @@ def batch(name, rng, shape):
     return rng.standard_normal(shape), rng.integers(0, k, shape[:2])
 
 
-def make(name, optimizer, dropout):
+def make(name, optimizer, dropout, lazy=False):
+    """The model and its optimizer; ``lazy``: built lazily, as ``mpidl train`` builds a
+    split model (each rank draws only its slices)."""
     opts = dict(OPTIONS[name], dropout=dropout)
     model = build_model("gpt-tiny" if name.startswith("gpt") else name,
                         input_shape=SHAPES[name], num_classes=CLASSES.get(name, 10), seed=3,
-                        dtype="float64", **opts)
+                        dtype="float64", lazy=lazy, **opts)
     named = model.named_parameters()
     # NumPy updates (fused=False): the models are tiny, and loading Numba would cost each of
     # up to 8 ranks a second; the fused kernels are bitwise these (tests/test_optim.py)
@@ -76,7 +78,7 @@ def main():
     ref, ref_opt = make(name, optimizer, dropout)
     ref_rt = build("local")
     ref_rt.setup(ref, ref_opt, TokenCrossEntropy())
-    model, opt = make(name, optimizer, dropout)
+    model, opt = make(name, optimizer, dropout, lazy=True)
     # BatchNorm over the global batch, as one process computes it
     rt = build("allreduce", comm, tensor_parallel=t, sync_bn=True)
     rt.setup(model, opt, TokenCrossEntropy())

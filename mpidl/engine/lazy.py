@@ -1,0 +1,217 @@
+"""Deferred initialization: parameters drawn only where a rank keeps them.
+
+Tensor and pipeline parallelism keep a slice of some layers, or some of the layers, on
+each rank. Built eagerly, every rank would first draw the whole model from the seed, so
+the largest model that could start is the one that fits a single rank. Built lazily
+(``build_model(..., lazy=True)``, which threads a ``LazyRNG`` through the layers), each
+initializer records where its draw starts in the generator's stream and skips over it
+without keeping the values: the parameter holds a ``LazyInit``, a few hundred bytes.
+When the runtime has cut the model, ``LazyInit.draw`` draws again from that point,
+piece by piece, keeping only this rank's slice (``mpidl.runtime.tensor_parallel``);
+layers another stage keeps are never drawn (``mpidl.runtime.pipeline``); ``materialize``
+draws whatever is left whole.
+
+Exact: the initializers draw element after element in C order (``elementwise``), so a
+draw cut into pieces gives the same numbers as one draw and leaves the generator in the
+same state, and a slice drawn lazily holds bitwise the values of the same slice of the
+eagerly built model. An initializer not marked ``elementwise`` (a user's orthogonal init,
+say) is drawn eagerly at build time, whole: still exact, just not deferred.
+
+The price is time, not memory: a lazy build draws every number twice (once to skip it,
+once where it is kept), at most ``CHUNK`` of them at a time.
+"""
+
+from contextlib import contextmanager
+
+import numpy as np
+
+#: elements drawn at a time when skipping or drawing a lazy parameter (2 MiB of float64)
+CHUNK = 1 << 18
+
+
+def elementwise(fn):
+    """Mark initializer ``fn(rng, shape, fan_in, fan_out)`` as drawing independent
+    elements in C order, so that pieces of a draw give the numbers of the whole draw (what
+    a lazy build relies on); returns ``fn``."""
+    fn.elementwise = True
+    return fn
+
+
+class LazyRNG(np.random.Generator):
+    """A ``numpy.random.Generator`` that tells the initializers to defer their draws.
+
+    It shares the bit generator of the generator it wraps, so every draw not made by an
+    initializer (dropout seeds, a user model's own ``rng.normal``) comes from the same
+    stream, in the same order, as in an eager build."""
+
+    def __init__(self, rng):
+        super().__init__(rng.bit_generator)
+
+
+class LazyInit:
+    """The initial values of one parameter, not drawn yet: initializer ``fn``, ``shape``,
+    ``dtype``, fans, and the bit generator's state where its draw begins. It answers
+    ``shape``, ``dtype``, ``ndim``, ``size``, ``itemsize`` and ``nbytes`` as an array would."""
+
+    __slots__ = ("fn", "shape", "dtype", "fan_in", "fan_out", "bit_generator", "state")
+
+    def __init__(self, fn, shape, dtype, fan_in, fan_out, rng):
+        self.fn = fn
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.fan_in, self.fan_out = fan_in, fan_out
+        self.bit_generator = type(rng.bit_generator)
+        self.state = rng.bit_generator.state
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def itemsize(self):
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self):
+        return self.size * self.dtype.itemsize
+
+    def _pieces(self, stop, rng, rows=False):
+        """Draw elements ``0 .. stop - 1`` of the flat C-order stream from ``rng``, at most
+        ``CHUNK`` at a time (``rows``: whole rows of axis 0, at least one): yields (first
+        element, host array of the parameter's dtype)."""
+        step = CHUNK
+        if rows:
+            row = self._row()
+            step = max(1, CHUNK // row) * row
+        first = 0
+        while first < stop:
+            n = min(step, stop - first)
+            values = np.asarray(self.fn(rng, (n,), self.fan_in, self.fan_out))
+            yield first, values.astype(self.dtype, copy=False)
+            first += n
+
+    def _row(self):
+        """Elements in one row of axis 0."""
+        return self.size // self.shape[0] if self.ndim and self.shape[0] else 1
+
+    def _generator(self):
+        bits = self.bit_generator()
+        bits.state = self.state
+        return np.random.Generator(bits)
+
+    def skip(self, rng):
+        """Advance ``rng`` past this parameter's draw, as drawing it whole would."""
+        for _ in self._pieces(self.size, rng):
+            pass
+
+    def draw(self, dim=None, lo=None, hi=None):
+        """The values (a host array): whole, or the slice ``[lo, hi)`` along ``dim``."""
+        rng = self._generator()
+        if dim is None:
+            out = np.empty(self.size, dtype=self.dtype)
+            for first, piece in self._pieces(self.size, rng):
+                out[first:first + piece.size] = piece
+            return out.reshape(self.shape)
+        shape = list(self.shape)
+        shape[dim] = hi - lo
+        out = np.empty(shape, dtype=self.dtype)
+        row = self._row()
+        # rows of axis 0 needed: all of them, or (dim 0) those up to hi
+        stop = (hi if dim == 0 else self.shape[0]) * row
+        for first, piece in self._pieces(stop, rng, rows=True):
+            r0 = first // row
+            rows = piece.reshape((-1,) + self.shape[1:])
+            if dim == 0:
+                a, b = max(r0, lo), min(r0 + len(rows), hi)
+                if a < b:
+                    out[a - lo:b - lo] = rows[a - r0:b - r0]
+            else:
+                index = [slice(None)] * self.ndim
+                index[dim] = slice(lo, hi)
+                out[r0:r0 + len(rows)] = rows[tuple(index)]
+        return out
+
+    def draw_flat(self, lo, hi):
+        """Elements ``[lo, hi)`` of the flattened values (a 1-D host array)."""
+        out = np.empty(hi - lo, dtype=self.dtype)
+        for first, piece in self._pieces(hi, self._generator()):
+            a, b = max(first, lo), min(first + piece.size, hi)
+            if a < b:
+                out[a - lo:b - lo] = piece[a - first:b - first]
+        return out
+
+    def __repr__(self):
+        return f"LazyInit(shape={self.shape}, dtype={self.dtype})"
+
+
+def defer(fn, shape, fan_in, fan_out, rng, dtype):
+    """What ``initialize`` returns under a ``LazyRNG``: a ``LazyInit`` whose draw ``rng``
+    has skipped, or, for an initializer not marked ``elementwise``, None (then it draws
+    eagerly)."""
+    if not getattr(fn, "elementwise", False):
+        return None
+    lazy = LazyInit(fn, shape, dtype, fan_in, fan_out, rng)
+    if lazy.size:
+        lazy.skip(rng)
+    return lazy
+
+
+def is_lazy(a):
+    return isinstance(a, LazyInit)
+
+
+def lazy_parameters(model):
+    """[(name, Parameter)] of ``model`` whose values are not drawn yet."""
+    return [(n, p) for n, p in model.named_parameters() if is_lazy(p.data)]
+
+
+def materialize(model):
+    """Draw every parameter of ``model`` that is still lazy, whole, onto the device;
+    returns how many it drew. (A tied weight is one ``Parameter``: drawn once.)"""
+    from mpidl.backend import to_device  # noqa: PLC0415
+
+    seen = set()
+    for _, p in lazy_parameters(model):
+        if id(p) not in seen:
+            seen.add(id(p))
+            p.data = to_device(p.data.draw())
+    return len(seen)
+
+
+@contextmanager
+def drawn(layer):
+    """Within the block, ``layer``'s lazy parameters hold their values (drawn whole);
+    after it they are lazy again. For work on one layer at a time (a pipeline timing
+    the layers of a model no rank holds whole)."""
+    from mpidl.backend import to_device  # noqa: PLC0415
+
+    lazy = {id(p): (p, p.data) for _, p in layer.named_parameters() if is_lazy(p.data)}
+    for p, init in lazy.values():
+        p.data = to_device(init.draw())
+    try:
+        yield layer
+    finally:
+        for p, init in lazy.values():
+            p.data = init
+
+
+@contextmanager
+def shape_only(model):
+    """Within the block, ``model``'s lazy parameters read as zeros of their shape (a
+    broadcast scalar, no memory of their own): enough to check the shapes of a forward
+    pass, never to train."""
+    from mpidl.backend import xp  # noqa: PLC0415
+
+    mod = xp()
+    lazy = {id(p): (p, p.data) for _, p in lazy_parameters(model)}
+    for p, init in lazy.values():
+        p.data = mod.broadcast_to(mod.zeros((), dtype=init.dtype), init.shape)
+    try:
+        yield model
+    finally:
+        for p, init in lazy.values():
+            p.data = init
