@@ -138,9 +138,9 @@ def _refuse_unmodelled(cfg):
     elif strategy == "allreduce" and degree > 1:
         modelled, split = MODELLED_TP, "--tensor-parallel"
     if stages > 1 and degree > 1:  # (mpidl train's words)
-        from mpidl.runtime.presets import _check_tensor_parallel  # noqa: PLC0415
+        from mpidl.runtime.presets import check_tensor_parallel  # noqa: PLC0415
 
-        _check_tensor_parallel(degree, compression=cfg.compression, precision=cfg.precision)
+        check_tensor_parallel(degree, compression=cfg.compression, precision=cfg.precision)
     if stages > 1:
         from mpidl.runtime.zero import check_pipeline  # noqa: PLC0415
 

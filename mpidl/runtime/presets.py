@@ -229,8 +229,8 @@ def allreduce(comm, unused, accumulate=1, straggler=None, algorithm=None, bucket
                          pipeline, **ps_settings)
     tp = tp_part.check_degree(tensor_parallel, _size(comm))
     if tp > 1:
-        _check_tensor_parallel(tp, zero=zero, compression=compression, sync=sync,
-                               precision=precision)
+        check_tensor_parallel(tp, zero=zero, compression=compression, sync=sync,
+                              precision=precision)
     accumulate = _micro_batches(accumulate, micro_batches)
     pp = _pipeline(comm, pipeline, accumulate, tp, zero=zero, zero_reuse=zero_reuse,
                    compression=compression, sync=sync, precision=precision, hybrid=hybrid,
@@ -382,7 +382,7 @@ def _pipeline(comm, options, accumulate, tp, **given):
                                   tied_exchange=options.get("tied_exchange") or "micro-batch")
 
 
-def _check_tensor_parallel(tp, **given):
+def check_tensor_parallel(tp, **given):
     """One line for what does not compose with tensor parallelism yet."""
     what = {"compression": given["compression"] not in (None, "none")
             and f"--compression {given['compression']}",

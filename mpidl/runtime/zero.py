@@ -237,8 +237,7 @@ class Shard:
             self.param = Parameter(chunk.copy() if own else chunk)
             self.param.grad = self.grad
             return
-        masters = xp.concatenate([precision.masters[name].data.reshape(-1)
-                                  for name in bucket.names])
+        masters = _flat(xp, [precision.masters[name].data for name in bucket.names])
         self.param = Parameter(masters[self.lo:self.hi].copy())
         self.param.grad = xp.zeros(self.hi - self.lo, dtype=self.param.data.dtype)
         if own:
@@ -455,6 +454,12 @@ def _per_param(sh, flat):
         offset += k
 
 
+def _flat(xp, arrays):
+    """The bucket's whole layout as one new flat ``xp`` array from its parameters' arrays,
+    in the bucket's order: ``_per_param``'s inverse."""
+    return xp.concatenate([a.reshape(-1) for a in arrays])
+
+
 def _words(buf):
     """A 2-byte buffer as uint16 words: what a gather copies, whatever the format."""
     return buf.view(array_module(buf).uint16)
@@ -590,8 +595,8 @@ class Sharded:
                                   f"weights for {', '.join(missing[:3])}; resume it with "
                                   "the model it was written with")
             xp = array_module(sh.param.data)
-            flat = xp.concatenate([to_device(masters[n], dtype=sh.param.data.dtype)
-                                   .reshape(-1) for n in sh.bucket.names])
+            flat = _flat(xp, [to_device(masters[n], dtype=sh.param.data.dtype)
+                              for n in sh.bucket.names])
             sh.param.data[...] = flat[sh.lo:sh.hi]
             if sh.low is not None:
                 wire.encode(sh.param.data, 1.0, sh.low)
@@ -670,7 +675,7 @@ class Sharded:
             for slot in full[have[0]]:
                 if slot == "step":
                     continue
-                flat = xp.concatenate([xp.asarray(full[n][slot]).reshape(-1) for n in have])
+                flat = _flat(xp, [xp.asarray(full[n][slot]) for n in have])
                 st[slot] = flat[sh.lo:sh.hi].copy()
             inner[b] = st
         self.inner.state = inner
