@@ -92,11 +92,11 @@ def test_exception_while_writing_removes_temporary(tmp_path, monkeypatch):
     d = str(tmp_path)
     ckpt.save(d, 1, {"w": np.zeros(3)})
 
-    def boom(f, **arrays):
+    def boom(f, items):
         f.write(b"PK partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(np, "savez", boom)
+    monkeypatch.setattr(ckpt, "_write_npz", boom)
     with pytest.raises(OSError, match="disk full"):
         ckpt.save(d, 2, {"w": np.ones(3)})
     monkeypatch.undo()
@@ -109,3 +109,93 @@ def test_not_a_checkpoint(tmp_path):
     np.savez(p, a=np.zeros(1))
     with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint"):
         ckpt.load(str(p))
+
+
+def _sharded(directory, step, count, rng):
+    """A checkpoint as tensor parallelism writes it: ``w`` (6 x 1000) sliced over ``count``
+    shards along its columns (uneven), its optimizer slot likewise, ``b`` whole in the
+    index. Returns the whole tensors."""
+    from mpidl.comm.layout import even_split
+
+    w, m, b = rng.standard_normal((6, 1000)), rng.standard_normal((6, 1000)), np.arange(4.0)
+    counts, displs = even_split(1000, count)
+    for i, (c, d) in enumerate(zip(counts, displs)):
+        ckpt.save_shard(directory, step, i, count, {
+            "model": {"w": w[:, d:d + c]}, "optimizer": {"w": {"m": m[:, d:d + c]}}})
+    ckpt.save(directory, step, {
+        "config": {}, "progress": {"step": step}, "ranks": [{"seed": np.int64(3)}],
+        "model": {"b": b}, "optimizer": {"state": {"w": {"step": 5}, "b": {"m": -b}}},
+        "shards": {"count": count, "slices": {"w": [1, 1000]},
+                   "files": [ckpt.shard_name(step, i, count) for i in range(count)]}})
+    return w, m, b
+
+
+def test_a_checkpoint_left_on_disk_reads_only_what_is_asked(tmp_path):
+    """``load(path, read=False)`` (a split model's resume): the model's and optimizer's
+    tensors are ``Ref``s, joined over the shards without reading them; a slice reads only
+    the shards it overlaps; scalars and the rest are read at once."""
+    directory = str(tmp_path)
+    w, m, b = _sharded(directory, 7, 3, np.random.default_rng(0))
+    path = ckpt.checkpoint_path(directory, 7)
+    state = ckpt.load(path, read=False)
+    ref, slot = state["model"]["w"], state["optimizer"]["state"]["w"]["m"]
+    assert isinstance(ref, ckpt.Ref) and ref.shape == (6, 1000) and len(ref.parts) == 3
+    assert isinstance(state["optimizer"]["state"]["b"]["m"], ckpt.Ref)
+    assert state["optimizer"]["state"]["w"]["step"] == 5
+    assert state["ranks"][0]["seed"] == 3 and not isinstance(state["ranks"][0]["seed"],
+                                                                ckpt.Ref)
+    whole = ckpt.load(path)
+    assert np.array_equal(ref.values(), whole["model"]["w"]) and np.array_equal(ref.values(), w)
+    assert np.array_equal(slot.values(), m) and np.array_equal(state["model"]["b"].values(), b)
+    for dim, lo, hi in ((1, 0, 334), (1, 300, 700), (1, 999, 1000), (0, 2, 5), (1, 5, 5)):
+        index = [slice(None)] * 2
+        index[dim] = slice(lo, hi)
+        assert np.array_equal(ref.values(dim, lo, hi), w[tuple(index)]), (dim, lo, hi)
+    os.unlink(os.path.join(directory, ckpt.shard_name(7, 2, 3)))  # columns 667..999
+    assert np.array_equal(ref.values(1, 0, 667), w[:, :667])
+    with pytest.raises(ckpt.CheckpointError, match="shard-2-of-3"):
+        ref.values(1, 600, 700)
+
+
+def test_a_damaged_shard_is_found_before_any_rank_reads_it(tmp_path):
+    """Left on disk, a checkpoint is still checked whole (every member's checksum), so a
+    damaged shard makes the resume fall back to the checkpoint before, as when read."""
+    directory = str(tmp_path)
+    _sharded(directory, 5, 2, np.random.default_rng(1))
+    w, _, _ = _sharded(directory, 6, 2, np.random.default_rng(2))
+    shard = os.path.join(directory, ckpt.shard_name(6, 1, 2))
+    with open(shard, "r+b") as f:  # a bit flipped in the middle of the weights' bytes
+        f.seek(os.path.getsize(shard) // 3)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+    warnings = []
+    for read in (True, False):
+        path, state = ckpt.latest(directory, warn=warnings.append, read=read)
+        assert path == ckpt.checkpoint_path(directory, 5), (read, warnings)
+    assert len(warnings) == 2 and all("shard-1-of-2" in why for why in warnings), warnings
+
+
+def test_a_ranks_slice_of_a_checkpoint_costs_its_slice(tmp_path):
+    """Reading one rank's quarter of a 16 MB tensor sharded four ways allocates about
+    that quarter, not the whole tensor."""
+    import tracemalloc
+
+    from mpidl.comm.layout import even_split
+
+    directory, w = str(tmp_path), np.random.default_rng(3).standard_normal((512, 4096))
+    counts, displs = even_split(4096, 4)
+    for i in range(4):
+        ckpt.save_shard(directory, 1, i, 4, {"model": {"w": w[:, displs[i]:displs[i] +
+                                                          counts[i]]}, "optimizer": {}})
+    ckpt.save(directory, 1, {"config": {}, "progress": {}, "ranks": [], "model": {},
+                             "optimizer": {"state": {}},
+                             "shards": {"count": 4, "slices": {"w": [1, 4096]},
+                                        "files": [ckpt.shard_name(1, i, 4) for i in range(4)]}})
+    ref = ckpt.load(ckpt.checkpoint_path(directory, 1), read=False)["model"]["w"]
+    tracemalloc.start()
+    piece = ref.values(1, displs[2], displs[2] + counts[2])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert np.array_equal(piece, w[:, displs[2]:displs[2] + counts[2]])
+    assert peak < 1.5 * piece.nbytes, (peak, piece.nbytes, w.nbytes)

@@ -181,7 +181,8 @@ def prepare(args, world):
                            **dataset_options(cfg))
 
     model, optimizer = build_model_and_optimizer(cfg, dataset, init,
-                                                 planned_steps(cfg, dataset, world.size))
+                                                 planned_steps(cfg, dataset, world.size),
+                                                 lazy=builds_lazily(cfg))
     from mpidl.runtime.precision import check_model  # noqa: PLC0415
 
     check_model(model, getattr(cfg, "precision", "fp32"))
@@ -223,7 +224,8 @@ def prepare(args, world):
             model, optimizer = first.pop("model"), first.pop("optimizer")
         else:
             model, optimizer = build_model_and_optimizer(
-                cfg, dataset, init, planned_steps(cfg, dataset, world.size))
+                cfg, dataset, init, planned_steps(cfg, dataset, world.size),
+                lazy=builds_lazily(cfg))
         with Agreement(world):
             comm = make_comm(world) if world.size > 1 or name != "local" else None
             runtime = runtimes.build(name, comm, strict=False, **options)
@@ -424,11 +426,12 @@ def planned_steps(cfg, dataset, ranks):
     return cfg.epochs * -(-len(dataset.train_y) // per_step)
 
 
-def build_model_and_optimizer(cfg, dataset, init=None, steps=None):
+def build_model_and_optimizer(cfg, dataset, init=None, steps=None, lazy=False):
     """Model and optimizer; a model that does not fit the data is a UserError.
 
     With ``init`` (from ``read_init``) the model is built as it was saved and its weights
     loaded, so data of another shape fails the fit check below with the layer named.
+    ``lazy``: build it lazily (``builds_lazily``; not with ``init``).
     """
     from mpidl.engine import ShapeError  # noqa: PLC0415
     from mpidl.engine.models import MODELS, build_model, model_builder  # noqa: PLC0415
@@ -461,7 +464,7 @@ def build_model_and_optimizer(cfg, dataset, init=None, steps=None):
     try:
         model = build_model(cfg.model, input_shape=input_shape, num_classes=num_classes,
                             seed=cfg.seed, dtype=cfg.dtype,
-                            lazy=init is None and builds_lazily(cfg), **options)
+                            lazy=lazy and init is None, **options)
     except (ShapeError, ValueError) as e:  # the model's arguments come from the user
         raise UserError(f"{where}: {e}") from None
     if init is not None:

@@ -6,7 +6,7 @@ the largest model that could start is the one that fits a single rank. Built laz
 (``build_model(..., lazy=True)``, which threads a ``LazyRNG`` through the layers), each
 initializer records where its draw starts in the generator's stream and skips over it
 without keeping the values: the parameter holds a ``LazyInit``, a few hundred bytes.
-When the runtime has cut the model, ``LazyInit.draw`` draws again from that point,
+When the runtime has cut the model, ``LazyInit.values`` draws again from that point,
 piece by piece, keeping only this rank's slice (``mpidl.runtime.tensor_parallel``);
 layers another stage keeps are never drawn (``mpidl.runtime.pipeline``); ``materialize``
 draws whatever is left whole.
@@ -48,20 +48,21 @@ class LazyRNG(np.random.Generator):
         super().__init__(rng.bit_generator)
 
 
-class LazyInit:
-    """The initial values of one parameter, not drawn yet: initializer ``fn``, ``shape``,
-    ``dtype``, fans, and the bit generator's state where its draw begins. It answers
-    ``shape``, ``dtype``, ``ndim``, ``size``, ``itemsize`` and ``nbytes`` as an array would."""
+class Deferred:
+    """An array not in memory yet, made on demand: a lazily built parameter
+    (``LazyInit``), a checkpoint's tensor not read yet (``mpidl.training.checkpoint.Ref``).
+    It answers ``shape``, ``dtype``, ``ndim``, ``size``, ``itemsize`` and ``nbytes`` as an
+    array would; ``values(dim, lo, hi)`` makes the whole host array, or only its slice
+    ``[lo, hi)`` along ``dim`` (what a tensor-parallel rank keeps)."""
 
-    __slots__ = ("fn", "shape", "dtype", "fan_in", "fan_out", "bit_generator", "state")
+    __slots__ = ()
 
-    def __init__(self, fn, shape, dtype, fan_in, fan_out, rng):
-        self.fn = fn
-        self.shape = tuple(int(d) for d in shape)
-        self.dtype = np.dtype(dtype)
-        self.fan_in, self.fan_out = fan_in, fan_out
-        self.bit_generator = type(rng.bit_generator)
-        self.state = rng.bit_generator.state
+    def values(self, dim=None, lo=None, hi=None):
+        raise NotImplementedError
+
+    def part(self, dim, lo, hi):
+        """The slice ``[lo, hi)`` along ``dim``, deferred too (made when asked)."""
+        return _Part(self, dim, lo, hi)
 
     @property
     def ndim(self):
@@ -78,6 +79,42 @@ class LazyInit:
     @property
     def nbytes(self):
         return self.size * self.dtype.itemsize
+
+
+class _Part(Deferred):
+    """``Deferred.part``: a slice of a deferred array, itself deferred."""
+
+    __slots__ = ("whole", "dim", "lo", "hi", "shape", "dtype")
+
+    def __init__(self, whole, dim, lo, hi):
+        self.whole, self.dim, self.lo, self.hi = whole, dim, lo, hi
+        shape = list(whole.shape)
+        shape[dim] = hi - lo
+        self.shape, self.dtype = tuple(shape), whole.dtype
+
+    def values(self, dim=None, lo=None, hi=None):
+        if dim is None:
+            return self.whole.values(self.dim, self.lo, self.hi)
+        if dim == self.dim:
+            return self.whole.values(dim, self.lo + lo, self.lo + hi)
+        index = [slice(None)] * self.ndim
+        index[dim] = slice(lo, hi)
+        return self.values()[tuple(index)].copy()
+
+
+class LazyInit(Deferred):
+    """The initial values of one parameter, not drawn yet: initializer ``fn``, ``shape``,
+    ``dtype``, fans, and the bit generator's state where its draw begins."""
+
+    __slots__ = ("fn", "shape", "dtype", "fan_in", "fan_out", "bit_generator", "state")
+
+    def __init__(self, fn, shape, dtype, fan_in, fan_out, rng):
+        self.fn = fn
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.fan_in, self.fan_out = fan_in, fan_out
+        self.bit_generator = type(rng.bit_generator)
+        self.state = rng.bit_generator.state
 
     def _pieces(self, stop, rng, rows=False):
         """Draw elements ``0 .. stop - 1`` of the flat C-order stream from ``rng``, at most
@@ -108,8 +145,9 @@ class LazyInit:
         for _ in self._pieces(self.size, rng):
             pass
 
-    def draw(self, dim=None, lo=None, hi=None):
-        """The values (a host array): whole, or the slice ``[lo, hi)`` along ``dim``."""
+    def values(self, dim=None, lo=None, hi=None):
+        """The values drawn (a host array): whole, or the slice ``[lo, hi)`` along
+        ``dim``."""
         rng = self._generator()
         if dim is None:
             out = np.empty(self.size, dtype=self.dtype)
@@ -135,7 +173,7 @@ class LazyInit:
                 out[r0:r0 + len(rows)] = rows[tuple(index)]
         return out
 
-    def draw_flat(self, lo, hi):
+    def values_flat(self, lo, hi):
         """Elements ``[lo, hi)`` of the flattened values (a 1-D host array)."""
         out = np.empty(hi - lo, dtype=self.dtype)
         for first, piece in self._pieces(hi, self._generator()):
@@ -161,7 +199,13 @@ def defer(fn, shape, fan_in, fan_out, rng, dtype):
 
 
 def is_lazy(a):
+    """Whether ``a`` is a lazily built parameter's values, not drawn yet."""
     return isinstance(a, LazyInit)
+
+
+def is_deferred(a):
+    """Whether ``a`` is an array not in memory yet (``Deferred``)."""
+    return isinstance(a, Deferred)
 
 
 def lazy_parameters(model):
@@ -178,7 +222,7 @@ def materialize(model):
     for _, p in lazy_parameters(model):
         if id(p) not in seen:
             seen.add(id(p))
-            p.data = to_device(p.data.draw())
+            p.data = to_device(p.data.values())
     return len(seen)
 
 
@@ -191,7 +235,7 @@ def drawn(layer):
 
     lazy = {id(p): (p, p.data) for _, p in layer.named_parameters() if is_lazy(p.data)}
     for p, init in lazy.values():
-        p.data = to_device(init.draw())
+        p.data = to_device(init.values())
     try:
         yield layer
     finally:

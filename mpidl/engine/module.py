@@ -281,8 +281,11 @@ class Layer:
         return state
 
     def load_state_dict(self, state):
-        """Copy arrays from ``state`` into this model; names and shapes must match."""
+        """Copy arrays from ``state`` into this model; names and shapes must match. A
+        ``Deferred`` value (a checkpoint's tensor not read yet) is read when its turn
+        comes, so no more than one is held beside the model."""
         from mpidl.backend import to_device
+        from mpidl.engine.lazy import is_deferred
 
         own = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
@@ -296,9 +299,12 @@ class Layer:
             if tuple(value.shape) != tuple(p.data.shape):
                 raise ValueError(f"parameter {name!r}: state has shape {tuple(value.shape)}, "
                                  f"model has {tuple(p.data.shape)}")
-            p.data[...] = to_device(value, dtype=p.data.dtype)
+            p.data[...] = to_device(value.values() if is_deferred(value) else value,
+                                    dtype=p.data.dtype)
         for name in buffers:
-            self.set_buffer(name, to_device(state[name]).copy())
+            value = state[name]
+            self.set_buffer(name, to_device(value.values()) if is_deferred(value) else
+                            to_device(value).copy())
 
     # -- per-micro-batch contexts
     @contextmanager

@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 from mpidl.backend import array_module, is_gpu_array, to_device
 from mpidl.engine import _fused, _fused_gpu
+from mpidl.engine.lazy import is_deferred
 from mpidl.engine.module import Layer, Parameter, SparseGrad
 
 
@@ -178,7 +179,8 @@ class Optimizer:
         return out
 
     def load_state_dict(self, state):
-        """Restore hyper-parameters and per-parameter state saved by ``state_dict``."""
+        """Restore hyper-parameters and per-parameter state saved by ``state_dict`` (a
+        ``Deferred`` slot, a checkpoint's tensor not read yet, is read in its turn)."""
         kind = state.get("type", type(self).__name__)
         if kind != type(self).__name__:
             raise ValueError(f"cannot load {kind} state into {type(self).__name__}")
@@ -198,7 +200,10 @@ class Optimizer:
                 if tuple(value.shape) != tuple(p.data.shape):
                     raise ValueError(f"optimizer state {name!r}/{slot}: shape "
                                      f"{tuple(value.shape)}, parameter {tuple(p.data.shape)}")
-                st[slot] = to_device(value, dtype=p.data.dtype).copy()
+                if is_deferred(value):  # a checkpoint's, read now: a new array already
+                    st[slot] = to_device(value.values(), dtype=p.data.dtype)
+                else:
+                    st[slot] = to_device(value, dtype=p.data.dtype).copy()
             new_state[name] = st
         self.lr = state.get("lr", self.lr)
         for h in self.hyper:

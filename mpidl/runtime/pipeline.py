@@ -405,7 +405,7 @@ class Pipeline:
             if self.rank == owner:
                 ties.append(_Tie("owner", p, owner_chunk, head, head_vs, owner_vs))
             elif self.rank == head:
-                copy = Parameter(to_device(p.data.draw()) if is_lazy(p.data) else
+                copy = Parameter(to_device(p.data.values()) if is_lazy(p.data) else
                                  p.data.copy(), placement=p.placement)
                 layers[i].weight = copy
                 del layers[i]._params["weight"]

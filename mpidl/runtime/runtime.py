@@ -42,12 +42,14 @@ from functools import partial
 import numpy as np
 
 from mpidl.allocator import keep_freed_blocks
+from mpidl.backend import to_numpy
 from mpidl.engine.dropout import Dropout
 from mpidl.engine.lazy import lazy_parameters, materialize
 from mpidl.runtime.fusion import MiB
 from mpidl.runtime.sync.base import GradSync
 
 _clock = time.perf_counter
+_SAVE_TAG = 7411  # the stages' tensors to the root (whole_tensors: --save)
 
 
 def _layout_text(layout):
@@ -629,6 +631,48 @@ class Runtime:
             return None, None
         return model_state, opt_state
 
+    def whole_tensors(self, model):
+        """Collective over the ranks that hold pieces of one model: ``(name, whole host
+        array)`` for every entry of the model's state, one at a time, on the root; every
+        other rank must run through it too (it gets None). ``--save`` writes each tensor
+        as it comes, so the root holds one tensor beyond its own part, never the whole
+        model: a sliced tensor is gathered over the tensor-parallel group as its turn
+        comes, and the pipeline's stages send theirs to the root one after another."""
+        self._gather_params()
+        root = self.is_root
+        tp, pp = self.tp, self.pp
+
+        def mine():  # this rank's tensors, whole over its tp group (on its first rank)
+            for k, a in model.state_dict().items():
+                if tp is not None and k in tp.slices:
+                    a = (tp.full_state({k: a}) or {}).get(k)
+                yield k, None if a is None else to_numpy(a)
+
+        if pp is None:
+            for k, a in mine():
+                yield k, a if root else None
+            return
+        g = self.pp_group
+        # the root's pipeline group: the stages' first tp ranks of the first replica
+        if not ((tp is None or self.tp_group.rank == 0) and self.shard()[0] == 0):
+            for _ in mine():  # (its part in the tp gathers)
+                pass
+            return
+        if g.rank == 0:
+            yield from mine()
+            for stage in range(1, g.size):
+                names, _, _ = g.recv_obj(stage, _SAVE_TAG)
+                for name, shape, dtype in names:
+                    buf = np.empty(shape, dtype=dtype)
+                    g.recv(buf, stage, _SAVE_TAG)
+                    yield name, buf
+            return
+        shapes = pp.whole_shapes
+        g.send_obj([(k, shapes[k], np.dtype(a.dtype).str)
+                    for k, a in model.state_dict().items()], 0, _SAVE_TAG)
+        for _, a in mine():
+            g.send(np.ascontiguousarray(a), 0, _SAVE_TAG)
+
     def checkpoint_parts(self, model, optimizer):
         """What this rank puts in a checkpoint (local): ``model``/``optimizer`` (the
         root's go into the checkpoint file), ``shard`` (this rank's slices, to write as a
@@ -659,7 +703,9 @@ class Runtime:
 
     def load_full_state(self, model, optimizer, model_state, opt_state=None):
         """Load a whole model's state (and its optimizer's) saved under any layout into
-        this rank's part of the model."""
+        this rank's part of the model. Its tensors may be ``Deferred`` (a checkpoint left
+        on disk, ``checkpoint.load(path, read=False)``): only this rank's part is read,
+        one tensor at a time, as the model and the optimizer load them."""
         if self.pp is not None:  # this rank's stages
             mine = set(model.state_dict())
             model_state = {k: v for k, v in model_state.items() if k in mine}

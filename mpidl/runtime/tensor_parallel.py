@@ -1,6 +1,6 @@
 """Tensor parallelism over the mesh's ``tp`` axis (``--tensor-parallel T``).
 
-Megatron-LM's layout (Shoeybi et al. 2019), applied to a model the zoo built whole:
+Megatron-LM's layout (Shoeybi et al. 2019), applied to a model of the zoo:
 
 * A **column-parallel** ``Linear`` keeps a slice of the output columns. Its input is the
   same on every rank of the tensor-parallel group; its output is this rank's slice. In
@@ -49,7 +49,7 @@ from mpidl.engine.linear import Linear
 from mpidl.engine.losses import Loss, SoftmaxCrossEntropy
 from mpidl.engine._util import as_input, colsum
 from mpidl.engine.gemm import matmul
-from mpidl.engine.lazy import is_lazy
+from mpidl.engine.lazy import is_deferred
 from mpidl.engine.module import Layer, Sequential, ShapeError, SparseGrad
 from mpidl.engine.placement import Placement
 from mpidl.errors import ConfigError
@@ -100,10 +100,10 @@ class Slice:
 
     def take(self, a):
         """This rank's piece of the whole array ``a``: a copy, so the whole array is not
-        kept alive behind a view. A ``LazyInit`` (a lazily built model) draws only the
-        piece."""
-        if is_lazy(a):
-            return to_device(a.draw(self.dim, self.lo, self.hi))
+        kept alive behind a view. A ``Deferred`` array (a lazily built parameter, a
+        checkpoint's tensor not read yet) makes only the piece."""
+        if is_deferred(a):
+            return to_device(a.values(self.dim, self.lo, self.hi))
         index = [slice(None)] * a.ndim
         index[self.dim] = slice(self.lo, self.hi)
         return a[tuple(index)].copy()
@@ -504,7 +504,8 @@ class TensorParallel:
 
     # -- set-up (collective over nothing: the model is cut locally)
     def setup(self, model, group):
-        """Cut ``model`` (built whole, the same on every rank) into this rank's slices."""
+        """Cut ``model`` (the same on every rank, built whole or lazily) into this rank's
+        slices."""
         self.group = group
         self.layers = []
         self._plan(model, group)
@@ -553,7 +554,10 @@ class TensorParallel:
             if sl is not None and tuple(a.shape)[sl.dim] != sl.full:
                 raise ConfigError(f"checkpoint: {k!r} has {a.shape[sl.dim]} along dimension "
                                   f"{sl.dim}; the whole model has {sl.full}")
-            out[k] = sl.take(a) if sl is not None else a
+            if sl is None:
+                out[k] = a
+            else:  # (a checkpoint's tensor not read yet: its slice is read when loaded)
+                out[k] = a.part(sl.dim, sl.lo, sl.hi) if is_deferred(a) else sl.take(a)
         return out
 
     def split_state(self, model_state, opt_state):

@@ -12,7 +12,9 @@ write ``ckpt-<step>.npz``, the index: the unsliced tensors, the rest of the stat
 ``shards`` (the shard files and, per sliced tensor, the dimension it is cut along and
 its whole size). ``load`` joins the shards, so a reader gets the whole model whatever
 layout wrote it; a missing or unreadable shard makes the checkpoint unreadable, and
-``latest`` falls back to the one before.
+``latest`` falls back to the one before. ``load(path, read=False)`` checks the files the
+same way but leaves the model's and optimizer's tensors on disk (``Ref``): a rank of a
+split model reads only its part (``Runtime.load_full_state``).
 
 Atomic write: the file is written under a temporary name in the same folder, flushed and
 fsync'ed, then ``os.replace``'d onto its final name, and the folder is fsync'ed. A crash
@@ -31,6 +33,7 @@ import zipfile
 import numpy as np
 
 from mpidl.backend import is_gpu_array, to_numpy
+from mpidl.engine.lazy import Deferred
 from mpidl.errors import UserError
 
 FORMAT = "mpidl-checkpoint"
@@ -131,25 +134,23 @@ def _fsync_dir(directory):
 def write_npz_atomic(path, arrays, crash_after_bytes=None):
     """Write ``arrays`` as an .npz at ``path`` atomically (temp file, fsync, rename).
 
+    ``arrays``: {name: array}, or ``(name, array)`` pairs as they come (each is written
+    before the next is asked for, so a stream of a model's tensors is never held whole).
     ``crash_after_bytes`` is a test hook: stop the process (``os._exit``) after that many
     bytes of the temporary file are on disk, like a kill in the middle of a write.
     """
+    items = arrays.items() if hasattr(arrays, "items") else arrays
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".npz", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
+            _write_npz(f, items)
+            f.flush()
             if crash_after_bytes is not None:
-                import io  # noqa: PLC0415
-
-                buf = io.BytesIO()
-                np.savez(buf, **arrays)
-                f.write(buf.getvalue()[:crash_after_bytes])
-                f.flush()
+                f.truncate(crash_after_bytes)
                 os.fsync(f.fileno())
                 os._exit(1)
-            np.savez(f, **arrays)
-            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -160,6 +161,15 @@ def write_npz_atomic(path, arrays, crash_after_bytes=None):
         raise
     _fsync_dir(directory)
     return path
+
+
+def _write_npz(f, items):
+    """What ``numpy.savez`` writes (a zip of uncompressed ``.npy`` members), one member at
+    a time."""
+    with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
+        for name, a in items:
+            with z.open(f"{name}.npy", mode="w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
 
 
 def shard_name(step, index, count):
@@ -186,8 +196,9 @@ def save_shard(directory, step, index, count, state, crash_after_bytes=None):
                                    "that and run again with --resume") from None
 
 
-def _join_shards(path, state):
-    """Replace the index's sharded entries by the whole tensors joined from its shards."""
+def _join_shards(path, state, read=True):
+    """Replace the index's sharded entries by the whole tensors joined from its shards
+    (``read=False``: by ``Ref``s over the shards' members)."""
     info = state.pop("shards")
     directory = os.path.dirname(path)
     pieces = []
@@ -197,14 +208,13 @@ def _join_shards(path, state):
             raise CheckpointError(f"{path}: its index names shard {name}, which is missing; "
                                   "the checkpoint cannot be put back together")
         try:
-            pieces.append(load(shard))
+            pieces.append(load(shard, read))
         except CheckpointError as e:
             raise CheckpointError(f"{path}: its shard {name} cannot be read ({e})") from None
     for name, (dim, full) in info["slices"].items():
         try:
-            whole = np.concatenate([p["model"][name] for p in pieces], axis=dim)
-            slots = {slot: np.concatenate([p["optimizer"][name][slot] for p in pieces],
-                                          axis=dim)
+            whole = _join([p["model"][name] for p in pieces], dim)
+            slots = {slot: _join([p["optimizer"][name][slot] for p in pieces], dim)
                      for slot in (pieces[0]["optimizer"].get(name) or {})}
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{path}: the shards of {name!r} do not fit together "
@@ -216,6 +226,97 @@ def _join_shards(path, state):
         if slots:
             state["optimizer"]["state"].setdefault(name, {}).update(slots)
     return state
+
+
+def _join(pieces, dim):
+    """Arrays concatenated along ``dim``, or ``Ref``s joined into one (ValueError, as
+    ``numpy.concatenate`` gives, when their other dimensions or dtypes differ)."""
+    if not all(isinstance(p, Ref) for p in pieces):
+        return np.concatenate(pieces, axis=dim)
+    first = pieces[0]
+    for p in pieces[1:]:
+        if (p.ndim != first.ndim or p.dtype != first.dtype
+                or p.shape[:dim] + p.shape[dim + 1:] != first.shape[:dim] + first.shape[dim + 1:]):
+            raise ValueError(f"pieces of shapes {first.shape} ({first.dtype}) and {p.shape} "
+                             f"({p.dtype}) do not join along dimension {dim}")
+    return Ref([part for p in pieces for part in p.parts], first.dtype, dim)
+
+
+class Ref(Deferred):
+    """A tensor of a checkpoint, read when it is asked for (``load(path, read=False)``):
+    one member of one file, or, for a tensor sliced over shards, the members of several
+    joined along ``dim``. ``values(dim, lo, hi)`` reads only the files the slice
+    overlaps, so a tensor-parallel rank resuming at the layout that wrote the checkpoint
+    reads its own shard."""
+
+    __slots__ = ("parts", "dtype", "dim", "shape")
+
+    def __init__(self, parts, dtype, dim=0):
+        self.parts = list(parts)  # [(file, member, shape)]
+        self.dtype = np.dtype(dtype)
+        self.dim = dim
+        shape = list(self.parts[0][2])
+        if len(self.parts) > 1:
+            shape[dim] = sum(part[2][dim] for part in self.parts)
+        self.shape = tuple(shape)
+
+    def values(self, dim=None, lo=None, hi=None):
+        pieces, start = [], 0
+        for path, member, shape in self.parts:
+            first, start = start, start + (shape[self.dim] if shape else 1)
+            if dim is None:
+                pieces.append(_read_member(path, member))
+                continue
+            a, b = lo, hi  # the slice, in this part's coordinates
+            if dim == self.dim and len(self.parts) > 1:
+                a, b = max(lo, first) - first, min(hi, start) - first
+                if a >= b:
+                    continue
+            part = _read_member(path, member)
+            if (a, b) != (0, shape[dim]):  # (a copy: the part is not kept behind a view)
+                index = [slice(None)] * len(shape)
+                index[dim] = slice(a, b)
+                part = part[tuple(index)].copy()
+            pieces.append(part)
+        if not pieces:  # an empty slice
+            shape = list(self.shape)
+            shape[dim] = 0
+            return np.empty(shape, dtype=self.dtype)
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces, axis=self.dim)
+
+    def __repr__(self):
+        return f"Ref({self.shape}, {self.dtype}, {len(self.parts)} file(s))"
+
+
+def _read_member(path, member):
+    """Array ``member`` of the .npz at ``path``."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return z[member]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"cannot read {member!r} of checkpoint {path}: "
+                              f"{type(e).__name__}: {e}") from None
+
+
+def _headers(z):
+    """{member: (shape, dtype)} of an open .npz, from the arrays' headers only."""
+    out = {}
+    for member in z.files:
+        with z.zip.open(member + ".npy") as f:
+            version = np.lib.format.read_magic(f)
+            read = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                    np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read(f)
+        out[member] = (tuple(shape), dtype)
+    return out
+
+
+def deferred_member(member, shape):
+    """Whether ``load(path, read=False)`` leaves array ``member`` on disk: a tensor of the
+    model or of the optimizer (scalars and the rest of the state are read)."""
+    return bool(shape) and member.startswith(("model/", "optimizer/"))
 
 
 def save(directory, step, state, keep=None, crash_after_bytes=None):
@@ -267,8 +368,13 @@ def _remove_orphan_shards(directory, step):
                 pass
 
 
-def load(path):
-    """The state saved in checkpoint ``path``; CheckpointError when it cannot be read."""
+def load(path, read=True):
+    """The state saved in checkpoint ``path``; CheckpointError when it cannot be read.
+
+    ``read=False``: the model's and the optimizer's tensors stay on disk, as ``Ref``s that
+    read them where they are wanted (a split model's resume: each rank reads its part);
+    every file is still checked whole (the zip's checksum of every member, read one at a
+    time), so a damaged checkpoint is found here, not while the ranks read it."""
     try:
         loaded = np.load(path, allow_pickle=False)
         if not hasattr(loaded, "files"):
@@ -280,10 +386,18 @@ def load(path):
             if doc.get("version", 0) > VERSION:
                 raise CheckpointError(f"{path} has format version {doc['version']}; this "
                                       f"mpidl reads up to {VERSION}")
-            arrays = {k: z[k] for k in z.files if k != "__tree__"}
+            if read:
+                arrays = {k: z[k] for k in z.files if k != "__tree__"}
+            else:
+                bad = z.zip.testzip()
+                if bad is not None:
+                    raise CheckpointError(f"{path}: its member {bad} is damaged (bad CRC)")
+                arrays = {k: Ref([(path, k, shape)], dtype) if deferred_member(k, shape)
+                          else z[k] for k, (shape, dtype) in _headers(z).items()
+                          if k != "__tree__"}
             state = decode(doc["state"], arrays)
         if isinstance(state, dict) and "shards" in state:
-            state = _join_shards(path, state)
+            state = _join_shards(path, state, read)
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile,
@@ -305,16 +419,17 @@ def list_checkpoints(directory):
     return sorted(found)
 
 
-def latest(directory, warn=None, check=None):
+def latest(directory, warn=None, check=None, read=True):
     """(path, state) of the newest usable checkpoint in ``directory``, or (None, None).
 
     A newest checkpoint that cannot be read (a disk that filled up, a stray file), or that
     ``check(path, state)`` rejects (by raising CheckpointError: another run's, parameters of
     other shapes), is reported through ``warn(message)`` and skipped for the one before.
+    ``read``: as ``load``'s.
     """
     for _, path in reversed(list_checkpoints(directory)):
         try:
-            state = load(path)
+            state = load(path, read)
             if check is not None:
                 check(path, state)
             return path, state
@@ -340,16 +455,22 @@ def remove_stale_temporaries(directory):
 
 def save_model(path, model, meta=None):
     """The model's parameters and buffers as a plain .npz ({"0.weight": array, ...});
-    ``model``: a model, or its ``state_dict`` (a whole one, gathered from its pieces).
+    ``model``: a model, its ``state_dict`` (a whole one, gathered from its pieces), or
+    ``(name, array)`` pairs as they come (``Runtime.whole_tensors``: written one at a
+    time).
 
     ``meta`` (model name, input shape, ...) is stored as JSON in the member ``__meta__``;
     ``numpy.load(path)["0.weight"]`` reads a parameter without mpidl.
     """
     state = model.state_dict() if hasattr(model, "state_dict") else model
-    arrays = {name: to_numpy(a) for name, a in state.items()}
-    if meta is not None:
-        arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
-    return write_npz_atomic(path, arrays)
+    items = state.items() if hasattr(state, "items") else state
+
+    def arrays():
+        for name, a in items:
+            yield name, to_numpy(a)
+        if meta is not None:
+            yield "__meta__", np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
+    return write_npz_atomic(path, arrays())
 
 
 def read_model_file(path, flag, hint=""):

@@ -556,16 +556,25 @@ class Trainer:
                 raise ckpt.CheckpointError(f"{path}: its {k!r} has shape "
                                            f"{tuple(np.shape(saved[k]))}, this model's {shape}")
 
+    @property
+    def _split(self):
+        """Whether this rank holds only part of the model (tensor or pipeline
+        parallelism): then it needs only part of a checkpoint."""
+        rt = self.runtime
+        return getattr(rt, "tp", None) is not None or getattr(rt, "pp", None) is not None
+
     def restore(self):
-        """Collective: the root finds the newest checkpoint, every rank loads it."""
+        """Collective: the root finds the newest checkpoint, every rank loads it (a split
+        model's: the root checks it, each rank reads its own part from disk)."""
         directory = self.paths.get("checkpoint_dir")
         payload = None
         if self.is_root:
             try:
                 ckpt.remove_stale_temporaries(directory)
                 skipped = []
+                # a split model's tensors stay on disk: each rank reads its part
                 path, state = ckpt.latest(directory, warn=skipped.append,
-                                          check=self._usable)
+                                          check=self._usable, read=not self._split)
                 for why in skipped:
                     self.log.warning(why)
                 if path is not None:
@@ -653,14 +662,20 @@ class Trainer:
         path = self.paths.get("save")
         if not path:
             return None
-        state, _ = self.runtime.full_state(self.model)  # collective: every rank is here
+        # collective, every rank is here: the whole model's tensors come to the root one
+        # at a time, each written before the next
+        tensors = self.runtime.whole_tensors(self.model)
         if not self.is_root:
+            for _ in tensors:
+                pass
             return None
         meta = dict(self.model_meta, step=self.step, epochs=self.epoch,
                     test_acc=self.last.get("test_acc"))
         try:
-            ckpt.save_model(path, state, meta)
+            ckpt.save_model(path, tensors, meta)
         except OSError as e:  # the final checkpoint (written just before) holds the model
+            for _ in tensors:  # (the other ranks are still sending theirs)
+                pass
             kept = (f"; the final checkpoint in {self.paths['checkpoint_dir']} holds the "
                     "trained model: mpidl train --resume with the same settings and another "
                     "--save writes it again" if self.checkpointing else
