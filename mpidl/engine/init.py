@@ -31,7 +31,7 @@ def _uniform(rng, shape, bound):
     return rng.uniform(-bound, bound, size=shape)
 
 
-@elementwise
+@elementwise(draws=1)
 def he_uniform(rng, shape, fan_in, fan_out=None):
     """Kaiming/He uniform for ReLU nets: U(-b, b), b = sqrt(6 / fan_in)."""
     return _uniform(rng, shape, math.sqrt(6.0 / fan_in))
@@ -43,7 +43,7 @@ def he_normal(rng, shape, fan_in, fan_out=None):
     return rng.normal(0.0, math.sqrt(2.0 / fan_in), size=shape)
 
 
-@elementwise
+@elementwise(draws=1)
 def glorot_uniform(rng, shape, fan_in, fan_out):
     """Glorot/Xavier uniform: U(-b, b), b = sqrt(6 / (fan_in + fan_out))."""
     return _uniform(rng, shape, math.sqrt(6.0 / (fan_in + fan_out)))
@@ -55,7 +55,7 @@ def glorot_normal(rng, shape, fan_in, fan_out):
     return rng.normal(0.0, math.sqrt(2.0 / (fan_in + fan_out)), size=shape)
 
 
-@elementwise
+@elementwise(draws=1)
 def lecun_uniform(rng, shape, fan_in, fan_out=None):
     """U(-b, b), b = sqrt(3 / fan_in) (unit variance for linear/tanh layers)."""
     return _uniform(rng, shape, math.sqrt(3.0 / fan_in))
@@ -67,12 +67,12 @@ def normal(rng, shape, fan_in=None, fan_out=None):
     return rng.standard_normal(size=shape)
 
 
-@elementwise
+@elementwise(draws=0)
 def zeros(rng, shape, fan_in=None, fan_out=None):
     return np.zeros(shape)
 
 
-@elementwise
+@elementwise(draws=0)
 def ones(rng, shape, fan_in=None, fan_out=None):
     return np.ones(shape)
 

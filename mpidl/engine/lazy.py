@@ -17,8 +17,9 @@ same state, and a slice drawn lazily holds bitwise the values of the same slice 
 eagerly built model. An initializer not marked ``elementwise`` (a user's orthogonal init,
 say) is drawn eagerly at build time, whole: still exact, just not deferred.
 
-The price is time, not memory: a lazy build draws every number twice (once to skip it,
-once where it is kept), at most ``CHUNK`` of them at a time.
+The price is time, not memory: a lazy build skips over every number (by drawing it, at
+most ``CHUNK`` at a time, or, for uniform draws, by jumping the generator ahead) and
+draws again the ones a rank keeps.
 """
 
 from contextlib import contextmanager
@@ -29,12 +30,18 @@ import numpy as np
 CHUNK = 1 << 18
 
 
-def elementwise(fn):
+def elementwise(fn=None, draws=None):
     """Mark initializer ``fn(rng, shape, fan_in, fan_out)`` as drawing independent
     elements in C order, so that pieces of a draw give the numbers of the whole draw (what
-    a lazy build relies on); returns ``fn``."""
-    fn.elementwise = True
-    return fn
+    a lazy build relies on); returns ``fn``. ``draws``: the generator's 64-bit outputs it
+    takes per element when that is fixed (0: a constant; 1: uniform doubles), so a lazy
+    build can skip its draw by advancing the generator instead of drawing (None:
+    unknown, as a normal's rejection sampling; skipped by drawing)."""
+    def mark(f):
+        f.elementwise = True
+        f.draws = draws
+        return f
+    return mark if fn is None else mark(fn)
 
 
 class LazyRNG(np.random.Generator):
@@ -141,7 +148,21 @@ class LazyInit(Deferred):
         return np.random.Generator(bits)
 
     def skip(self, rng):
-        """Advance ``rng`` past this parameter's draw, as drawing it whole would."""
+        """Advance ``rng`` past this parameter's draw, as drawing it whole would: without
+        drawing, where the initializer takes a fixed number of outputs per element and the
+        bit generator can jump (PCG64's ``advance``; the 32-bit half it may hold from an
+        earlier draw is kept, as a 64-bit draw keeps it)."""
+        draws = getattr(self.fn, "draws", None)
+        bits = rng.bit_generator
+        if draws == 0:
+            return
+        if draws is not None and type(bits).__name__ in ("PCG64", "PCG64DXSM"):
+            held = bits.state
+            bits.advance(draws * self.size)
+            state = bits.state
+            state["has_uint32"], state["uinteger"] = held["has_uint32"], held["uinteger"]
+            bits.state = state
+            return
         for _ in self._pieces(self.size, rng):
             pass
 
