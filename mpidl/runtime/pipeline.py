@@ -416,7 +416,7 @@ class Pipeline:
         """The owners' tied weights to the heads' copies (a step's or an evaluation's
         start): the owner sends, the head waits for it."""
         for t in self._ties:
-            tag = self._tag(0, t.owner_vs, 3)
+            tag = self._tied_tag(None, t.owner_vs)
             if t.side == "owner":
                 sends.append(self.group.isend(t.param.data, t.peer, tag))
             else:
@@ -434,7 +434,7 @@ class Pipeline:
             if t.side == "owner" and (key is None or t.chunk == c):
                 data = t.param.data
                 buf = self._xp.empty(data.shape, dtype=data.dtype)
-                tag = self._tag(0 if key is None else key, t.head_vs, 3)
+                tag = self._tied_tag(key, t.head_vs)
                 out.append((t.param, self.group.recv(buf, t.peer, tag)))
         return out
 
@@ -446,7 +446,7 @@ class Pipeline:
         for t in self._ties:
             if t.side == "head" and (key is None or t.chunk == c):
                 g, t.param.grad = t.param.grad, None
-                tag = self._tag(0 if key is None else key, t.head_vs, 3)
+                tag = self._tied_tag(key, t.head_vs)
                 sends.append(self.group.isend(g, t.peer, tag))
 
     def part_of(self):
@@ -521,6 +521,14 @@ class Pipeline:
         mb = key % self._tag_span
         # kind 0: activation, 1: its gradient, 2: a shape, 3: a tied weight or its gradient
         return (mb * self.plan.virtual_stages + vs) * 4 + kind
+
+    def _tied_tag(self, key, vs):
+        """The tag of a tied weight's message (kind 3) for micro-batch ``key``, named by
+        the sending side's virtual stage ``vs`` (the owner's weight, the head's gradient),
+        which keeps the two directions apart. ``key`` None, a once-per-step message (the
+        weight's share, ``--tied-exchange step``'s sum), takes micro-batch 0's slot: a
+        run sends its gradients either per step or per micro-batch, never both."""
+        return self._tag(0 if key is None else key, vs, 3)
 
     def _send_act(self, out, mb, vs, m, sends):
         dest = self.plan.place(vs + 1)[0]

@@ -924,15 +924,11 @@ class Runtime:
         its own saved parameters and inner and outer state, which are its stage's (its
         slices'), so only under the layout the checkpoint was written with (one
         ConfigError line otherwise)."""
-        from mpidl.errors import ConfigError  # noqa: PLC0415
-
-        layout = self._pipeline_layout()
-        if saved is None or list(saved) != layout:
-            raise ConfigError(f"--resume: the checkpoint's --sync {avg.name} state was "
-                              f"written under {_layout_text(saved)}, this run has "
-                              f"{_layout_text(layout)}; "
-                              "model averaging over pipelines or tensor parallelism "
-                              "resumes only under the layout it was written with")
+        refusal = self._layout_refusal(
+            saved, f"--sync {avg.name} state", "model averaging over pipelines or tensor "
+            "parallelism resumes only under the layout it was written with")
+        if refusal is not None:
+            raise refusal
         entry = ranks[self.rank]
         avg.load_state(entry["shared"], entry)
 
@@ -985,17 +981,27 @@ class Runtime:
         only the layout it was written with can take: under another one, stateless syncs
         go on (None) and state that would be lost (compression's residuals) is one
         ConfigError line."""
-        from mpidl.errors import ConfigError  # noqa: PLC0415
-
-        layout = self._pipeline_layout()
-        if saved is not None and list(saved) == layout and len(per_rank) == self.size:
+        refusal = self._layout_refusal(
+            saved, "gradient exchange state (error feedback residuals)",
+            "resume under the layout it was written with", fits=len(per_rank) == self.size)
+        if refusal is None:
             return per_rank[self.rank]
         if not any(st for entries in per_rank for st in (entries or ())):
             return None
-        raise ConfigError(f"--resume: the checkpoint's gradient exchange state (error "
-                          f"feedback residuals) was written under {_layout_text(saved)}, "
-                          f"this run has {_layout_text(layout)}; resume under the layout "
-                          "it was written with")
+        raise refusal
+
+    def _layout_refusal(self, saved, what, advice, *, fits=True):
+        """None when a checkpoint's per-rank ``what`` was saved under this run's layout
+        ``saved`` (and ``fits``), else the one-line ConfigError to raise: per-rank state
+        is a stage's (a slice's), which no other layout can take."""
+        from mpidl.errors import ConfigError  # noqa: PLC0415
+
+        layout = self._pipeline_layout()
+        if saved is not None and list(saved) == layout and fits:
+            return None
+        return ConfigError(f"--resume: the checkpoint's {what} was written under "
+                           f"{_layout_text(saved)}, this run has {_layout_text(layout)}; "
+                           f"{advice}")
 
     def finish(self):
         """Once at the end: the syncs say goodbye; every rank ran the same steps; an
