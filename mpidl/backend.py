@@ -91,8 +91,11 @@ def is_gpu_array(a):
 
 
 def array_module(a):
-    """numpy or cupy, whichever owns ``a``."""
-    return cupy_module() if is_gpu_array(a) else np
+    """numpy or cupy, whichever owns ``a`` (for an array not in memory yet, a lazily built
+    parameter: whichever it will be drawn into, its ``on_gpu``)."""
+    if type(a) is np.ndarray:
+        return np
+    return cupy_module() if is_gpu_array(a) or getattr(a, "on_gpu", False) else np
 
 
 def to_numpy(a):

@@ -150,10 +150,12 @@ def test_drawn_holds_the_values_for_the_block_only():
     assert np.array_equal(values, build("mlp", False).layers[1].weight.data)
 
 
-@pytest.mark.parametrize("ranks, mode", [(3, "tp"), (2, "pp measured"), (2, "tp eager")])
+@pytest.mark.parametrize("ranks, mode", [(3, "tp"), (2, "pp measured"), (3, "zero3"),
+                                         (2, "tp eager")])
 def test_a_split_model_is_never_whole_on_a_rank(ranks, mode):
     """On real ranks: a lazily built 80 MB MLP under ``--tensor-parallel 3`` (uneven
-    slices) and ``--pipeline-stages 2`` (layers timed on a batch): each rank's peak while
+    slices), ``--pipeline-stages 2`` (layers timed on a batch) and ``--zero 3`` on 3 ranks
+    (each rank its chunk of every bucket): each rank's peak while
     building and setting up is what it keeps, the runtime's buffers and a few pieces of
     the draw (one layer more while the pipeline times them), and what it keeps is
     bitwise its piece of the eager model (``tests/ranks/lazy_build.py``). The anchor,
@@ -162,21 +164,23 @@ def test_a_split_model_is_never_whole_on_a_rank(ranks, mode):
 
     launch = run_ranks(ranks, [f"{HERE}/ranks/lazy_build.py", *mode.split()],
                        timeout=300).check()
-    lines = [line for line in launch.output.splitlines() if line.startswith("lazy_build")]
-    assert len(lines) == ranks, launch.output
+    # (the ranks' lines may run together in the launcher's output)
+    assert launch.output.count("lazy_build ") == ranks, launch.output
 
 
-def test_mpidl_train_builds_a_split_model_lazily(tmp_path):
-    """``mpidl train --tensor-parallel 2`` says what rank 0 drew: its slices only."""
+@pytest.mark.parametrize("layout", [["--tensor-parallel", "2"], ["--zero", "3"]])
+def test_mpidl_train_builds_a_split_model_lazily(tmp_path, layout):
+    """``mpidl train --tensor-parallel 2`` (``--zero 3``) says what rank 0 drew: its slices
+    (its chunks of the buckets) only."""
     from mpirun import needs_fashion, run_command, train_cmd
 
     needs_fashion()
     launch = run_command(train_cmd(2, tmp_path, "--model", "mlp", "--batch-size", "16",
                                    "--limit-train", "64", "--limit-test", "32",
-                                   "--epochs", "1", "--tensor-parallel", "2"),
-                         timeout=300).check()
+                                   "--epochs", "1", *layout), timeout=300).check()
     # 784-1024-1024-10 in float64: 14.2 MiB whole; rank 0 holds half the columns of the
-    # first layer, half the rows of the second, half the classes of the last
+    # first layer, half the rows of the second, half the classes of the last (half of
+    # every bucket)
     assert ("model built lazily: this rank drew 7.1 MiB of the model's 14.2 MiB of "
             "parameters, only what it keeps") in launch.output, launch.output
 
@@ -194,5 +198,4 @@ def test_a_split_model_resumes_and_saves_without_the_whole_model(tmp_path, mode)
 
     launch = run_ranks(2, [f"{HERE}/ranks/split_resume.py", mode, tmp_path],
                        timeout=300).check()
-    lines = [line for line in launch.output.splitlines() if line.startswith("split_resume")]
-    assert len(lines) == 3, launch.output
+    assert launch.output.count("split_resume ") == 3, launch.output

@@ -56,6 +56,33 @@ def test_stages_1_2_3_bitwise_on_3_ranks_uneven_shards_and_ring_bytes():
     assert "ring reduce-scatter for bucket(s) 0, 1, 2, 3" in out
 
 
+@pytest.mark.parametrize("n, args", [
+    (3, ["--model", "mlp", "--optimizers", "adam", "--bucket-mb", "0.001"]),
+    pytest.param(4, ["--model", "gpt-tiny", "--optimizers", "adam", "--accumulate", "2",
+                     *["--tensor-parallel", "2"]], marks=pytest.mark.slow, id="gpt-tp2"),
+    pytest.param(4, ["--model", "gpt-tiny", "--optimizers", "adam", "--accumulate", "2",
+                     "--pipeline-stages", "2", "--schedule", "zb"], marks=pytest.mark.slow,
+                 id="gpt-pp2-zb"),
+])
+def test_stage_3_of_a_lazily_built_model_is_bitwise_stage_0(n, args):
+    """A lazily built model (``mpidl train --zero 3`` builds it so): each rank draws its
+    chunks only and holds nothing else from set-up on (tests/test_lazy_init.py measures
+    it); the trajectory is still the eager stage 0's, bit for bit."""
+    out = check(n, *args, "--stages", "3", "--steps", "12", "--lazy")
+    assert "--zero 3 == --zero 0 bitwise over 12 steps" in out, out
+
+
+def test_stage_3_of_a_lazily_built_model_evaluates_layer_by_layer():
+    """On 3 ranks, a test set that does not split evenly: evaluation gathers bucket by
+    bucket as a training forward does (a rank with fewer samples runs an empty batch to
+    keep in step), takes a few buckets' worth of memory where pinning every bucket took
+    the whole model, and gives stage 0's outputs bit for bit (tests/ranks/zero3_lazy.py)."""
+    out = run_ranks(3, [os.path.join(HERE, "ranks", "zero3_lazy.py")], timeout=300).check()
+    # (the ranks' lines may run together in the launcher's output)
+    assert out.output.count("zero3_lazy rank") == 3, out.output
+    assert out.output.count("1 empty one to keep in step") == 2, out.output
+
+
 def test_sgd_float64_with_overlap_and_accumulation_on_2_ranks():
     out = check(2, "--model", "mlp", "--optimizers", "sgd", "--dtypes", "float64",
                 "--stages", "1,2,3", "--steps", "15", "--overlap", "on", "--accumulate", "2")

@@ -480,14 +480,16 @@ def build_model_and_optimizer(cfg, dataset, init=None, steps=None, lazy=False):
 def builds_lazily(cfg):
     """Whether the model is built lazily, each rank drawing only what it keeps
     (``mpidl.engine.lazy``): a zoo model under a layout that keeps only part of it on a
-    rank (tensor or pipeline parallelism, the conv-DP/FC-MP hybrid). A model of your own
-    (``FILE.py:FUNC``) is built as it is written: its builder may read the values it
-    draws."""
+    rank (tensor or pipeline parallelism, the conv-DP/FC-MP hybrid, ZeRO stage 3 in
+    fp32). A model of your own (``FILE.py:FUNC``) is built as it is written: its builder
+    may read the values it draws."""
     from mpidl.engine.models import MODELS  # noqa: PLC0415
 
+    zero3 = (getattr(cfg, "zero", 0) or 0) == 3 and \
+        getattr(cfg, "precision", "fp32") in (None, "fp32")
     return cfg.model in MODELS and ((getattr(cfg, "tensor_parallel", 1) or 1) > 1
                                     or (getattr(cfg, "pipeline_stages", 1) or 1) > 1
-                                    or bool(getattr(cfg, "hybrid", None)))
+                                    or bool(getattr(cfg, "hybrid", None)) or zero3)
 
 
 def _taking(models, option):

@@ -175,6 +175,22 @@ def eval_batches(x, y, batch_size, shard=(0, 1), dtype=None, device=True):
         yield bx, by
 
 
+def lockstep_batches(batches, x, y, batch_size, count, dtype=None):
+    """``batches`` (one shard's of ``count``, from ``eval_batches``), then empty batches
+    until it has given as many as the shard with the most: for an evaluation whose
+    forward is collective over the shards' ranks (every rank must run every forward)."""
+    import math  # noqa: PLC0415
+
+    most = max(math.ceil((hi - lo) / batch_size)
+               for lo, hi in (shard_range(len(y), i, count) for i in range(count)))
+    done = 0
+    for batch in batches:
+        done += 1
+        yield batch
+    for _ in range(most - done):
+        yield to_device(x[:0], dtype=input_dtype(x[:0], dtype)), to_device(y[:0])
+
+
 def input_dtype(x, dtype):
     """The dtype a batch of inputs goes to the device in: ``dtype`` (the model's) for
     floating-point inputs, their own for integer ones (token ids stay ids)."""

@@ -113,15 +113,19 @@ class LazyInit(Deferred):
     """The initial values of one parameter, not drawn yet: initializer ``fn``, ``shape``,
     ``dtype``, fans, and the bit generator's state where its draw begins."""
 
-    __slots__ = ("fn", "shape", "dtype", "fan_in", "fan_out", "bit_generator", "state")
+    __slots__ = ("fn", "shape", "dtype", "fan_in", "fan_out", "bit_generator", "state",
+                 "on_gpu")
 
     def __init__(self, fn, shape, dtype, fan_in, fan_out, rng):
+        from mpidl.backend import device  # noqa: PLC0415
+
         self.fn = fn
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self.fan_in, self.fan_out = fan_in, fan_out
         self.bit_generator = type(rng.bit_generator)
         self.state = rng.bit_generator.state
+        self.on_gpu = device() == "gpu"  # where it will be drawn into (array_module)
 
     def _pieces(self, stop, rng, rows=False):
         """Draw elements ``0 .. stop - 1`` of the flat C-order stream from ``rng``, at most

@@ -38,7 +38,6 @@ both before training.
 import math
 from types import SimpleNamespace
 
-from mpidl.backend import to_device
 from mpidl.comm.layout import even_split
 from mpidl.engine._util import as_input
 from mpidl.engine.attention import CausalAttention
@@ -362,17 +361,9 @@ class Hybrid(TensorParallel):
     def lockstep(self, batches, x, y, batch_size, dtype=None):
         """``batches`` (this rank's piece of an evaluation set), then empty batches until
         this rank has run as many as the rank with the most."""
-        from mpidl.data.loader import shard_range  # noqa: PLC0415
+        from mpidl.data.loader import lockstep_batches  # noqa: PLC0415
 
-        p = self.degree
-        most = max(math.ceil((hi - lo) / batch_size)
-                   for lo, hi in (shard_range(len(y), i, p) for i in range(p)))
-        done = 0
-        for batch in batches:
-            done += 1
-            yield batch
-        for _ in range(most - done):
-            yield to_device(x[:0], dtype=dtype), to_device(y[:0])
+        return lockstep_batches(batches, x, y, batch_size, self.degree, dtype)
 
     # -- bytes per step
     def _fc_terms(self, rows, rank):

@@ -44,7 +44,7 @@ import numpy as np
 from mpidl.allocator import keep_freed_blocks
 from mpidl.backend import to_numpy
 from mpidl.engine.dropout import Dropout
-from mpidl.engine.lazy import lazy_parameters, materialize
+from mpidl.engine.lazy import is_lazy, lazy_parameters, materialize
 from mpidl.runtime.fusion import MiB
 from mpidl.runtime.sync.base import GradSync
 
@@ -80,6 +80,7 @@ class Runtime:
         self.pp = pipeline                    # a pipeline.Pipeline (also the schedule) or None
         self.pp_group = None                  # its group (the mesh's pp axis)
         self.zero = 0                         # the ZeRO stage (``presets._zero`` sets it)
+        self.lazy_build = None                # (bytes drawn here, whole) of a lazy model
         self.sample_batch = None              # (x, y) of one micro-batch: the pipeline
                                               # times its layers on it (set by the trainer)
         self._step_syncs = self.syncs         # the syncs the current step runs
@@ -197,10 +198,10 @@ class Runtime:
             self.pp.cut(model, optimizer, self.pp_group, self.comm, self.sample_batch,
                         self.tp)
             self.named_params = model.named_parameters()
-        materialize(model)  # a lazily built model: what this rank keeps, drawn whole
-        # (bytes this rank drew, the whole model's) of a lazily built model, for the log
-        self.lazy_build = None if whole is None else (_unique_nbytes(self.named_params),
-                                                      whole)
+        if self.zero < 3 or self.precision is not None:
+            # a lazily built model: what this rank keeps, drawn whole (ZeRO stage 3 draws
+            # only each rank's chunks, ``zero.Shard``)
+            materialize(model)
         if self.compressor is not None and self.comm is not None:
             # momentum applied once: a momentum-correcting memory (onebit, dgc) takes it
             # over from whoever runs the optimizer (this rank, or this parameter server)
@@ -220,8 +221,8 @@ class Runtime:
             convert_sync_batchnorm(model, self.group)
         if self.broadcast_at_start and self.group is not None and self.group.size > 1:
             for _, p in self.named_params:
-                if _sliced_over_dp(p):  # the hybrid's slices differ by design
-                    continue
+                if _sliced_over_dp(p) or is_lazy(p.data):  # the hybrid's slices differ by
+                    continue  # design; a lazy build's values are the seed's on every rank
                 self.group.bcast(p.data, root=0)
             for _, buf in model.named_buffers():
                 if hasattr(buf, "shape") and buf.ndim > 0 and buf.flags.c_contiguous:
@@ -265,6 +266,9 @@ class Runtime:
                 self._hooked = []
             else:
                 add_hook(self._on_grads_ready)
+        # (bytes of parameters this rank drew, the whole model's) of a lazily built model,
+        # for the log
+        self.lazy_build = None if whole is None else (self.memory()["mem_params"], whole)
 
     @property
     def broadcast_at_start(self):
@@ -581,7 +585,7 @@ class Runtime:
         out = [] if lines is None else lines(batch_size)
         if self.pp is not None:
             out += self.pp.start_lines()
-        if getattr(self, "lazy_build", None) is not None:
+        if self.lazy_build is not None:
             mine, whole = self.lazy_build
             out.append(f"model built lazily: this rank drew {mine / MiB:.1f} MiB of the "
                        f"model's {whole / MiB:.1f} MiB of parameters, only what it keeps")
@@ -589,14 +593,19 @@ class Runtime:
 
     def eval_batches(self, x, y, batch_size, dtype=None):
         """This rank's (x, y) batches of an evaluation set: its contiguous piece. When a
-        forward is collective over ranks holding different pieces (the hybrid), every
-        rank runs as many batches as the rank with the most, the extra ones empty."""
-        from mpidl.data.loader import eval_batches  # noqa: PLC0415
+        forward is collective over ranks holding different pieces (the hybrid; ZeRO stage
+        3 gathering layer by layer), every rank runs as many batches as the rank with the
+        most, the extra ones empty."""
+        from mpidl.data.loader import eval_batches, lockstep_batches  # noqa: PLC0415
 
         index, count = self.shard()
         batches = eval_batches(x, y, batch_size, (index, count), dtype=dtype)
         lockstep = getattr(self.tp, "lockstep", None)
-        return batches if lockstep is None else lockstep(batches, x, y, batch_size, dtype)
+        if lockstep is not None:
+            return lockstep(batches, x, y, batch_size, dtype)
+        if any(getattr(s, "gathers_in_eval", False) for _, s in self.syncs):
+            return lockstep_batches(batches, x, y, batch_size, count, dtype)
+        return batches
 
     # -- the whole model, whatever the layout (checkpoints, --save)
     def _gather_params(self):
@@ -706,6 +715,7 @@ class Runtime:
         this rank's part of the model. Its tensors may be ``Deferred`` (a checkpoint left
         on disk, ``checkpoint.load(path, read=False)``): only this rank's part is read,
         one tensor at a time, as the model and the optimizer load them."""
+        self._gather_params()  # (ZeRO stage 3: the parameters to load into, gathered)
         if self.pp is not None:  # this rank's stages
             mine = set(model.state_dict())
             model_state = {k: v for k, v in model_state.items() if k in mine}

@@ -55,6 +55,14 @@ any update (``Precision.agree``). The same bits as stage 0 in the same precision
 decode, the unscale, the elementwise update and the rounding are stage 0's, chunk by
 chunk.
 
+**Lazily built models** (``mpidl.engine.lazy``; ``mpidl train --zero 3`` in fp32): at
+stage 3 each rank draws only its chunk of every bucket (``Shard(chunk_only)``), set-up
+makes no full buffer, and evaluation gathers bucket by bucket as a training forward
+does (``ZeroSync.gathers_in_eval``; the runtime keeps the ranks' evaluation forwards in
+step), so no rank holds the whole model but for checkpoints and ``--save``. A model built
+eagerly is gathered whole after set-up and for evaluation, as before (the Python API
+reads its parameters after ``setup``).
+
 **Checkpoints** hold the stage-0 form: ``Runtime.state_dict`` (collective) gathers the
 shards' optimizer state into the trainer's optimizer on the root (per parameter, as a
 replicated optimizer keeps it) and ``load_state_dict`` cuts it into this run's shards,
@@ -67,6 +75,7 @@ import time
 
 from mpidl.backend import array_module, to_device, to_numpy
 from mpidl.comm.layout import even_split
+from mpidl.engine.lazy import is_lazy
 from mpidl.engine.module import Parameter
 from mpidl.errors import AgreedUserError, ConfigError
 from mpidl.options import Option
@@ -208,7 +217,8 @@ class Shard:
     __slots__ = ("bucket", "counts", "displs", "lo", "hi", "params", "param", "grad",
                  "grad_wire", "algorithm", "exact_rs", "dtype", "low")
 
-    def __init__(self, bucket, rank, size, algorithm, own=False, precision=None):
+    def __init__(self, bucket, rank, size, algorithm, own=False, precision=None,
+                 chunk_only=False):
         self.bucket = bucket
         n = bucket.buffer.size
         self.counts, self.displs = even_split(n, size)
@@ -218,23 +228,27 @@ class Shard:
         self.exact_rs = exact_reduce_scatter(algorithm, size)
         xp = array_module(bucket.buffer)
         self.dtype = bucket.params[0].data.dtype  # (the bucket's is the wire format's)
-        # the parameters move into one flat buffer (the all-gather's target)
-        self.params = xp.empty(n, dtype=self.dtype)
-        offset = 0
-        for p in bucket.params:
-            k = p.data.size
-            view = self.params[offset:offset + k].reshape(p.data.shape)
-            view[...] = p.data
-            p.data = view
-            offset += k
+        if chunk_only:  # stage 3 of a lazily built model: the chunk alone, drawn for
+            # this rank (``LazyInit.values_flat``); no full buffer until a gather
+            self.params = None
+            chunk = self._chunk(bucket.params, xp)
+        else:  # the parameters move into one flat buffer (the all-gather's target)
+            self.params = xp.empty(n, dtype=self.dtype)
+            offset = 0
+            for p in bucket.params:
+                k = p.data.size
+                view = self.params[offset:offset + k].reshape(p.data.shape)
+                view[...] = p.data
+                p.data = view
+                offset += k
+            chunk = self.params[self.lo:self.hi]
         # stage 3 (``own``): the chunk is this rank's own array, the full buffer comes and
         # goes (``ParamGathers``); stages 1-2: a view, the buffer stays
-        chunk = self.params[self.lo:self.hi]
         self.grad = xp.zeros(self.hi - self.lo, dtype=bucket.buffer.dtype)
         self.grad_wire = self.grad.view(bucket.dtype)
         self.low = None
         if precision is None:
-            self.param = Parameter(chunk.copy() if own else chunk)
+            self.param = Parameter(chunk.copy() if own and not chunk_only else chunk)
             self.param.grad = self.grad
             return
         masters = _flat(xp, [precision.masters[name].data for name in bucket.names])
@@ -243,6 +257,21 @@ class Shard:
         if own:
             self.low = xp.empty(self.hi - self.lo, dtype=bucket.buffer.dtype)
             precision.wire.encode(chunk, 1.0, self.low)
+
+    def _chunk(self, params, xp):
+        """Elements ``lo:hi`` of the bucket's flat layout, from its parameters' values
+        (arrays, or lazily built ones not drawn yet)."""
+        chunk = xp.empty(self.hi - self.lo, dtype=self.dtype)
+        offset = 0
+        for p in params:
+            k = p.data.size
+            a, b = max(self.lo, offset), min(self.hi, offset + k)
+            if a < b:
+                piece = (p.data.values_flat(a - offset, b - offset) if is_lazy(p.data)
+                         else p.data.reshape(-1)[a - offset:b - offset])
+                chunk[a - self.lo:b - self.lo] = to_device(piece)
+            offset += k
+        return chunk
 
 
 class ZeroSync(FusedAllreduce):
@@ -266,16 +295,19 @@ class ZeroSync(FusedAllreduce):
         rank = 0 if comm is None else comm.rank
         self.shards = []
         self.precision = precision = getattr(ctx, "precision", None)
+        # stage 3 of a lazily built model: no rank ever holds it whole, from set-up on
+        lazy = self.stage == 3 and any(is_lazy(p.data) for _, p in named_params)
         for b in self.fusion.buckets:
             alg = self.algorithm
             if alg == "auto" and comm is not None:
                 alg = comm.selector.choose("allreduce", b.nbytes)  # as stage 0 would
             self.shards.append(Shard(b, rank, size, alg, own=self.stage == 3,
-                                     precision=precision))
+                                     precision=precision, chunk_only=lazy))
         self.micro = getattr(ctx.schedule, "k", 1)
         # gathers of a bucket per micro-batch: forward and backward (and with a pipeline's
         # --recompute, the forward backward runs again)
         pp = getattr(ctx, "pp", None)
+        self._pipelined = pp is not None
         self.passes = 3 if pp is not None and pp.recompute else 2
         self.gathers = (ParamGathers(self, ctx.model, self.reuse,
                                      None if pp is None else pp.part_of(),
@@ -331,8 +363,18 @@ class ZeroSync(FusedAllreduce):
         if self.gathers is not None:
             self.gathers.unpin()
 
+    @property
+    def gathers_in_eval(self):
+        """Whether evaluation gathers the parameters layer by layer, as a training forward
+        does (stage 3 of a lazily built model, outside a pipeline): its forwards are then
+        collective over the group, so every rank must run as many (``Runtime``)."""
+        return self.gathers is not None and self.gathers.frugal and not self._pipelined
+
     def prepare_eval(self):
-        self.gather_params()
+        if self.gathers_in_eval:
+            self.gathers.evaluate()
+        else:
+            self.gather_params()
 
     def gather_params(self):
         if self.gathers is not None:
@@ -670,7 +712,7 @@ class Sharded:
                                   f"{have[:3]} were updated different numbers of times "
                                   f"({sorted(steps)}); one shard needs one step count: "
                                   "resume it with --zero 0")
-            xp = array_module(sh.params)
+            xp = array_module(sh.param.data)
             st = {"step": steps.pop()}
             for slot in full[have[0]]:
                 if slot == "step":
@@ -749,7 +791,10 @@ class ParamGathers:
     pass's chunk; with ``reuse``, ``--zero-reuse on``: but the buckets of backward's
     first two layers, ``keep``, which forward leaves gathered for it). While *pinned*
     (after set-up, for evaluation and checkpoints) every bucket is gathered and the hooks
-    do nothing; the next step takes each rank's chunk back and frees them.
+    do nothing; the next step takes each rank's chunk back and frees them. A lazily built
+    model (``mpidl.engine.lazy``) is not pinned after set-up: every rank holds its chunks
+    only, and its parameters are gathered by its first pass (``full_state`` and
+    ``prepare_eval`` gather them too).
 
     A buffer freed in forward (or when a pass ends) is kept as a *spare* for the next
     gather of a bucket of its size (the same bucket in backward, or another block's of
@@ -795,9 +840,18 @@ class ParamGathers:
         # --zero-reuse on: the buckets backward's first two layers need stay gathered
         # from forward into backward (``boundary_params``' layers)
         self.keep = {i for m in order[-2:] for i in self.needs[m]} if reuse else set()
-        # set-up leaves every bucket gathered: Shard built the full buffers
-        self.gathered = {sh.bucket.index: [sh.params, None] for sh in self.shards}
-        self.pinned = True
+        # set-up leaves every bucket gathered (Shard built the full buffers), but for a
+        # lazily built model, whose ranks hold their chunks only (``Shard(chunk_only)``)
+        self.gathered = {sh.bucket.index: [sh.params, None] for sh in self.shards
+                         if sh.params is not None}
+        for sh in self.shards:
+            if sh.params is None:
+                for name, p in zip(sh.bucket.names, sh.bucket.params):
+                    p.data = _Freed(name)
+        self.pinned = len(self.gathered) == len(self.shards)
+        # never whole on a rank (a lazily built model): evaluation gathers layer by layer
+        self.frugal = not self.pinned
+        self.counting = True  # gathers count as a training pass's (not while evaluating)
         self.phase = None
         self.gathers = self.prefetched = 0  # in training passes (reset by metrics)
         self.spares = []  # freed full buffers kept for the next gathers of their size
@@ -849,7 +903,8 @@ class ParamGathers:
             sent = self.words[i] = _words(buf)[buf.size:]  # (the second half of its bytes)
             sent[sh.lo:sh.hi] = _words(sh.low)
         handle = None
-        if not self.pinned:
+        training = not self.pinned and self.counting
+        if training:
             self.gathers += 1
             self.prefetched += not blocking
         if self.comm is not None:
@@ -859,7 +914,7 @@ class ParamGathers:
             else:
                 handle = self.comm.iallgather_shards(sent, algorithm=sh.algorithm, name=name)
         self.gathered[i] = [buf, handle]
-        if not self.pinned:
+        if training:
             self.high = max(self.high, self._held(self.gathered.values()))
         if handle is None:
             self._bind(i, buf)
@@ -958,9 +1013,17 @@ class ParamGathers:
             self.ensure(i)
         self.spares.clear()
 
+    def evaluate(self):
+        """Evaluation's forwards gather as a training forward does, bucket by bucket
+        (``frugal``), uncounted; whatever they leave gathered, the next step's forward
+        takes as it is (nothing changed the parameters in between)."""
+        if not self.pinned:
+            self.counting = False
+
     def unpin(self):
         """The start of a step: each rank takes its chunk of the (possibly reloaded) full
         parameters back, and every full buffer is freed."""
+        self.counting = True
         if not self.pinned:
             return
         if self.wire is None:  # (mixed precision: the masters are the chunks, and the

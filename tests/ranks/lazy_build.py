@@ -1,9 +1,10 @@
 """A lazily built model, cut by tensor or pipeline parallelism: no rank ever holds it whole.
 
-``mpiexec -n N python -m mpi4py tests/ranks/lazy_build.py tp|pp [measured] [eager]``
+``mpiexec -n N python -m mpi4py tests/ranks/lazy_build.py tp|pp|zero3 [measured] [eager]``
 
 Builds an MLP of 784-2048-2048-2048-10 in float64 (80 MB) lazily on every rank and sets up
-the runtime over all N ranks (``--tensor-parallel N``, or ``--pipeline-stages N``; with
+the runtime over all N ranks (``--tensor-parallel N``, ``--pipeline-stages N``, or
+``--zero 3`` over N data-parallel ranks, each holding its chunk of every bucket; with
 ``measured`` the pipeline times the layers on a batch, drawing each layer only while it
 times it). Checks, on every rank:
 
@@ -13,7 +14,8 @@ times it). Checks, on every rank:
   beside the parameters (gradient buckets), plus a few pieces of the draw and (when the
   pipeline times the layers) one layer's parameters and gradients, where the eager build
   alone would take the whole model;
-* every parameter it keeps equals, bitwise, its piece of the eagerly built model.
+* every parameter it keeps (ZeRO: its chunk of every bucket) equals, bitwise, its piece
+  of the eagerly built model.
 
 ``eager``: the anchor, built as before lazy builds existed: the build's peak is then the
 whole model on every rank (asserted). Prints one line per rank; any failure raises (``python -m mpi4py`` aborts every rank).
@@ -45,9 +47,10 @@ def main():
     lazily = "eager" not in sys.argv[2:]
     comm = Communicator()
     n = comm.size
-    options = ({"tensor_parallel": n} if mode == "tp" else
-               {"pipeline_stages": n, "micro_batches": 2,
-                "stage_costs": None if measured else "layers"})
+    options = {"tp": {"tensor_parallel": n},
+               "pp": {"pipeline_stages": n, "micro_batches": 2,
+                      "stage_costs": None if measured else "layers"},
+               "zero3": {"zero": 3}}[mode]
     rt = build("allreduce", comm, **options)
     if measured:
         rt.sample_batch = (np.zeros((4, 1, 28, 28)), np.zeros(4, dtype=np.int64))
@@ -67,7 +70,12 @@ def main():
     whole = dict(eager.named_parameters())
     whole_bytes = sum(p.data.nbytes for p in whole.values())
     kept = 0
-    for name, p in model.named_parameters():
+    if mode == "zero3":  # this rank's chunk of each bucket's flat layout
+        for sh in rt.syncs[0][1].shards:
+            flat = np.concatenate([whole[k].data.reshape(-1) for k in sh.bucket.names])
+            assert np.array_equal(sh.param.data, flat[sh.lo:sh.hi]), sh.bucket.name
+            kept += sh.param.data.nbytes
+    for name, p in model.named_parameters() if mode != "zero3" else ():
         assert isinstance(p.data, np.ndarray), f"{name} was not drawn"
         full = whole[name].data
         sl = rt.tp.slices.get(name) if rt.tp is not None else None

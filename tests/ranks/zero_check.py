@@ -17,6 +17,9 @@ runs again too, (3k+1)) both stages run the same layout: ZeRO shards each rank's
 its pipeline stage over its data-parallel group of N/(P T) ranks (N above), and every
 rank's parameters must be stage 0's bits.
 
+With ``--lazy`` stage 3's model is built lazily (``mpidl.engine.lazy``): no rank holds it
+whole, from set-up on, and it must still be stage 0's bits after every step.
+
 With ``--precision bf16|fp16`` both stages train in it (float32 only): 2-byte buckets
 and gathers (itemsize 2 in the byte checks), the float32 masters sharded with the
 optimizer state. ``--loss-scale S`` (fp16): a scale large enough to overflow makes steps
@@ -52,9 +55,11 @@ HYPER = {"sgd": dict(lr=0.05, momentum=0.9, weight_decay=1e-3),
          "adamw": dict(lr=1e-3, weight_decay=1e-2)}
 
 
-def make(args, opt_name, dtype):
+def make(args, opt_name, dtype, lazy=False):
+    """The model and optimizer; ``lazy``: the model built lazily (``--lazy``, stage 3: each
+    rank draws its chunks only), the stage-0 reference eagerly."""
     shape = (TOKENS,) if args.model == "gpt-tiny" else SHAPE
-    model = build_model(args.model, shape, CLASSES, seed=11, dtype=dtype,
+    model = build_model(args.model, shape, CLASSES, seed=11, dtype=dtype, lazy=lazy,
                         **SIZES[args.model])
     kind = "sgd" if opt_name == "nesterov" else opt_name
     return model, make_optimizer(kind, model.named_parameters(), **HYPER[opt_name])
@@ -81,7 +86,7 @@ def digest(model):
 
 def run(comm, args, opt_name, dtype, stage):
     """Per-step digests, the counters' bytes per step, metrics' bytes, Ψ, itemsize."""
-    model, opt = make(args, opt_name, dtype)
+    model, opt = make(args, opt_name, dtype, lazy=args.lazy and stage == 3)
     options = dict(algorithm=args.algorithm, bucket_mb=args.bucket_mb, overlap=args.overlap)
     if args.accumulate > 1:
         options["accumulate"] = args.accumulate
@@ -117,8 +122,10 @@ def run(comm, args, opt_name, dtype, stage):
             if s % 2 == 0 and s < args.steps - 1:  # every other step goes on without it,
                 out.append(None)  # so spare buffers carry over to the next step's gathers
                 continue
-            if s == args.steps - 1:
-                rt.full_state(model)  # (what --save and checkpoints call: it gathers too)
+            if s == args.steps - 1 or args.lazy:
+                # (what --save and checkpoints call: it gathers too; a lazily built
+                # model's evaluation gathers layer by layer, not the whole model)
+                rt.full_state(model)
             else:
                 rt.prepare_eval()
         out.append(digest(model))
@@ -163,6 +170,7 @@ def main():
     ap.add_argument("--overlap", default="off")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--reuse", action="store_true", help="stage 3 with --zero-reuse on")
+    ap.add_argument("--lazy", action="store_true", help="stage 3's model built lazily")
     ap.add_argument("--tensor-parallel", type=int, default=1)
     ap.add_argument("--pipeline-stages", type=int, default=1)
     ap.add_argument("--schedule", default="1f1b")
