@@ -646,10 +646,18 @@ class Runtime:
         other rank must run through it too (it gets None). ``--save`` writes each tensor
         as it comes, so the root holds one tensor beyond its own part, never the whole
         model: a sliced tensor is gathered over the tensor-parallel group as its turn
-        comes, and the pipeline's stages send theirs to the root one after another."""
-        self._gather_params()
+        comes, and the pipeline's stages send theirs to the root one after another
+        (ZeRO stage 3 of a lazily built model: a bucket at a time)."""
         root = self.is_root
         tp, pp = self.tp, self.pp
+        frugal = [s for _, s in self.syncs if getattr(s, "gathers_in_eval", False)]
+        if frugal and tp is None and pp is None:  # ZeRO 3, never whole: a bucket at a time
+            for k, a in frugal[0].whole_params():
+                yield k, a if root else None
+            for k, b in model.named_buffers():
+                yield k, to_numpy(b) if root else None
+            return
+        self._gather_params()
 
         def mine():  # this rank's tensors, whole over its tp group (on its first rank)
             for k, a in model.state_dict().items():

@@ -370,6 +370,22 @@ class ZeroSync(FusedAllreduce):
         collective over the group, so every rank must run as many (``Runtime``)."""
         return self.gathers is not None and self.gathers.frugal and not self._pipelined
 
+    def whole_params(self):
+        """Collective over the group: ``(name, whole host array)`` of every parameter, a
+        bucket at a time (gathered, handed out, freed again unless it was gathered
+        already): ``--save`` of a model no rank holds whole (``gathers_in_eval``)."""
+        g = self.gathers
+        g.counting = False  # (not a training pass's gathers)
+        for sh in self.shards:
+            i = sh.bucket.index
+            held = i in g.gathered
+            g.ensure(i)
+            for name, p in zip(sh.bucket.names, sh.bucket.params):
+                yield name, to_numpy(p.data)
+            if not held and not g.pinned:
+                g.release(i, keep=False)
+        g.counting = True
+
     def prepare_eval(self):
         if self.gathers_in_eval:
             self.gathers.evaluate()

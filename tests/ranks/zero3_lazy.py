@@ -11,7 +11,9 @@ Checks, on every rank:
 * the evaluation's extra memory (tracemalloc, above what the rank held before it) is a
   few buckets, never the whole model (what pinning every bucket for it took before);
 * its outputs and the parameters are bitwise those of stage 0 on an eagerly built model;
-* its gathers are not counted as a training pass's.
+* its gathers are not counted as a training pass's;
+* ``--save``'s stream writes the whole model on the root a bucket at a time (a few
+  buckets' worth held), bitwise what ``Runtime.full_state`` gathers.
 
 Prints one line per rank; any failure raises (``python -m mpi4py`` aborts every rank).
 """
@@ -48,6 +50,33 @@ def evaluate(model, rt, x, y):
     return out
 
 
+def save_stream(comm, rt, model, largest, whole):
+    """``--save``'s stream (``Runtime.whole_tensors``) written on the root: a bucket at a
+    time, so it holds a few buckets' worth while writing (the arrays written, read back)."""
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from mpidl.training import checkpoint as ckpt  # noqa: PLC0415
+
+    tensors = rt.whole_tensors(model)
+    if not rt.is_root:
+        for _ in tensors:
+            pass
+        return None
+    path = os.path.join(tempfile.mkdtemp(), "model.npz")
+    tracemalloc.start()
+    ckpt.save_model(path, tensors)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak <= 3 * largest + (1 << 20) and peak < whole / 2, (
+        f"--save peaked at {peak / 1e6:.1f} MB on the root (largest bucket "
+        f"{largest / 1e6:.1f} MB, model {whole / 1e6:.1f} MB)")
+    print(f"zero3_lazy: --save wrote the {whole / 1e6:.1f} MB model, the root's peak "
+          f"{peak / 1e6:.1f} MB", flush=True)
+    arrays, _ = ckpt.load_model_arrays(path)
+    return arrays
+
+
 def main():
     comm = Communicator()
     rng = np.random.default_rng(3)
@@ -76,7 +105,11 @@ def main():
             assert extra <= 4 * largest + (1 << 20) and extra < whole / 2, (
                 f"rank {r}: evaluation took {extra / 1e6:.1f} MB more; the largest bucket "
                 f"is {largest / 1e6:.1f} MB, the model {whole / 1e6:.1f} MB")
+            saved = save_stream(comm, rt, model, largest, whole)
             state, _ = rt.full_state(model)  # (collective) gathered, to compare
+            if rt.is_root:
+                assert set(saved) == set(state) and all(
+                    np.array_equal(saved[k], state[k]) for k in state), "--save differs"
         else:
             state = dict(model.state_dict())
         results[stage] = (logits, state)
