@@ -383,3 +383,20 @@ def test_parallax_bench_quick_writes_losses_and_traffic(tmp_path):
     (row,) = r["traffic"]
     assert row["trainers"] == 2 and row["pushed_rows"] > 0 and row["allgather_rows"] > 0
     assert row["pulled_table"] > 0 and row["dense_allreduce"] > 0
+
+
+def test_startup_memory_bench_quick_measures_each_layout_eager_and_lazy(tmp_path):
+    """bench/startup_memory.py --quick (a small MLP, 2 ranks): every layout built eagerly
+    and lazily, each rank's peak and what it keeps, the JSON and the plot."""
+    out = tmp_path / "startup.json"
+    bench("startup_memory.py", "--quick", "--out", out)
+    r = json.loads(out.read_text())
+    runs = {(run["layout"], run["lazy"]): run for run in r["runs"]}
+    assert sorted({layout for layout, _ in runs}) == ["pipeline", "tensor parallel", "zero 3"]
+    for (layout, lazy), run in runs.items():
+        assert run["ranks"] == 2 and len(run["per_rank"]) == 2
+        kept = [p["mem_params"] for p in run["per_rank"]]
+        assert all(0 < k for k in kept) and run["whole_bytes"] > 0
+        if lazy and layout != "pipeline":  # (its stages keep different layers)
+            assert sum(kept) == pytest.approx(run["whole_bytes"], rel=0.02), (layout, kept)
+    assert (tmp_path / "startup.png").exists()
