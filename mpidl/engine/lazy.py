@@ -8,8 +8,9 @@ initializer records where its draw starts in the generator's stream and skips ov
 without keeping the values: the parameter holds a ``LazyInit``, a few hundred bytes.
 When the runtime has cut the model, ``LazyInit.values`` draws again from that point,
 piece by piece, keeping only this rank's slice (``mpidl.runtime.tensor_parallel``);
-layers another stage keeps are never drawn (``mpidl.runtime.pipeline``); ``materialize``
-draws whatever is left whole.
+layers another stage keeps are never drawn (``mpidl.runtime.pipeline``); ZeRO stage 3
+draws each rank's chunk of its buckets (``values_flat``, ``mpidl.runtime.zero``);
+``materialize`` draws whatever is left whole.
 
 Exact: the initializers draw element after element in C order (``elementwise``), so a
 draw cut into pieces gives the same numbers as one draw and leaves the generator in the

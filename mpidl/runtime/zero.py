@@ -809,8 +809,8 @@ class ParamGathers:
     (after set-up, for evaluation and checkpoints) every bucket is gathered and the hooks
     do nothing; the next step takes each rank's chunk back and frees them. A lazily built
     model (``mpidl.engine.lazy``) is not pinned after set-up: every rank holds its chunks
-    only, and its parameters are gathered by its first pass (``full_state`` and
-    ``prepare_eval`` gather them too).
+    only, its passes gather them, and so do its evaluation's forwards (``evaluate``);
+    checkpoints still pin every bucket (``materialize``), ``--save`` takes one at a time.
 
     A buffer freed in forward (or when a pass ends) is kept as a *spare* for the next
     gather of a bucket of its size (the same bucket in backward, or another block's of
