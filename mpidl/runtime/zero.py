@@ -742,13 +742,18 @@ class Sharded:
 
 
 class _Freed:
-    """A stage-3 parameter's ``data`` while its bucket is not gathered: any use is one
-    clear error instead of wrong numbers."""
+    """A stage-3 parameter's ``data`` while its bucket is not gathered: its ``shape`` and
+    ``dtype`` can be read (a checkpoint's shapes are checked against them), any other use
+    is one clear error instead of wrong numbers."""
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "shape", "dtype")
 
-    def __init__(self, name):
-        self.name = name
+    def __init__(self, name, shape, dtype):
+        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+
+    @property
+    def ndim(self):
+        return len(self.shape)
 
     def _refuse(self):
         # every rank runs the same model code and meets this at the same point: an error
@@ -862,8 +867,8 @@ class ParamGathers:
                          if sh.params is not None}
         for sh in self.shards:
             if sh.params is None:
-                for name, p in zip(sh.bucket.names, sh.bucket.params):
-                    p.data = _Freed(name)
+                for name, p, view in zip(sh.bucket.names, sh.bucket.params, sh.bucket.views):
+                    p.data = _Freed(name, view.shape, sh.dtype)
         self.pinned = len(self.gathered) == len(self.shards)
         # never whole on a rank (a lazily built model): evaluation gathers layer by layer
         self.frugal = not self.pinned
@@ -996,8 +1001,8 @@ class ParamGathers:
         self.words.pop(i, None)
         sh = self.shards[i]
         sh.params = None
-        for name, p in zip(sh.bucket.names, sh.bucket.params):
-            p.data = _Freed(name)
+        for name, p, view in zip(sh.bucket.names, sh.bucket.params, sh.bucket.views):
+            p.data = _Freed(name, view.shape, sh.dtype)
         if keep:
             self._keep(entry[0])
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from mpidl import backend, env
 from mpidl.data import BatchLoader
-from mpidl.errors import AgreedUserError, ConfigError, TrainingDiverged
+from mpidl.errors import AgreedUserError, ConfigError, TrainingDiverged, UserError
 from mpidl.training import checkpoint as ckpt
 from mpidl.training.callbacks import CallbackList
 from mpidl.training.log import get_logger
@@ -585,7 +585,7 @@ class Trainer:
                         f"can continue this run (newest: {skipped[0].split(': ', 1)[-1]}); "
                         "use another --out-dir or --checkpoint-dir, or move them away")
                 payload = ("ok", path, state)
-            except ConfigError as e:
+            except UserError as e:  # (found on the root alone: every rank says it)
                 payload = ("error", str(e), None)
         kind, path, state = self.runtime.bcast(payload)
         if kind == "error":
