@@ -199,3 +199,18 @@ def test_a_split_model_resumes_and_saves_without_the_whole_model(tmp_path, mode)
     launch = run_ranks(2, [f"{HERE}/ranks/split_resume.py", mode, tmp_path],
                        timeout=300).check()
     assert launch.output.count("split_resume ") == 3, launch.output
+
+
+def test_a_lazily_built_model_that_does_not_fit_the_data_is_one_line(tmp_path):
+    """The fit check runs on a lazily built model's shapes (``shape_only``): a model that
+    does not fit the data is one ``mpidl: error:`` line and exit 2 under every layout
+    that builds lazily, before any value is drawn."""
+    from mpirun import assert_one_line_error, run_cli_cases
+
+    layouts = [["--tensor-parallel", "2"], ["--pipeline-stages", "2"], ["--zero", "3"]]
+    cases = [["train", "--no-progress", "--model", "mlp", "--dataset", "text",
+              "--limit-train", "64", "--limit-test", "16", "--out-dir",
+              str(tmp_path / str(i)), *layout] for i, layout in enumerate(layouts)]
+    for launch in run_cli_cases(cases, n=2):
+        assert_one_line_error(launch, "model 'mlp' does not fit dataset 'text'",
+                              "expected (128, 113) scores per position")
