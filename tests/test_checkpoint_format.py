@@ -199,3 +199,73 @@ def test_a_ranks_slice_of_a_checkpoint_costs_its_slice(tmp_path):
     tracemalloc.stop()
     assert np.array_equal(piece, w[:, displs[2]:displs[2] + counts[2]])
     assert peak < 1.5 * piece.nbytes, (peak, piece.nbytes, w.nbytes)
+
+
+def _flat_sharded(directory, step, tensors, cuts, drop=None):
+    """A ZeRO-style checkpoint: shard ``i`` holds elements ``cuts[i]:cuts[i+1]`` of every
+    tensor's flat layout (all of ``tensors`` joined, as a bucket is), as flat pieces."""
+    names = list(tensors)
+    offsets = np.cumsum([0] + [tensors[n].size for n in names])
+    for i in range(len(cuts) - 1):
+        pieces = []
+        for n, o in zip(names, offsets):
+            a, b = max(cuts[i], o), min(cuts[i + 1], o + tensors[n].size)
+            if a < b and (i, n) != drop:
+                pieces.append([["model", n], int(a - o), tensors[n].reshape(-1)[a - o:b - o]])
+                pieces.append([["optimizer", "state", n, "m"], int(a - o),
+                               -tensors[n].reshape(-1)[a - o:b - o]])
+        ckpt.save_shard(directory, step, i, len(cuts) - 1, {"pieces": pieces})
+    flat = [[place, list(tensors[n].shape), tensors[n].dtype.str] for n in names
+            for place in (["model", n], ["optimizer", "state", n, "m"])]
+    ckpt.save(directory, step, {
+        "config": {}, "progress": {"step": step}, "ranks": [], "model": {"buf": np.ones(2)},
+        "optimizer": {"state": {n: {"step": 4} for n in names}},
+        "shards": {"count": len(cuts) - 1, "flat": flat,
+                   "files": [ckpt.shard_name(step, i, len(cuts) - 1)
+                             for i in range(len(cuts) - 1)]}})
+
+
+def test_flat_pieces_join_into_whole_tensors_and_a_chunk_reads_its_pieces(tmp_path):
+    """ZeRO's shards (flat pieces of every tensor, cut across tensors' bounds): read,
+    the tensors come back whole in their shapes; left on disk they are ``FlatRef``s,
+    and a chunk of their flat layout reads only the pieces it overlaps."""
+    from mpidl.engine.lazy import flat_slice
+
+    rng = np.random.default_rng(4)
+    tensors = {"w": rng.standard_normal((7, 5)), "b": rng.standard_normal(5),
+               "e": np.zeros((0, 3))}
+    directory = str(tmp_path)
+    _flat_sharded(directory, 3, tensors, [0, 12, 13, 40])  # a one-element shard too
+    path = ckpt.checkpoint_path(directory, 3)
+    whole = ckpt.load(path)
+    for n, t in tensors.items():
+        assert np.array_equal(whole["model"][n], t) and whole["model"][n].shape == t.shape
+        assert np.array_equal(whole["optimizer"]["state"][n]["m"], -t)
+        assert whole["optimizer"]["state"][n]["step"] == 4
+    assert np.array_equal(whole["model"]["buf"], np.ones(2))
+    left = ckpt.load(path, read=False)
+    ref = left["model"]["w"]
+    assert isinstance(ref, ckpt.FlatRef) and ref.shape == (7, 5) and len(ref.parts) == 3
+    assert np.array_equal(ref.values(), tensors["w"])
+    assert np.array_equal(ref.values(1, 1, 3), tensors["w"][:, 1:3])
+    assert np.array_equal(flat_slice(ref, 10, 14), tensors["w"].reshape(-1)[10:14])
+    os.unlink(os.path.join(directory, ckpt.shard_name(3, 2, 3)))  # elements 13..39 of all
+    assert np.array_equal(flat_slice(ref, 0, 13), tensors["w"].reshape(-1)[:13])
+    with pytest.raises(ckpt.CheckpointError, match="shard-2-of-3"):
+        flat_slice(ref, 12, 14)
+
+
+def test_flat_pieces_that_do_not_cover_a_tensor_make_the_checkpoint_unreadable(tmp_path):
+    """A piece missing from a shard (or pieces of a tensor the index does not name) is a
+    CheckpointError naming the tensor, so ``latest`` falls back to the one before."""
+    rng = np.random.default_rng(5)
+    tensors = {"w": rng.standard_normal((4, 4)), "b": rng.standard_normal(4)}
+    directory = str(tmp_path)
+    _flat_sharded(directory, 1, tensors, [0, 10, 20])
+    _flat_sharded(directory, 2, tensors, [0, 10, 20], drop=(1, "w"))
+    warnings = []
+    for read in (True, False):
+        path, _ = ckpt.latest(directory, warn=warnings.append, read=read)
+        assert path == ckpt.checkpoint_path(directory, 1), warnings
+    assert len(warnings) == 2 and all("'model/w'" in w and "index says 16" in w
+                                      for w in warnings), warnings

@@ -72,6 +72,12 @@ class Deferred:
         """The slice ``[lo, hi)`` along ``dim``, deferred too (made when asked)."""
         return _Part(self, dim, lo, hi)
 
+    def values_flat(self, lo, hi):
+        """Elements ``[lo, hi)`` of the flattened values (a 1-D host array; what a ZeRO
+        rank keeps of a tensor: its chunks are flat). Subclasses that can make a part
+        without the whole override it."""
+        return self.values().reshape(-1)[lo:hi].copy()
+
     @property
     def ndim(self):
         return len(self.shape)
@@ -222,6 +228,14 @@ def defer(fn, shape, fan_in, fan_out, rng, dtype):
     if lazy.size:
         lazy.skip(rng)
     return lazy
+
+
+def flat_slice(a, lo, hi):
+    """Elements ``[lo, hi)`` of array ``a`` flattened (a view), or of a ``Deferred`` (made
+    now, that part only where it can be)."""
+    if isinstance(a, Deferred):
+        return a.values_flat(lo, hi)
+    return a.reshape(-1)[lo:hi]
 
 
 def is_lazy(a):

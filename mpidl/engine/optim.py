@@ -178,9 +178,11 @@ class Optimizer:
                         for name, st in self.state.items()}
         return out
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, read=True):
         """Restore hyper-parameters and per-parameter state saved by ``state_dict`` (a
-        ``Deferred`` slot, a checkpoint's tensor not read yet, is read in its turn)."""
+        ``Deferred`` slot, a checkpoint's tensor not read yet, is read in its turn;
+        ``read=False`` keeps it as it is, for a ZeRO placement that reads only its
+        chunks of it: ``zero.Sharded.import_state``)."""
         kind = state.get("type", type(self).__name__)
         if kind != type(self).__name__:
             raise ValueError(f"cannot load {kind} state into {type(self).__name__}")
@@ -201,7 +203,8 @@ class Optimizer:
                     raise ValueError(f"optimizer state {name!r}/{slot}: shape "
                                      f"{tuple(value.shape)}, parameter {tuple(p.data.shape)}")
                 if is_deferred(value):  # a checkpoint's, read now: a new array already
-                    st[slot] = to_device(value.values(), dtype=p.data.dtype)
+                    st[slot] = (to_device(value.values(), dtype=p.data.dtype) if read
+                                else value)
                 else:
                     st[slot] = to_device(value, dtype=p.data.dtype).copy()
             new_state[name] = st

@@ -428,7 +428,10 @@ class Precision:
         if self.sharded is not None:
             self.sharded.load_masters(state["masters"])
         else:
-            for n, value in state["masters"].items():
+            from mpidl.engine.lazy import is_deferred  # noqa: PLC0415
+
+            for n, value in state["masters"].items():  # (a ZeRO checkpoint's: Deferred)
+                value = value.values() if is_deferred(value) else value
                 self.masters[n].data[...] = to_device(value, dtype=np.float32)
                 self.params[n].data[...] = self.masters[n].data
                 self.round(self.params[n].data)

@@ -155,6 +155,22 @@ class Runtime:
                               "allreduce+diloco")
                 and self.tp is None and self.pp is None and self.compressor is None)
 
+    @property
+    def shards_checkpoints(self):
+        """Whether each rank writes its own part of a checkpoint (ZeRO over data
+        parallelism alone: the elements of its chunks, ``zero.Sharded.checkpoint_pieces``),
+        so that nothing is gathered for it."""
+        return (self.tp is None and self.pp is None and self.trains_on_data
+                and hasattr(getattr(self, "placement", None), "checkpoint_pieces"))
+
+    @property
+    def resumes_resized(self):
+        """Whether a checkpoint of this run resumes on another number of ranks: the
+        ``resizable`` runtimes, and ZeRO over data parallelism alone (its checkpoints are
+        per parameter, and a rank reads the elements of its new chunks)."""
+        return self.resizable or (self.name.startswith("allreduce+zero") and self.tp is None
+                                  and self.pp is None and self.compressor is None)
+
     def commit_point(self, step, every):
         """Whether an elastic run keeps the state at the start of ``step`` (it keeps
         every ``every``-th). With model averaging, after its warm-up: at the start of
@@ -692,13 +708,26 @@ class Runtime:
 
     def checkpoint_parts(self, model, optimizer):
         """What this rank puts in a checkpoint (local): ``model``/``optimizer`` (the
-        root's go into the checkpoint file), ``shard`` (this rank's slices, to write as a
+        root's go into the checkpoint file), ``shard`` (this rank's part, to write as a
         shard file, or None) with its ``index`` of ``count``, and ``shards`` (the index's
-        entry, or None). Without tensor parallelism the root holds the whole states and
-        there are no shards; with it, the ranks holding the root's model's pieces each
-        write their slices, and the root's file is the index."""
+        entry, or None). With tensor parallelism the ranks holding the root's model's
+        pieces each write their slices, and the root's file is the index; under ZeRO over
+        data parallelism alone every rank writes its chunks (``shards_checkpoints``);
+        otherwise the root holds the whole states and there are no shards."""
         from types import SimpleNamespace  # noqa: PLC0415
 
+        if self.shards_checkpoints:  # ZeRO: every rank its chunks, the root the rest
+            placement = self.placement
+            flat, steps = placement.checkpoint_index()
+            rest = {k: to_numpy(v) for k, v in model.state_dict().items()
+                    if k not in placement.of_param}
+            opt_state = dict(optimizer.state_dict(), state=steps)
+            g = self.group
+            index, count = (0, 1) if g is None else (g.rank, g.size)
+            return SimpleNamespace(model=rest, optimizer=opt_state,
+                                   shard={"pieces": placement.checkpoint_pieces()},
+                                   index=index, count=count,
+                                   shards={"count": count, "flat": flat})
         if self.tp is None or self.pp is not None:  # the whole model in the root's file
             model_state, opt_state = self.full_state(model, optimizer)
             return SimpleNamespace(model=model_state, optimizer=opt_state, shard=None,
@@ -713,16 +742,45 @@ class Runtime:
                                shards={"count": g.size, "slices": slices})
 
     def shards_written(self):
-        """Collective over the tensor-parallel group: every shard is on disk (the root
+        """Collective over the ranks that write shards (the tensor-parallel group; under
+        ``shards_checkpoints`` the data-parallel group): every shard is on disk (the root
         writes the index only after)."""
-        with self.tp_group.waiting("in the barrier after writing checkpoint shards"):
-            self.tp_group.mpi.Barrier()
+        g = self.tp_group if self.tp is not None else self.group
+        if g is None:
+            return
+        with g.waiting("in the barrier after writing checkpoint shards"):
+            g.mpi.Barrier()
+
+    def parameters_finite(self, model):
+        """Whether every parameter is finite. Under ``shards_checkpoints`` collective over
+        the data-parallel group (each rank checks its chunks, the ranks agree: none of
+        them holds the whole model); otherwise this rank's parameters (the root's are
+        the checkpoint's)."""
+        if not self.shards_checkpoints:
+            return all(np.isfinite(to_numpy(p.data)).all() for _, p in
+                       model.named_parameters())
+        finite = self.placement.chunks_finite()
+        g = self.group
+        if g is None:
+            return finite
+        flag = np.array([0 if finite else 1], dtype=np.int32)
+        g.allreduce(flag, out=flag, op="max", algorithm="mpi", name="checkpoint.finite")
+        return not flag[0]
 
     def load_full_state(self, model, optimizer, model_state, opt_state=None):
         """Load a whole model's state (and its optimizer's) saved under any layout into
         this rank's part of the model. Its tensors may be ``Deferred`` (a checkpoint left
         on disk, ``checkpoint.load(path, read=False)``): only this rank's part is read,
         one tensor at a time, as the model and the optimizer load them."""
+        if self.shards_checkpoints:  # ZeRO: this rank's chunks, read piece by piece
+            placement, gathers = self.placement, self.placement.sync.gathers
+            if gathers is not None and not gathers.pinned:  # (stage 3, never whole)
+                placement.load_params(model, model_state)
+            else:  # (the parameters are whole on every rank)
+                model.load_state_dict(model_state)
+            if opt_state is not None:  # cut into the shards by ``import_state``
+                optimizer.load_state_dict(opt_state, read=False)
+            return
         self._gather_params()  # (ZeRO stage 3: the parameters to load into, gathered)
         if self.pp is not None:  # this rank's stages
             mine = set(model.state_dict())
@@ -845,12 +903,15 @@ class Runtime:
         return int(buf[0])
 
     # -- checkpoints
-    def state_dict(self):
+    def state_dict(self, gathered=True):
         """The syncs' state, every training rank's gathered on the root (collective over
-        the training ranks): error-feedback residuals, the servers' optimizer state, ..."""
+        the training ranks): error-feedback residuals, the servers' optimizer state, ...
+        ZeRO's optimizer state (and masters) is gathered on the root too, into the
+        optimizer's per-parameter state, unless ``gathered`` is False (a sharded
+        checkpoint, ``shards_checkpoints``, holds them in its shards)."""
         self.sync_buffers()
         export = getattr(getattr(self, "placement", None), "export_state", None)
-        if export is not None and self.trains_on_data:
+        if export is not None and self.trains_on_data and gathered:
             export(self)  # ZeRO: the shards' optimizer state, per parameter on the root
         pending = self._pipeline_pending()
         mine = [s.state_dict() for _, s in self.syncs]

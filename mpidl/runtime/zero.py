@@ -59,15 +59,21 @@ chunk.
 stage 3 each rank draws only its chunk of every bucket (``Shard(chunk_only)``), set-up
 makes no full buffer, and evaluation gathers bucket by bucket as a training forward
 does (``ZeroSync.gathers_in_eval``; the runtime keeps the ranks' evaluation forwards in
-step), so no rank holds the whole model but for checkpoints and ``--save``. A model built
+step), so no rank holds the whole model (checkpoints are its chunks, below; ``--save``
+gathers a bucket at a time). A model built
 eagerly is gathered whole after set-up and for evaluation, as before (the Python API
 reads its parameters after ``setup``).
 
-**Checkpoints** hold the stage-0 form: ``Runtime.state_dict`` (collective) gathers the
-shards' optimizer state into the trainer's optimizer on the root (per parameter, as a
-replicated optimizer keeps it) and ``load_state_dict`` cuts it into this run's shards,
-so a checkpoint resumes at any stage and any number of ranks; mixed precision's masters
-are gathered alike into ``Precision.exported`` and cut again by ``Sharded.load_masters``.
+**Checkpoints** are per parameter, as a replicated optimizer keeps its state, so one
+resumes at any stage and any number of ranks. Over data parallelism alone each rank
+writes its own chunks as flat pieces of every parameter, optimizer slot and float32
+master (``Sharded.checkpoint_pieces``, ``mpidl.training.checkpoint``'s shard files) and
+nothing is gathered; loading reads, of each tensor, only the elements of this run's
+chunks (``import_state``, ``load_params``, ``load_masters``: a piece at a time, from
+arrays or from a checkpoint left on disk). With tensor or pipeline parallelism
+``Runtime.state_dict`` (collective) gathers the shards' optimizer state into the
+trainer's optimizer on the group's first rank (``export_state``) and the masters into
+``Precision.exported``, and the runtime joins those for the checkpoint.
 """
 
 import copy
@@ -75,7 +81,7 @@ import time
 
 from mpidl.backend import array_module, to_device, to_numpy
 from mpidl.comm.layout import even_split
-from mpidl.engine.lazy import is_lazy
+from mpidl.engine.lazy import flat_slice, is_deferred, is_lazy
 from mpidl.engine.module import Parameter
 from mpidl.errors import AgreedUserError, ConfigError
 from mpidl.options import Option
@@ -260,17 +266,11 @@ class Shard:
 
     def _chunk(self, params, xp):
         """Elements ``lo:hi`` of the bucket's flat layout, from its parameters' values
-        (arrays, or lazily built ones not drawn yet)."""
+        (arrays, or lazily built ones not drawn yet: only those elements are drawn)."""
         chunk = xp.empty(self.hi - self.lo, dtype=self.dtype)
-        offset = 0
-        for p in params:
-            k = p.data.size
-            a, b = max(self.lo, offset), min(self.hi, offset + k)
-            if a < b:
-                piece = (p.data.values_flat(a - offset, b - offset) if is_lazy(p.data)
-                         else p.data.reshape(-1)[a - offset:b - offset])
-                chunk[a - self.lo:b - self.lo] = to_device(piece)
-            offset += k
+        values = dict(zip(self.bucket.names, (p.data for p in params)))
+        for name, first, end, lo, hi in _overlaps(self):
+            chunk[lo:hi] = to_device(flat_slice(values[name], first, end))
         return chunk
 
 
@@ -512,10 +512,31 @@ def _per_param(sh, flat):
         offset += k
 
 
+def _overlaps(sh):
+    """``(name, first, end, lo, hi)`` for every parameter of ``sh``'s bucket with
+    elements in this rank's chunk: its flat elements ``[first, end)`` are the chunk's
+    ``[lo, hi)``."""
+    offset = 0
+    for name, view in zip(sh.bucket.names, sh.bucket.views):
+        k = view.size
+        a, b = max(sh.lo, offset), min(sh.hi, offset + k)
+        if a < b:
+            yield name, a - offset, b - offset, a - sh.lo, b - sh.lo
+        offset += k
+
+
 def _flat(xp, arrays):
     """The bucket's whole layout as one new flat ``xp`` array from its parameters' arrays,
     in the bucket's order: ``_per_param``'s inverse."""
     return xp.concatenate([a.reshape(-1) for a in arrays])
+
+
+def _param_views(flat, sh):
+    """The parameters of ``sh``'s bucket as flat views of ``flat`` (its whole layout)."""
+    offset = 0
+    for view in sh.bucket.views:
+        yield flat[offset:offset + view.size]
+        offset += view.size
 
 
 def _words(buf):
@@ -643,8 +664,9 @@ class Sharded:
         return [self.shards[b].grad_wire for b in buckets]
 
     def load_masters(self, masters):
-        """Mixed precision: a checkpoint's float32 masters (per parameter, any stage's)
-        cut into this rank's chunks, and the working copies rounded from them."""
+        """Mixed precision: a checkpoint's float32 masters (per parameter, any stage's;
+        arrays or ``Deferred``) cut into this rank's chunks, and the working copies
+        rounded from them."""
         wire = self.precision.wire
         for b, sh in self.shards.items():
             missing = [n for n in sh.bucket.names if n not in masters]
@@ -652,17 +674,111 @@ class Sharded:
                 raise ConfigError(f"--zero {self.stage}: the checkpoint has no master "
                                   f"weights for {', '.join(missing[:3])}; resume it with "
                                   "the model it was written with")
-            xp = array_module(sh.param.data)
-            flat = _flat(xp, [to_device(masters[n], dtype=sh.param.data.dtype)
-                              for n in sh.bucket.names])
-            sh.param.data[...] = flat[sh.lo:sh.hi]
+            sh.param.data[...] = self._chunk_of(sh, masters)
             if sh.low is not None:
                 wire.encode(sh.param.data, 1.0, sh.low)
-            if sh.params is not None:  # (stage 3: while gathered)
-                sh.params[...] = flat
+            if sh.params is not None:  # the whole working copies (stage 3: while gathered)
+                for name, view in zip(sh.bucket.names, _param_views(sh.params, sh)):
+                    view[...] = to_device(flat_slice(masters[name], 0, view.size),
+                                          dtype=view.dtype)
                 self.precision.round(sh.params)
 
-    # -- checkpoints: the stage-0 form (module doc)
+    def _chunk_of(self, sh, per_param):
+        """This rank's chunk of bucket ``sh`` from ``{name: whole tensor}`` (arrays or
+        ``Deferred``: only the chunk's elements of each are made), in the chunk's dtype."""
+        dtype = sh.param.data.dtype
+        chunk = array_module(sh.param.data).empty(sh.hi - sh.lo, dtype=dtype)
+        for name, first, end, lo, hi in _overlaps(sh):
+            chunk[lo:hi] = to_device(flat_slice(per_param[name], first, end), dtype=dtype)
+        return chunk
+
+    # -- sharded checkpoints (data parallelism alone; module doc)
+    def _working_chunk(self, sh):
+        """This rank's chunk of bucket ``sh``'s working parameters (what the model computes
+        with; under mixed precision the masters rounded), on the host."""
+        if self.precision is None:
+            return to_numpy(sh.param.data)
+        if sh.low is not None:  # stage 3 keeps it in the 2-byte format
+            out = array_module(sh.param.data).empty(sh.hi - sh.lo, dtype=sh.dtype)
+            self.precision.wire.decode(sh.low, out=out)
+            return to_numpy(out)
+        return to_numpy(sh.params[sh.lo:sh.hi])
+
+    def checkpoint_pieces(self):
+        """This rank's part of a sharded checkpoint: ``[place, first element, 1-D host
+        array]`` of every parameter's elements in its chunks: the working values
+        (``model``), each optimizer slot (``optimizer/state``) and, under mixed
+        precision, the float32 masters (``runtime/precision/masters``). Views, no copies
+        (on a CPU)."""
+        out = []
+        for b, sh in self.shards.items():
+            working = self._working_chunk(sh)
+            slots = {k: to_numpy(v) for k, v in self.inner.state.get(b, {}).items()
+                     if k != "step"}
+            masters = None if self.precision is None else to_numpy(sh.param.data)
+            for name, first, _, lo, hi in _overlaps(sh):
+                out.append([["model", name], first, working[lo:hi]])
+                for slot, v in slots.items():
+                    out.append([["optimizer", "state", name, slot], first, v[lo:hi]])
+                if masters is not None:
+                    out.append([["runtime", "precision", "masters", name], first,
+                                masters[lo:hi]])
+        return out
+
+    def checkpoint_index(self):
+        """The index's part of a sharded checkpoint (alike on every rank): ``[place,
+        shape, dtype]`` of every tensor the shards hold pieces of, and ``{name: {"step":
+        n}}``, the optimizer's per-parameter update counts."""
+        import numpy as np  # noqa: PLC0415
+
+        entries, steps = [], {}
+        for b, sh in self.shards.items():
+            st = self.inner.state.get(b)
+            slots = [(k, np.dtype(v.dtype).str) for k, v in (st or {}).items() if k != "step"]
+            for name, view in zip(sh.bucket.names, sh.bucket.views):
+                shape = list(view.shape)
+                entries.append([["model", name], shape, np.dtype(sh.dtype).str])
+                for slot, dtype in slots:
+                    entries.append([["optimizer", "state", name, slot], shape, dtype])
+                if self.precision is not None:
+                    entries.append([["runtime", "precision", "masters", name], shape,
+                                    np.dtype(sh.param.data.dtype).str])
+                if st is not None:
+                    steps[name] = {"step": int(st["step"])}
+        return entries, steps
+
+    def chunks_finite(self):
+        """Whether this rank's chunks are finite: the parameters it steps (the masters,
+        under mixed precision) and the working values (a master past fp16's range rounds
+        to inf)."""
+        import numpy as np  # noqa: PLC0415
+
+        for sh in self.shards.values():
+            if not np.isfinite(to_numpy(sh.param.data)).all():
+                return False
+            if self.precision is not None and not np.isfinite(self._working_chunk(sh)).all():
+                return False
+        return True
+
+    def load_params(self, model, state):
+        """Stage 3 of a model whose buckets are not gathered (built lazily): a checkpoint's
+        parameters (arrays or ``Deferred``, any layout's) cut into this rank's chunks a
+        piece at a time, never whole; the model's buffers (and any parameter outside the
+        buckets) loaded whole."""
+        self.sync.gathers.release_all(spares=False)  # (nothing gathered holds old values)
+        for sh in self.shards.values():
+            sh.param.data[...] = self._chunk_of(sh, state)
+        for name, p in model.named_parameters():
+            if name not in self.of_param:
+                value = state[name]
+                p.data[...] = to_device(value.values() if is_deferred(value) else value,
+                                        dtype=p.data.dtype)
+        for name, _ in model.named_buffers():
+            value = state[name]
+            model.set_buffer(name, to_device(value.values()) if is_deferred(value) else
+                             to_device(value).copy())
+
+    # -- checkpoints gathered, under tensor or pipeline parallelism (module doc)
     def export_state(self, runtime):
         """Collective over the data-parallel group: the shards' optimizer state, gathered
         on the group's first rank into its optimizer as per-parameter state (what a
@@ -710,7 +826,8 @@ class Sharded:
 
     def import_state(self):
         """Cut the per-parameter state the trainer's optimizer loaded (a checkpoint of any
-        stage and number of ranks) into this rank's shards; the optimizer lets it go."""
+        stage and number of ranks; its tensors may still be on disk, ``Deferred``) into
+        this rank's shards, reading only their elements; the optimizer lets it go."""
         full = self.optimizer.state
         inner = {}
         for b, sh in self.shards.items():
@@ -728,13 +845,10 @@ class Sharded:
                                   f"{have[:3]} were updated different numbers of times "
                                   f"({sorted(steps)}); one shard needs one step count: "
                                   "resume it with --zero 0")
-            xp = array_module(sh.param.data)
             st = {"step": steps.pop()}
             for slot in full[have[0]]:
-                if slot == "step":
-                    continue
-                flat = _flat(xp, [xp.asarray(full[n][slot]) for n in have])
-                st[slot] = flat[sh.lo:sh.hi].copy()
+                if slot != "step":  # this rank's chunk, a parameter's piece at a time
+                    st[slot] = self._chunk_of(sh, {n: full[n][slot] for n in have})
             inner[b] = st
         self.inner.state = inner
         self.optimizer.state = {}
@@ -815,7 +929,8 @@ class ParamGathers:
     do nothing; the next step takes each rank's chunk back and frees them. A lazily built
     model (``mpidl.engine.lazy``) is not pinned after set-up: every rank holds its chunks
     only, its passes gather them, and so do its evaluation's forwards (``evaluate``);
-    checkpoints still pin every bucket (``materialize``), ``--save`` takes one at a time.
+    its checkpoints are each rank's chunks (under tensor or pipeline parallelism, which
+    gather them, every bucket is pinned: ``materialize``), ``--save`` takes one at a time.
 
     A buffer freed in forward (or when a pass ends) is kept as a *spare* for the next
     gather of a bucket of its size (the same bucket in backward, or another block's of
@@ -1024,8 +1139,8 @@ class ParamGathers:
             self.spares.clear()
 
     def materialize(self):
-        """Collective: every bucket gathered and kept until the next step (evaluation,
-        checkpoints, the end of training)."""
+        """Collective: every bucket gathered and kept until the next step (evaluation and
+        the end of training of an eager model, gathered checkpoints)."""
         if self.pinned:
             return
         self.release_all()

@@ -16,6 +16,13 @@ layout wrote it; a missing or unreadable shard makes the checkpoint unreadable, 
 same way but leaves the model's and optimizer's tensors on disk (``Ref``): a rank of a
 split model reads only its part (``Runtime.load_full_state``).
 
+ZeRO over data parallelism alone shards the same way, in flat pieces: rank ``i`` of ``n``
+writes the elements of every tensor that fall in its chunks (``{"pieces": [[path, start,
+1-D array], ...]}``: parameters, optimizer slots, float32 masters), and the index names
+each such tensor's place in the state and its shape (``shards["flat"]``); ``load`` joins
+the pieces, which must cover each tensor exactly, and ``read=False`` gives ``FlatRef``s,
+from which a rank of another run reads the elements of its own chunks only.
+
 Atomic write: the file is written under a temporary name in the same folder, flushed and
 fsync'ed, then ``os.replace``'d onto its final name, and the folder is fsync'ed. A crash
 at any moment leaves either the previous checkpoints only, or the previous ones and the
@@ -165,11 +172,18 @@ def write_npz_atomic(path, arrays, crash_after_bytes=None):
 
 def _write_npz(f, items):
     """What ``numpy.savez`` writes (a zip of uncompressed ``.npy`` members), one member at
-    a time."""
+    a time. A contiguous array goes from its own memory (``write_array`` would copy it
+    16 MiB at a time into a zip member)."""
+    fmt = np.lib.format
     with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
         for name, a in items:
+            a = np.asanyarray(a)
             with z.open(f"{name}.npy", mode="w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
+                if a.flags.c_contiguous and not a.dtype.hasobject:
+                    fmt.write_array_header_1_0(member, fmt.header_data_from_array_1_0(a))
+                    member.write(memoryview(a.reshape(-1).view(np.uint8)))
+                else:
+                    fmt.write_array(member, a, allow_pickle=False)
 
 
 def shard_name(step, index, count):
@@ -183,13 +197,30 @@ def _arrays_of(step, state):
     return arrays
 
 
+def _check_space(directory, path, arrays, kept):
+    need = sum(int(a.nbytes) for a in arrays.values()) + (1 << 20)
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise CheckpointWriteError(
+            f"not enough space to write checkpoint {path}: it needs about "
+            f"{need / (1 << 20):.1f} MiB and {free / (1 << 20):.1f} MiB are free{kept}; "
+            "free some space (or use another --checkpoint-dir) and run again with "
+            "--resume")
+
+
 def save_shard(directory, step, index, count, state, crash_after_bytes=None):
-    """Write this rank's slices of checkpoint ``step`` (``index`` of ``count`` shards)
-    atomically; the index written after every shard makes the checkpoint."""
+    """Write this rank's part of checkpoint ``step`` (``index`` of ``count`` shards)
+    atomically, space checked first; the index written after every shard makes the
+    checkpoint."""
     path = os.path.join(directory, shard_name(step, index, count))
     try:
         os.makedirs(directory, exist_ok=True)
-        return write_npz_atomic(path, _arrays_of(step, state), crash_after_bytes)
+        arrays = _arrays_of(step, state)
+        _check_space(directory, path, arrays, f"; the earlier checkpoints in {directory} "
+                                              "are kept")
+        return write_npz_atomic(path, arrays, crash_after_bytes)
+    except CheckpointWriteError:
+        raise
     except OSError as e:
         raise CheckpointWriteError(f"cannot write checkpoint shard {path} ({e.strerror or e});"
                                    f" the earlier checkpoints in {directory} are kept; fix "
@@ -211,7 +242,9 @@ def _join_shards(path, state, read=True):
             pieces.append(load(shard, read))
         except CheckpointError as e:
             raise CheckpointError(f"{path}: its shard {name} cannot be read ({e})") from None
-    for name, (dim, full) in info["slices"].items():
+    if info.get("flat"):
+        _join_flat(path, state, info["flat"], pieces, info["files"], read)
+    for name, (dim, full) in info.get("slices", {}).items():
         try:
             whole = _join([p["model"][name] for p in pieces], dim)
             slots = {slot: _join([p["optimizer"][name][slot] for p in pieces], dim)
@@ -226,6 +259,44 @@ def _join_shards(path, state, read=True):
         if slots:
             state["optimizer"]["state"].setdefault(name, {}).update(slots)
     return state
+
+
+def _join_flat(path, state, entries, shards, files, read):
+    """Put every ``[place, shape, dtype]`` of ``entries`` into ``state``: the tensor joined
+    from the flat pieces the shards hold of it (``read=False``: a ``FlatRef`` over them)."""
+    found = {}
+    for i, shard in enumerate(shards):
+        for place, start, piece in shard.get("pieces", ()):
+            found.setdefault(tuple(place), []).append((int(start), piece, files[i]))
+    for place, shape, dtype in entries:
+        where = "/".join(place)
+        shape, dtype = tuple(shape), np.dtype(dtype)
+        size = int(np.prod(shape, dtype=np.int64))
+        have = sorted(found.pop(tuple(place), []), key=lambda e: e[0])
+        end, dtypes = 0, {np.dtype(p.dtype) for _, p, _ in have} - {dtype}
+        for start, piece, name in have:
+            if start != end or piece.ndim != 1:
+                raise CheckpointError(f"{path}: the shards' pieces of {where!r} do not fit "
+                                      f"together (shard {name} begins at element {start}, "
+                                      f"the pieces before end at {end})")
+            end += piece.shape[0]
+        if end != size or dtypes:
+            raise CheckpointError(f"{path}: the shards hold {end} elements of {where!r} "
+                                  f"({', '.join(sorted(map(str, dtypes | {dtype})))}); the "
+                                  f"index says {size} ({shape}) of {dtype}")
+        if not read:
+            value = FlatRef([(p.parts[0][0], p.parts[0][1], start, start + p.shape[0])
+                             for start, p, _ in have], shape, dtype)
+        else:
+            value = (np.concatenate([np.asarray(p) for _, p, _ in have]) if have
+                     else np.empty(0, dtype=dtype)).reshape(shape)
+        node = state
+        for key in place[:-1]:
+            node = node.setdefault(key, {})
+        node[place[-1]] = value
+    if found:
+        raise CheckpointError(f"{path}: its shards hold pieces of tensors its index does "
+                              f"not name: {', '.join('/'.join(k) for k in list(found)[:3])}")
 
 
 def _join(pieces, dim):
@@ -290,6 +361,38 @@ class Ref(Deferred):
         return f"Ref({self.shape}, {self.dtype}, {len(self.parts)} file(s))"
 
 
+class FlatRef(Deferred):
+    """A tensor of a ZeRO checkpoint, in flat pieces over the shards and read when asked
+    for: ``values_flat(lo, hi)`` reads only the pieces that overlap elements ``[lo, hi)``
+    (a rank's chunks), ``values()`` all of them."""
+
+    __slots__ = ("parts", "shape", "dtype")
+
+    def __init__(self, parts, shape, dtype):
+        self.parts = list(parts)  # [(file, member, first element, end)]
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+
+    def values_flat(self, lo, hi):
+        out = np.empty(hi - lo, dtype=self.dtype)
+        for path, member, first, end in self.parts:
+            a, b = max(first, lo), min(end, hi)
+            if a < b:
+                out[a - lo:b - lo] = _read_member(path, member)[a - first:b - first]
+        return out
+
+    def values(self, dim=None, lo=None, hi=None):
+        whole = self.values_flat(0, self.size).reshape(self.shape)
+        if dim is None:
+            return whole
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(lo, hi)
+        return whole[tuple(index)].copy()
+
+    def __repr__(self):
+        return f"FlatRef({self.shape}, {self.dtype}, {len(self.parts)} piece(s))"
+
+
 def _read_member(path, member):
     """Array ``member`` of the .npz at ``path``."""
     try:
@@ -315,8 +418,9 @@ def _headers(z):
 
 def deferred_member(member, shape):
     """Whether ``load(path, read=False)`` leaves array ``member`` on disk: a tensor of the
-    model or of the optimizer (scalars and the rest of the state are read)."""
-    return bool(shape) and member.startswith(("model/", "optimizer/"))
+    model or of the optimizer, a ZeRO shard's piece (scalars and the rest of the state
+    are read)."""
+    return bool(shape) and member.startswith(("model/", "optimizer/", "pieces/"))
 
 
 def save(directory, step, state, keep=None, crash_after_bytes=None):
@@ -332,14 +436,7 @@ def save(directory, step, state, keep=None, crash_after_bytes=None):
     kept = f"; the earlier checkpoints in {directory} are kept"
     try:
         os.makedirs(directory, exist_ok=True)
-        need = sum(int(a.nbytes) for a in arrays.values()) + (1 << 20)
-        free = shutil.disk_usage(directory).free
-        if free < need:
-            raise CheckpointWriteError(
-                f"not enough space to write checkpoint {path}: it needs about "
-                f"{need / (1 << 20):.1f} MiB and {free / (1 << 20):.1f} MiB are free{kept}; "
-                "free some space (or use another --checkpoint-dir) and run again with "
-                "--resume")
+        _check_space(directory, path, arrays, kept)
         path = write_npz_atomic(path, arrays, crash_after_bytes)
     except CheckpointWriteError:
         raise

@@ -462,7 +462,7 @@ class Trainer:
 
         out = {k: getattr(self.cfg, k, None) for k in RESUME_KEYS}
         out["ranks"] = self.count
-        out["resizable"] = self.runtime.resizable  # (not compared: see check_compatible)
+        out["resizable"] = self.runtime.resumes_resized  # (not compared: check_compatible)
         return out
 
     def checkpoint_state(self):
@@ -470,7 +470,7 @@ class Trainer:
         elsewhere; this rank's ``Runtime.checkpoint_parts``)."""
         mine = {"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}
         per_rank = self.runtime.gather(mine)
-        runtime_state = self.runtime.state_dict()
+        runtime_state = self.runtime.state_dict(gathered=not self.runtime.shards_checkpoints)
         parts = self.runtime.checkpoint_parts(self.model, self.optimizer)
         if not self.is_root:
             return None, parts
@@ -495,7 +495,8 @@ class Trainer:
                 "elapsed": self.elapsed(), "last": dict(self.last)}
 
     def save_checkpoint(self):
-        """Collective: gather every rank's RNG state, then the root writes atomically."""
+        """Collective: gather every rank's RNG state, then the root writes atomically (the
+        ranks holding pieces of the model write theirs first: shards)."""
         state, parts = self.checkpoint_state()
         self.checkpoints_written += 1
         crash = None
@@ -503,12 +504,16 @@ class Trainer:
             crash = (self.crash_in_checkpoint[1] if len(self.crash_in_checkpoint) > 1
                      else 4096)
         directory = self.paths["checkpoint_dir"]
-        if parts.shard is not None:  # tensor parallelism: slices first, then the index
+        # (ZeRO's shards: the ranks agree first, so that no shard of a diverged run is
+        # written; tensor parallelism's: the root checks the parameters it holds)
+        finite = (self.runtime.parameters_finite(self.model)
+                  if self.runtime.shards_checkpoints or self.is_root else True)
+        if parts.shard is not None and finite:  # the pieces first, then the index
             ckpt.save_shard(directory, self.step, parts.index, parts.count, parts.shard,
                             crash_after_bytes=crash)
             self.runtime.shards_written()
         path = None
-        if self.is_root and not self.parameters_finite():
+        if self.is_root and not finite:
             self.log.warning(f"not writing a checkpoint at step {self.step}: the parameters "
                              "are not finite (training diverged); the last finite "
                              f"checkpoint stays the newest in {directory}")
@@ -536,13 +541,6 @@ class Trainer:
             "runtime": rt.local_state(),
         }
 
-    def parameters_finite(self):
-        """Whether every parameter is finite (no checkpoint is written of a diverged run)."""
-        from mpidl.backend import to_numpy  # noqa: PLC0415
-
-        return all(np.isfinite(to_numpy(p.data)).all() for _, p in
-                   self.model.named_parameters())
-
     def _usable(self, path, state):
         """CheckpointError unless ``state`` is a training checkpoint that fits this model
         (names and shapes)."""
@@ -558,10 +556,12 @@ class Trainer:
 
     @property
     def _split(self):
-        """Whether this rank holds only part of the model (tensor or pipeline
-        parallelism): then it needs only part of a checkpoint."""
+        """Whether this rank holds only part of the model or of the optimizer state
+        (tensor or pipeline parallelism, ZeRO's shards): then it needs only part of a
+        checkpoint."""
         rt = self.runtime
-        return getattr(rt, "tp", None) is not None or getattr(rt, "pp", None) is not None
+        return (getattr(rt, "tp", None) is not None or getattr(rt, "pp", None) is not None
+                or getattr(rt, "shards_checkpoints", False))
 
     def restore(self):
         """Collective: the root finds the newest checkpoint, every rank loads it (a split
@@ -643,7 +643,7 @@ class Trainer:
     def check_compatible(self, path, saved):
         now = self.resume_config()
         ignore = {"resizable"}
-        if self.runtime.resizable and saved.get("resizable"):
+        if self.runtime.resumes_resized and saved.get("resizable"):
             # continues on any number of ranks; data parallelism on one process too
             ignore.add("ranks")
             one = {"local": "allreduce"}
@@ -694,7 +694,8 @@ def keeps_global_batch(runtime, keep_batch):
     their ranks step alone or push alone)."""
     if keep_batch == "rank":
         return False
-    return (runtime.name in ("local", "allreduce") and runtime.resizable
+    zero = runtime.name.startswith("allreduce+zero")  # (its pieces are cut anew)
+    return ((runtime.name in ("local", "allreduce") or zero) and runtime.resumes_resized
             and getattr(runtime.schedule, "k", 1) == 1)
 
 
