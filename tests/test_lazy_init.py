@@ -188,7 +188,9 @@ def test_mpidl_train_builds_a_split_model_lazily(tmp_path, layout):
 @pytest.mark.parametrize("mode", ["tp", "pp"])
 def test_a_split_model_resumes_and_saves_without_the_whole_model(tmp_path, mode):
     """On 2 real ranks: a lazily built 48 MB MLP under tensor (pipeline) parallelism,
-    checkpointed as the trainer writes it and resumed as ``Trainer.restore`` does: the root
+    checkpointed as the trainer writes it (each rank a shard of its slices, or of its
+    stage, from their own memory: writing allocates under 1 MiB) and resumed as
+    ``Trainer.restore`` does: the root
     broadcasts the checkpoint with its tensors left on disk (a few kB), each rank reads its
     part, one tensor at a time; the resumed parameters and momentum are bitwise the saved
     ones and each rank's loading peak is about the momentum it takes; ``--save``'s stream

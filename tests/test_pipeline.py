@@ -478,6 +478,44 @@ def test_train_command_equals_one_process_and_resumes_across_layouts(tmp_path):
     shutil.rmtree(tmp_path / "pp")
 
 
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16",
+                                                              marks=pytest.mark.slow)])
+def test_mixed_precision_pipeline_resumes_bitwise_from_a_shard_per_stage(tmp_path,
+                                                                          precision):
+    """``mpidl train --pipeline-stages 2 --precision bf16`` (Adam, 2 micro-batches) killed
+    after its step-4 checkpoint: each stage wrote its own shard (its parameters, Adam's
+    moments and float32 masters), the root an index holding none of them; resumed, the
+    run ends bitwise the uninterrupted one (it failed before: the root's checkpoint held
+    only the first stage's masters)."""
+    import sys
+
+    from mpirun import mpiexec_cmd
+
+    def train(args, env=None):
+        cmd = [*mpiexec_cmd(), "-n", "2", sys.executable, "-m", "mpidl.cli.main", "train",
+               "--no-progress",
+               "--dataset", "synthetic", "--limit-train", "200", "--limit-test", "32",
+               "--epochs", "2", "--batch-size", "16", "--model", "mlp", "--optimizer",
+               "adam", "--lr", "0.001", "--precision", precision, "--pipeline-stages",
+               "2", "--micro-batches", "2", *[str(a) for a in args]]
+        if precision == "fp16":
+            cmd += ["--loss-scale", str(2.0 ** 17), "--loss-scale-window", "3"]
+        return run_command(cmd, env=env, timeout=300)
+
+    train(["--out-dir", tmp_path / "whole"]).check()
+    out, ck = tmp_path / "crashed", tmp_path / "crashed" / "checkpoints"
+    crashed = train(["--out-dir", out, "--checkpoint-every", "2"],
+                    env={"MPIDL_FAIL_AT": "0:5"})
+    assert crashed.returncode != 0, crashed.output
+    shards = [ck / f"ckpt-000000004-shard-{i}-of-2.npz" for i in range(2)]
+    assert all(os.path.getsize(f) > 1_000_000 for f in shards), os.listdir(ck)
+    assert os.path.getsize(ck / "ckpt-000000004.npz") < 50_000
+    launch = train(["--out-dir", out, "--checkpoint-every", "2", "--resume"]).check()
+    assert "resumed from" in launch.output and "step 4" in launch.output, launch.output
+    assert_bitwise_equal(model_arrays(tmp_path / "whole" / "model.npz"),
+                         model_arrays(out / "model.npz"))
+
+
 def test_tied_gpt_equals_one_process_and_resumes_from_the_command_line(tmp_path):
     """gpt-tiny with --tie-weights on 2 stages (the token embedding on the first, the head
     reading its weight on the last; 1f1b, M = 4, float64, 32 steps): the saved model is

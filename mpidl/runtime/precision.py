@@ -410,13 +410,23 @@ class Precision:
                      f"after {self.window} clean steps)")
         return [text]
 
-    def state_dict(self):
+    def master_arrays(self):
+        """{name: float32 array} of this rank's master weights, the arrays themselves
+        (under ZeRO those the placement gathered on this rank for a checkpoint)."""
+        if self.sharded is not None:
+            return dict(self.exported)
+        return {n: m.data for n, m in self.masters.items()}
+
+    def state_dict(self, masters=True):
         """Loss scale and master weights (under ZeRO the masters the placement gathered
-        on the root for this checkpoint: the same form, resumable at any stage)."""
-        masters = ({n: m.data.copy() for n, m in self.masters.items()}
-                   if self.sharded is None else dict(self.exported))
+        on the root for this checkpoint: the same form, resumable at any stage);
+        ``masters=False``: without them (a sharded checkpoint's shards hold them)."""
+        arrays = {}
+        if masters:
+            arrays = {n: a if self.sharded is not None else a.copy()
+                      for n, a in self.master_arrays().items()}
         return {"format": self.format, "scale": self.scale, "good_steps": self.good_steps,
-                "skipped_total": self.skipped_total, "masters": masters}
+                "skipped_total": self.skipped_total, "masters": arrays}
 
     def load_state_dict(self, state):
         if not state or state.get("format") != self.format:
@@ -430,7 +440,13 @@ class Precision:
         else:
             from mpidl.engine.lazy import is_deferred  # noqa: PLC0415
 
-            for n, value in state["masters"].items():  # (a ZeRO checkpoint's: Deferred)
+            missing = [n for n in self.masters if n not in state["masters"]]
+            if missing:
+                raise ConfigError(f"the checkpoint has no master weights for "
+                                  f"{', '.join(missing[:3])}; resume it with the model and "
+                                  "layout it was written with")
+            for n in self.masters:  # (this rank's: a pipeline stage's; may be Deferred)
+                value = state["masters"][n]
                 value = value.values() if is_deferred(value) else value
                 self.masters[n].data[...] = to_device(value, dtype=np.float32)
                 self.params[n].data[...] = self.masters[n].data

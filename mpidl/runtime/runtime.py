@@ -707,13 +707,16 @@ class Runtime:
             g.send(np.ascontiguousarray(a), 0, _SAVE_TAG)
 
     def checkpoint_parts(self, model, optimizer):
-        """What this rank puts in a checkpoint (local): ``model``/``optimizer`` (the
-        root's go into the checkpoint file), ``shard`` (this rank's part, to write as a
-        shard file, or None) with its ``index`` of ``count``, and ``shards`` (the index's
-        entry, or None). With tensor parallelism the ranks holding the root's model's
-        pieces each write their slices, and the root's file is the index; under ZeRO over
-        data parallelism alone every rank writes its chunks (``shards_checkpoints``);
-        otherwise the root holds the whole states and there are no shards."""
+        """What this rank puts in a checkpoint: ``model``/``optimizer`` (the root's go into
+        the checkpoint file), ``shard`` (this rank's part, to write as a shard file, or
+        None) with its ``index`` of ``count``, ``shards`` (the index's entry, or None), and
+        ``group``, the ranks that write shards (they agree and wait for each other over
+        it; None without shards). With tensor parallelism the ranks holding the root's
+        model's pieces each write their slices; under ZeRO over data parallelism alone
+        every rank writes its chunks (``shards_checkpoints``); with a pipeline each stage
+        writes its tensors; the root's file is the index. Collective over the ranks that
+        hold pieces of one model (under a pipeline and ZeRO over the tp and dp groups,
+        after ``state_dict``'s gather)."""
         from types import SimpleNamespace  # noqa: PLC0415
 
         if self.shards_checkpoints:  # ZeRO: every rank its chunks, the root the rest
@@ -726,41 +729,87 @@ class Runtime:
             index, count = (0, 1) if g is None else (g.rank, g.size)
             return SimpleNamespace(model=rest, optimizer=opt_state,
                                    shard={"pieces": placement.checkpoint_pieces()},
-                                   index=index, count=count,
+                                   index=index, count=count, group=g,
                                    shards={"count": count, "flat": flat})
-        if self.tp is None or self.pp is not None:  # the whole model in the root's file
+        if self.pp is not None:
+            return self._stage_parts(model, optimizer)
+        if self.tp is None:  # the whole model in the root's file
             model_state, opt_state = self.full_state(model, optimizer)
             return SimpleNamespace(model=model_state, optimizer=opt_state, shard=None,
-                                   shards=None)
+                                   shards=None, group=None)
         self._gather_params()
-        whole, opt_state, shard, slices = self.tp.split_state(dict(model.state_dict()),
-                                                              optimizer.state_dict())
+        whole, opt_state, shard, slices = self.tp.split_state(
+            dict(model.state_dict()), optimizer.state_dict(copy=False))  # (written at once)
         g = self.tp_group
         mine = self.tp.over_dp or self.shard()[0] == 0  # in the root's group
         return SimpleNamespace(model=whole, optimizer=opt_state,
                                shard=shard if mine else None, index=g.rank, count=g.size,
-                               shards={"count": g.size, "slices": slices})
+                               shards={"count": g.size, "slices": slices},
+                               group=g if mine else None)
 
-    def shards_written(self):
-        """Collective over the ranks that write shards (the tensor-parallel group; under
-        ``shards_checkpoints`` the data-parallel group): every shard is on disk (the root
-        writes the index only after)."""
-        g = self.tp_group if self.tp is not None else self.group
+    def _stage_parts(self, model, optimizer):
+        """``checkpoint_parts`` under a pipeline: the root's pipeline group (the stages'
+        first tp ranks of the first replica) each write their stage's tensors, whole
+        (joined over its tp group; under ZeRO the state its dp group gathered on it), as
+        one flat piece each: parameters, buffers, optimizer slots and mixed precision's
+        masters. The index names them all: the places, shapes and dtypes go round the
+        group (no tensor travels); a tensor two stages hold (a tied weight's copy) is
+        the first one's."""
+        from types import SimpleNamespace  # noqa: PLC0415
+
+        self._gather_params()
+        model_state = dict(model.state_dict())
+        opt_state = optimizer.state_dict(copy=False)  # (written before the next step)
+        if self.tp is not None:
+            model_state = self.tp.full_state(model_state)
+            opt_state = self.tp.full_optimizer_state(opt_state)
+        if not ((self.tp is None or self.tp_group.rank == 0) and self.shard()[0] == 0):
+            return SimpleNamespace(model=None, optimizer=None, shard=None, shards=None,
+                                   group=None)
+        masters = {} if self.precision is None else self.precision.master_arrays()
+        tensors = [(["model", k], a) for k, a in model_state.items()]
+        tensors += [(["optimizer", "state", k, slot], v)
+                    for k, st in opt_state["state"].items() for slot, v in st.items()
+                    if slot != "step"]
+        tensors += [(["runtime", "precision", "masters", k], m) for k, m in masters.items()]
+        steps = {k: {"step": int(st["step"])} for k, st in opt_state["state"].items()}
+        g = self.pp_group
+        with g.waiting("in the exchange of the pipeline stages' checkpoint index"):
+            every = g.mpi.allgather(([[place, list(np.shape(a)), np.dtype(a.dtype).str]
+                                      for place, a in tensors], steps))
+        earlier = {tuple(e[0]) for entries, _ in every[:g.rank] for e in entries}
+        pieces = [[place, 0, to_numpy(a).reshape(-1)] for place, a in tensors
+                  if tuple(place) not in earlier]
+        flat, seen, all_steps = [], set(), {}
+        for entries, st in every:
+            flat += [e for e in entries if tuple(e[0]) not in seen]
+            seen.update(tuple(e[0]) for e in entries)
+            all_steps = {**st, **all_steps}
+        return SimpleNamespace(model={}, optimizer=dict(opt_state, state=all_steps),
+                               shard={"pieces": pieces}, index=g.rank, count=g.size,
+                               shards={"count": g.size, "flat": flat}, group=g)
+
+    @staticmethod
+    def shards_written(parts):
+        """Collective over the ranks that write shards (``parts.group``): every shard is
+        on disk (the root writes the index only after)."""
+        g = parts.group
         if g is None:
             return
         with g.waiting("in the barrier after writing checkpoint shards"):
             g.mpi.Barrier()
 
-    def parameters_finite(self, model):
-        """Whether every parameter is finite. Under ``shards_checkpoints`` collective over
-        the data-parallel group (each rank checks its chunks, the ranks agree: none of
-        them holds the whole model); otherwise this rank's parameters (the root's are
-        the checkpoint's)."""
-        if not self.shards_checkpoints:
-            return all(np.isfinite(to_numpy(p.data)).all() for _, p in
-                       model.named_parameters())
-        finite = self.placement.chunks_finite()
-        g = self.group
+    def parameters_finite(self, model, parts):
+        """Whether every parameter of the checkpoint ``parts`` describes is finite. When
+        shards are written, collective over their writers (``parts.group``), who agree:
+        each checks what it writes (ZeRO over data parallelism: its chunks); otherwise
+        this rank's parameters (the root's are the checkpoint's)."""
+        if self.shards_checkpoints:
+            finite = self.placement.chunks_finite()
+        else:
+            finite = all(np.isfinite(to_numpy(p.data)).all() for _, p in
+                         model.named_parameters())
+        g = parts.group
         if g is None:
             return finite
         flag = np.array([0 if finite else 1], dtype=np.int32)
@@ -903,15 +952,18 @@ class Runtime:
         return int(buf[0])
 
     # -- checkpoints
-    def state_dict(self, gathered=True):
+    def state_dict(self, sharded=False):
         """The syncs' state, every training rank's gathered on the root (collective over
         the training ranks): error-feedback residuals, the servers' optimizer state, ...
         ZeRO's optimizer state (and masters) is gathered on the root too, into the
-        optimizer's per-parameter state, unless ``gathered`` is False (a sharded
-        checkpoint, ``shards_checkpoints``, holds them in its shards)."""
+        optimizer's per-parameter state (with tensor or pipeline parallelism, on each
+        group's first rank). ``sharded``: for a checkpoint whose shards hold the tensors
+        (``checkpoint_parts``): ZeRO over data parallelism gathers nothing, and mixed
+        precision's masters are left to the shards under it and under a pipeline."""
         self.sync_buffers()
         export = getattr(getattr(self, "placement", None), "export_state", None)
-        if export is not None and self.trains_on_data and gathered:
+        if export is not None and self.trains_on_data and not (
+                sharded and self.shards_checkpoints):
             export(self)  # ZeRO: the shards' optimizer state, per parameter on the root
         pending = self._pipeline_pending()
         mine = [s.state_dict() for _, s in self.syncs]
@@ -924,7 +976,8 @@ class Runtime:
         if pending is not None:
             out["pipeline_pending"] = pending
         if self.precision is not None:  # master weights and loss scale: alike on every rank
-            out["precision"] = self.precision.state_dict()
+            out["precision"] = self.precision.state_dict(
+                masters=not (sharded and (self.shards_checkpoints or self.pp is not None)))
         avg = self.averaging
         if avg is not None:  # the replicas differ inside a period: every rank's own
             out["averaging"] = avg.shared_state()

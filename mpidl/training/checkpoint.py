@@ -374,8 +374,13 @@ class FlatRef(Deferred):
         self.dtype = np.dtype(dtype)
 
     def values_flat(self, lo, hi):
+        over = [part for part in self.parts if part[2] < hi and part[3] > lo]
+        if len(over) == 1 and over[0][2] <= lo and over[0][3] >= hi:  # one piece: no copy
+            path, member, first, end = over[0]
+            piece = _read_member(path, member)
+            return piece if (first, end) == (lo, hi) else piece[lo - first:hi - first].copy()
         out = np.empty(hi - lo, dtype=self.dtype)
-        for path, member, first, end in self.parts:
+        for path, member, first, end in over:
             a, b = max(first, lo), min(end, hi)
             if a < b:
                 out[a - lo:b - lo] = _read_member(path, member)[a - first:b - first]

@@ -470,7 +470,7 @@ class Trainer:
         elsewhere; this rank's ``Runtime.checkpoint_parts``)."""
         mine = {"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}
         per_rank = self.runtime.gather(mine)
-        runtime_state = self.runtime.state_dict(gathered=not self.runtime.shards_checkpoints)
+        runtime_state = self.runtime.state_dict(sharded=True)
         parts = self.runtime.checkpoint_parts(self.model, self.optimizer)
         if not self.is_root:
             return None, parts
@@ -504,14 +504,14 @@ class Trainer:
             crash = (self.crash_in_checkpoint[1] if len(self.crash_in_checkpoint) > 1
                      else 4096)
         directory = self.paths["checkpoint_dir"]
-        # (ZeRO's shards: the ranks agree first, so that no shard of a diverged run is
-        # written; tensor parallelism's: the root checks the parameters it holds)
-        finite = (self.runtime.parameters_finite(self.model)
-                  if self.runtime.shards_checkpoints or self.is_root else True)
+        # (the ranks writing shards agree first, so that no shard of a diverged run is
+        # written; without shards the root checks the parameters it holds)
+        finite = (self.runtime.parameters_finite(self.model, parts)
+                  if parts.shard is not None or self.is_root else True)
         if parts.shard is not None and finite:  # the pieces first, then the index
             ckpt.save_shard(directory, self.step, parts.index, parts.count, parts.shard,
                             crash_after_bytes=crash)
-            self.runtime.shards_written()
+            self.runtime.shards_written(parts)
         path = None
         if self.is_root and not finite:
             self.log.warning(f"not writing a checkpoint at step {self.step}: the parameters "

@@ -3,12 +3,14 @@
 ``mpiexec -n N python -m mpi4py tests/ranks/split_resume.py tp|pp OUT``
 
 An MLP of 784-1024x6-10 in float64 (48 MB of parameters, as much again of SGD momentum) built lazily under ``--tensor-parallel N`` (or ``--pipeline-stages N``), one
-step, then a checkpoint written as the trainer writes it (tensor parallelism: a shard per
-rank and the root's index; a pipeline: the root's one file). A second model, built and
+step, then a checkpoint written as the trainer writes it (a shard per rank, its slices or
+its stage's tensors, and the root's index). A second model, built and
 set up the same way, resumes from it as ``Trainer.restore`` does: the root reads the
 checkpoint with its tensors left on disk (``checkpoint.load(path, read=False)``) and
 broadcasts that, each rank reads its part. Checks, on every rank:
 
+* writing the checkpoint allocates next to nothing (each rank writes its own tensors,
+  no rank gathers another's);
 * what the broadcast carries is small (no tensor travels);
 * the resumed parameters and momentum are bitwise the first model's;
 * the peak of NumPy's allocations while loading (tracemalloc) is the momentum the
@@ -54,7 +56,7 @@ def write_checkpoint(rt, model, opt, directory):
     parts = rt.checkpoint_parts(model, opt)
     if parts.shard is not None:
         ckpt.save_shard(directory, STEP, parts.index, parts.count, parts.shard)
-        rt.shards_written()
+        rt.shards_written(parts)
     if rt.is_root:
         state = {"config": {}, "progress": {"step": STEP}, "ranks": [],
                  "model": parts.model, "optimizer": parts.optimizer}
@@ -72,7 +74,10 @@ def main():
 
     model, opt, rt = setup(comm, mode)
     rt.train_step(x, y)  # (every rank the same batch: the data-parallel degree is 1)
+    tracemalloc.start()
     write_checkpoint(rt, model, opt, directory)
+    written = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     comm.barrier()
 
     model2, opt2, rt2 = setup(comm, mode)
@@ -99,7 +104,10 @@ def main():
         f"rank {comm.rank}: loading peaked at {peak / 1e6:.1f} MB; it keeps {mine / 1e6:.1f} "
         f"MB of parameters, its largest tensor is {largest / 1e6:.1f} MB")
     assert peak < whole, (peak, whole)
-    print(f"split_resume {mode} rank {comm.rank}/{comm.size}: read {mine / 1e6:.1f} MB of "
+    # writing: a shard of the rank's own tensors, views of them (no gather to the root)
+    assert written < (1 << 20), f"rank {comm.rank}: writing allocated {written} bytes"
+    print(f"split_resume {mode} rank {comm.rank}/{comm.size}: wrote its shard allocating "
+          f"{written / 1e6:.2f} MB; read {mine / 1e6:.1f} MB of "
           f"parameters (and as much momentum) of the {whole / 1e6:.1f} MB model, peak while "
           f"loading {peak / 1e6:.1f} MB; the broadcast state took {carried} bytes", flush=True)
 

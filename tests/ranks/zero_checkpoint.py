@@ -50,19 +50,18 @@ def setup(comm, stage):
 def write_checkpoint(rt, model, opt, directory):
     """As ``Trainer.save_checkpoint``: the shards, then the root's index."""
     assert rt.shards_checkpoints
-    assert rt.parameters_finite(model)
+    runtime_state = rt.state_dict(sharded=True)  # (collective: the syncs' state)
     parts = rt.checkpoint_parts(model, opt)
+    assert rt.parameters_finite(model, parts)
     ckpt.save_shard(directory, STEP, parts.index, parts.count, parts.shard)
-    rt.shards_written()
+    rt.shards_written(parts)
     if rt.is_root:
         state = {"config": {}, "progress": {"step": STEP}, "ranks": [],
                  "model": parts.model, "optimizer": parts.optimizer,
-                 "runtime": rt.state_dict(gathered=False)}
+                 "runtime": runtime_state}
         state["shards"] = dict(parts.shards, files=[
             ckpt.shard_name(STEP, i, parts.count) for i in range(parts.count)])
         ckpt.save(directory, STEP, state)
-    else:
-        rt.state_dict(gathered=False)  # (collective: the syncs' state)
 
 
 def chunk_bytes(rt):
