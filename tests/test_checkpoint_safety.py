@@ -175,3 +175,63 @@ def test_resume_refuses_a_folder_whose_checkpoints_all_belong_to_another_model(t
         "its model has other parameters" in last, launch.output
     assert (out / "model.npz").read_bytes() == model
     assert steps(out / "checkpoints") == before
+
+
+def sharded_train(n, args, env=None, ranks=None):
+    """``mpidl train --zero 1`` on ``n`` ranks (ZeRO shards its checkpoints: every rank
+    writes one); ``ranks``: an MPMD launch, one ``(count, prefix)`` per rank group."""
+    from mpirun import mpiexec_cmd
+
+    cmd = [sys.executable, "-m", "mpidl.cli.main", "train", *FAST, "--zero", "1",
+           *[str(a) for a in args]]
+    launch = [*mpiexec_cmd()]
+    for i, (count, prefix) in enumerate(ranks or [(n, [])]):
+        launch += ([":"] if i else []) + ["-n", str(count), *prefix, *cmd]
+    return run_command(launch, timeout=180, env=env)
+
+
+def test_a_diverging_sharded_run_writes_no_shard_of_its_non_finite_steps(tmp_path):
+    """Under ZeRO every rank writes its chunks: the ranks agree that they are finite
+    before any shard is written, so the diverged steps leave no shard and no index, and
+    the last finite checkpoint stays whole."""
+    ck = tmp_path / "ck"
+    common = ["--checkpoint-every", "1", "--keep-checkpoints", "2", "--checkpoint-dir", ck,
+              "--out-dir", tmp_path / "a"]
+    sharded_train(2, ["--epochs", "1"] + common).check()  # steps 3, 4 (8 batches of 32)
+    diverged = sharded_train(2, ["--epochs", "2", "--resume", "--lr", "1e30"] + common)
+    assert diverged.returncode == 2 and "training diverged" in diverged.output, \
+        diverged.output
+    from mpidl.training import checkpoint
+
+    kept = checkpoint.list_checkpoints(str(ck))
+    assert len(kept) == 2, os.listdir(ck)
+    indexed = {f"ckpt-{s:09d}-shard-{i}-of-2.npz" for s, _ in kept for i in range(2)}
+    shards = {n for n in os.listdir(ck) if "-shard-" in n}
+    assert shards == indexed, (sorted(shards), sorted(indexed))
+    for _, path in kept:
+        state = checkpoint.load(path)
+        assert all(np.isfinite(v).all() for v in state["model"].values())
+
+
+def test_a_checkpoint_folder_the_ranks_do_not_share_is_one_line(tmp_path):
+    """Rank 1 in a mount namespace of its own, with a tmpfs over the checkpoint folder
+    (as a folder local to each node would be): its shard is not where the first rank
+    looks, so the first rank says so in one line, exit 2, instead of writing an index
+    whose shard is elsewhere (root only: mount namespaces)."""
+    if os.geteuid() != 0:
+        pytest.skip("a mount namespace needs root (CI runs as root)")
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a mount namespace here")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    own = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs {ck} && exec "$@"', "sh"]
+    launch = sharded_train(2, ["--epochs", "1", "--checkpoint-every", "2",
+                               "--checkpoint-dir", ck, "--out-dir", tmp_path / "a"],
+                           ranks=[(1, []), (1, own)])
+    errors = [ln for ln in launch.output.splitlines() if "mpidl: error:" in ln]
+    assert launch.returncode == 2 and "Traceback" not in launch.output, launch.output
+    assert len(errors) == 1 and "ckpt-000000002-shard-1-of-2.npz, written by another rank, " \
+        "is not in" in errors[0] and "shared file system" in errors[0], launch.output
+    from mpidl.training import checkpoint
+
+    assert checkpoint.list_checkpoints(str(ck)) == []  # no index of a checkpoint in pieces

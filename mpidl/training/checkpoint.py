@@ -227,6 +227,21 @@ def save_shard(directory, step, index, count, state, crash_after_bytes=None):
                                    "that and run again with --resume") from None
 
 
+def check_shards_visible(directory, files):
+    """CheckpointWriteError unless every shard the other ranks wrote is in ``directory``
+    as this rank sees it: a folder local to each node (not a file system every rank
+    sees) would leave an index whose shards are elsewhere."""
+    missing = [f for f in files if not os.path.exists(os.path.join(directory, f))]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointWriteError(
+            f"checkpoint shard {missing[0]}{more}, written by another rank, is not in "
+            f"{directory} as the first rank sees it: "
+            "the ranks of this layout each write a shard, so --checkpoint-dir (or "
+            "--out-dir) must be a folder every rank sees, on a shared file system; the "
+            "earlier checkpoints are kept")
+
+
 def _join_shards(path, state, read=True):
     """Replace the index's sharded entries by the whole tensors joined from its shards
     (``read=False``: by ``Ref``s over the shards' members)."""

@@ -518,6 +518,8 @@ class Trainer:
                              "are not finite (training diverged); the last finite "
                              f"checkpoint stays the newest in {directory}")
         elif self.is_root:
+            if parts.shard is not None:
+                ckpt.check_shards_visible(directory, state["shards"]["files"])
             path = ckpt.save(self.paths["checkpoint_dir"], self.step, state,
                              keep=self.cfg.keep_checkpoints, crash_after_bytes=crash)
             self.log.debug(f"checkpoint {path}")
