@@ -269,3 +269,47 @@ def test_flat_pieces_that_do_not_cover_a_tensor_make_the_checkpoint_unreadable(t
         assert path == ckpt.checkpoint_path(directory, 1), warnings
     assert len(warnings) == 2 and all("'model/w'" in w and "index says 16" in w
                                       for w in warnings), warnings
+
+
+def test_each_ranks_own_state_comes_back_from_its_rank_shard(tmp_path):
+    """A per-rank list in the state (every rank's residuals): each rank's arrays taken out
+    into its own rank shard (``split_arrays``), only the skeleton in the index; read, the
+    list is whole again, tuples and scalars as they were; left on disk, its arrays are
+    ``FlatRef``s marked ``own``, which ``read_shared`` leaves for their rank to read
+    while it reads everything else."""
+    from mpidl.engine.lazy import values_of
+
+    rng = np.random.default_rng(6)
+    ranks = [{"memory": {"w": rng.standard_normal((3, 4)), "n": 5},
+              "pair": (rng.standard_normal(2), "x"), "none": None} for _ in range(3)]
+    directory, step, skeletons, flat = str(tmp_path), 9, [], []
+    files = []
+    for i, mine in enumerate(ranks):
+        skeleton, arrays = ckpt.split_arrays(mine, ["runtime", "syncs", i])
+        assert skeleton["memory"]["w"] is None and skeleton["memory"]["n"] == 5
+        skeletons.append(skeleton)
+        flat += [[place, list(a.shape), a.dtype.str] for place, a in arrays]
+        ckpt.save_shard(directory, step, i, 3, {"pieces": [[place, 0, a.reshape(-1)]
+                                                           for place, a in arrays]},
+                        kind="rank")
+        files.append(ckpt.shard_name(step, i, 3, "rank"))
+    model = rng.standard_normal(4)
+    ckpt.save(directory, step, {
+        "config": {}, "progress": {"step": step}, "ranks": [], "model": {"b": model},
+        "optimizer": {"state": {}}, "runtime": {"syncs": skeletons},
+        "rank_shards": {"files": files, "flat": flat}})
+    path = ckpt.checkpoint_path(directory, step)
+    whole = ckpt.load(path)["runtime"]["syncs"]
+    for got, want in zip(whole, ranks):
+        assert np.array_equal(got["memory"]["w"], want["memory"]["w"])
+        assert got["memory"]["n"] == 5 and got["none"] is None
+        assert np.array_equal(got["pair"][0], want["pair"][0]) and got["pair"][1] == "x"
+    left = ckpt.read_shared(ckpt.load(path, read=False))
+    assert isinstance(left["model"]["b"], np.ndarray)  # read: the whole model's
+    own = left["runtime"]["syncs"][1]["memory"]["w"]
+    assert isinstance(own, ckpt.FlatRef) and own.own  # left for rank 1 to read
+    assert np.array_equal(values_of(left["runtime"]["syncs"][1])["memory"]["w"],
+                          ranks[1]["memory"]["w"])
+    os.unlink(os.path.join(directory, files[2]))  # a rank shard missing: unreadable
+    with pytest.raises(ckpt.CheckpointError, match="rank-2-of-3"):
+        ckpt.load(path, read=False)

@@ -188,7 +188,8 @@ def test_compressed_exchange_reports_bytes_sent(tmp_path):
 
 def test_resume_with_compression_restores_error_feedback(tmp_path):
     """Top-k keeps residuals per rank (error feedback): the checkpoint carries every
-    rank's, so the resumed run is still bitwise the uninterrupted one."""
+    rank's, each in a rank shard its rank writes (the root's index holds none: no rank
+    gathers another's), so the resumed run is still bitwise the uninterrupted one."""
     args = COMMON + ["--compression", "topk", "--ratio", "0.01",
                      "--limit-train", "1024"]  # (the last --limit-train counts)
     full, run = tmp_path / "full", tmp_path / "run"
@@ -196,5 +197,13 @@ def test_resume_with_compression_restores_error_feedback(tmp_path):
     failed = run_command(mpidl_cmd(2, *args, "--out-dir", run), timeout=120,
                          env={"MPIDL_FAIL_AT": "0:13"})
     assert failed.returncode != 0 and not failed.timed_out, failed.output
+    from mpidl.training import checkpoint
+
+    (step, index), = checkpoint.list_checkpoints(str(run / "checkpoints"))[-1:]
+    for i in range(2):
+        with np.load(run / "checkpoints" / checkpoint.shard_name(step, i, 2, "rank")) as z:
+            assert any(k.startswith("pieces/") for k in z.files), z.files
+    with np.load(index) as z:
+        assert not [k for k in z.files if k.startswith("runtime/")], z.files
     run_command(mpidl_cmd(2, *args, "--out-dir", run, "--resume"), timeout=180).check()
     assert_same_model(model_arrays(run / "model.npz"), model_arrays(full / "model.npz"))

@@ -238,6 +238,18 @@ def flat_slice(a, lo, hi):
     return a.reshape(-1)[lo:hi]
 
 
+def values_of(tree):
+    """``tree`` with every ``Deferred`` in it made (a rank's own entry of a checkpoint's
+    per-rank state, read where it is loaded)."""
+    if isinstance(tree, Deferred):
+        return tree.values()
+    if isinstance(tree, dict):
+        return {k: values_of(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(values_of(v) for v in tree)
+    return tree
+
+
 def is_lazy(a):
     """Whether ``a`` is a lazily built parameter's values, not drawn yet."""
     return isinstance(a, LazyInit)

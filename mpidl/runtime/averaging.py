@@ -278,12 +278,13 @@ class ModelAveraging:
         """What every rank holds the same of (saved once)."""
         return {"type": self.name, "step": self.step, "averagings": self.averagings}
 
-    def local_state(self):
+    def local_state(self, copy=True):
         """This rank's own parameters and inner optimizer state (they differ by rank in
-        the middle of a period)."""
+        the middle of a period); ``copy=False``: the arrays themselves, for a caller that
+        writes them before the next step (a checkpoint's rank shard)."""
         params = (dict(self._stash) if self._stash is not None
-                  else {n: p.data.copy() for n, p in self.named})
-        return {"params": params, "optimizer": self.optimizer.state_dict()}
+                  else {n: p.data.copy() if copy else p.data for n, p in self.named})
+        return {"params": params, "optimizer": self.optimizer.state_dict(copy=copy)}
 
     def load_state(self, shared, local):
         if shared.get("type") != self.name:

@@ -44,7 +44,7 @@ import numpy as np
 from mpidl.allocator import keep_freed_blocks
 from mpidl.backend import to_numpy
 from mpidl.engine.dropout import Dropout
-from mpidl.engine.lazy import is_lazy, lazy_parameters, materialize
+from mpidl.engine.lazy import is_lazy, lazy_parameters, materialize, values_of
 from mpidl.runtime.fusion import MiB
 from mpidl.runtime.sync.base import GradSync
 
@@ -799,6 +799,12 @@ class Runtime:
         with g.waiting("in the barrier after writing checkpoint shards"):
             g.mpi.Barrier()
 
+    def rank_shards_written(self):
+        """Collective over the world: every rank's own shard is on disk."""
+        if self.comm is not None and self.size > 1:
+            with self._waiting("barrier after writing the ranks' own shards", world=True):
+                self.comm.mpi.Barrier()
+
     def parameters_finite(self, model, parts):
         """Whether every parameter of the checkpoint ``parts`` describes is finite. When
         shards are written, collective over their writers (``parts.group``), who agree:
@@ -952,27 +958,79 @@ class Runtime:
         return int(buf[0])
 
     # -- checkpoints
-    def state_dict(self, sharded=False):
+    def state_dict(self):
         """The syncs' state, every training rank's gathered on the root (collective over
         the training ranks): error-feedback residuals, the servers' optimizer state, ...
         ZeRO's optimizer state (and masters) is gathered on the root too, into the
         optimizer's per-parameter state (with tensor or pipeline parallelism, on each
-        group's first rank). ``sharded``: for a checkpoint whose shards hold the tensors
-        (``checkpoint_parts``): ZeRO over data parallelism gathers nothing, and mixed
-        precision's masters are left to the shards under it and under a pipeline."""
+        group's first rank)."""
+        return self._state(sharded=False, own=None)
+
+    def checkpoint_state(self, step):
+        """Collective, for checkpoint ``step``, whose shards hold the tensors
+        (``checkpoint_parts``): ``(the runtime's part of the index, on the root (None
+        elsewhere), own)``. Every rank's own state (error-feedback residuals, model
+        averaging's parameters and inner optimizer, an asynchronous pipeline's pending
+        gradient) stays on its rank for its rank shard and only its skeleton is gathered
+        (not with parameter servers, whose state travels with the first worker's):
+        ``own.arrays`` are this rank's ``(place, array)``, ``own.index`` of
+        ``own.count`` its rank shard's number, ``own.files`` the rank shards the ranks
+        holding any write, ``own.flat`` the index's entries for them (both alike on
+        every rank). ZeRO over data parallelism gathers nothing; mixed precision's
+        masters are left to the shards under it and under a pipeline."""
+        from types import SimpleNamespace  # noqa: PLC0415
+
+        from mpidl.training.checkpoint import shard_name  # noqa: PLC0415
+
+        servers = bool(self.roles.get("server"))
+        arrays = None if servers else []
+        state = self._state(sharded=True, own=arrays)
+        arrays = arrays or []
+        entries = [[place, list(np.shape(a)), np.dtype(a.dtype).str] for place, a in arrays]
+        every = [entries]
+        if not servers and self.comm is not None and self.size > 1:  # (world = trainers)
+            with self._waiting("all-gather of the ranks' own checkpoint entries",
+                               world=True):
+                every = self.comm.mpi.allgather(entries)
+        n = len(every)
+        return state, SimpleNamespace(
+            arrays=arrays, index=0 if self.comm is None else self.rank, count=n,
+            files=[shard_name(step, i, n, "rank") for i, e in enumerate(every) if e],
+            flat=[e for entries in every for e in entries])
+
+    def _per_rank(self, obj, key, own, world=False):
+        """Every training rank's ``obj`` as a list on the root (a per-rank entry of the
+        state), over the data-parallel group or (``world``) the world. ``own``: a list
+        taking this rank's arrays with their places (``runtime/<key>/<position in the
+        list>/...``), which leave only their skeleton to gather (over the data-parallel
+        group only when it is every rank: otherwise the arrays travel as before)."""
+        everyone = world or self.comm is None or self.group is None or \
+            self.group.size == self.size
+        if own is not None and everyone:
+            position = 0 if self.comm is None else (
+                self.rank if world or self.group is None else self.group.rank)
+            from mpidl.training.checkpoint import split_arrays  # noqa: PLC0415
+
+            obj, arrays = split_arrays(obj, ["runtime", *key, position])
+            own.extend(arrays)
+        if not world:
+            return self.gather(obj)
+        with self._waiting(f"gather of the ranks' {'/'.join(key)} state", world=True):
+            return self.comm.mpi.gather(obj, root=self.trainer_ranks[0])
+
+    def _state(self, sharded, own):
         self.sync_buffers()
         export = getattr(getattr(self, "placement", None), "export_state", None)
         if export is not None and self.trains_on_data and not (
                 sharded and self.shards_checkpoints):
             export(self)  # ZeRO: the shards' optimizer state, per parameter on the root
-        pending = self._pipeline_pending()
+        pending = self._pipeline_pending(own)
         mine = [s.state_dict() for _, s in self.syncs]
         if self.pp is None:
-            out = {"syncs": self.gather(mine)}
+            out = {"syncs": self._per_rank(mine, ["syncs"], own)}
         else:  # a stage's syncs hold its own parameters' state: every rank's, in order
-            with self._waiting("gather of the syncs' state", world=True):
-                every = self.comm.mpi.gather(mine, root=self.trainer_ranks[0])
-            out = {"syncs": every, "syncs_layout": self._pipeline_layout()}
+            out = {"syncs": self._per_rank(mine, ["syncs"], own, world=True),
+                   "syncs_layout": self._pipeline_layout()}
         if pending is not None:
             out["pipeline_pending"] = pending
         if self.precision is not None:  # master weights and loss scale: alike on every rank
@@ -981,16 +1039,15 @@ class Runtime:
         avg = self.averaging
         if avg is not None:  # the replicas differ inside a period: every rank's own
             out["averaging"] = avg.shared_state()
-            mine = avg.local_state()
+            mine = avg.local_state(copy=own is None)  # (a rank shard writes them at once)
             if not self._split_model:
-                out["averaging_ranks"] = self.gather(mine)
+                out["averaging_ranks"] = self._per_rank(mine, ["averaging_ranks"], own)
             else:  # a stage's (a slice's) outer state is of its own parameters: every
                 # rank's, in order
                 mine["shared"] = avg.shared_state()
                 out["averaging_layout"] = self._pipeline_layout()
-                with self._waiting("gather of model averaging's state", world=True):
-                    out["averaging_ranks"] = self.comm.mpi.gather(
-                        mine, root=self.trainer_ranks[0])
+                out["averaging_ranks"] = self._per_rank(mine, ["averaging_ranks"], own,
+                                                        world=True)
         return out if self.is_root else None
 
     def local_state(self):
@@ -1010,15 +1067,15 @@ class Runtime:
     def _pipeline_layout(self):
         return [self.pp_degree, 1 if self.tp is None else self.tp.degree, self.size]
 
-    def _pipeline_pending(self):
+    def _pipeline_pending(self, own=None):
         """An asynchronous pipeline's checkpoint: the pipeline drained, every rank's
         pending gradient (the step after the checkpoint applies it) gathered on the root
-        with the layout; None for other steps. Collective over the world."""
+        with the layout (``own``: see ``_per_rank``); None for other steps. Collective
+        over the world."""
         if self.pp is None or not self.pp.plan.flushless or not self.trains_on_data:
             return None
-        mine = self.pp.pending_state()
-        with self._waiting("gather of the pipeline's pending gradients", world=True):
-            every = self.comm.mpi.gather(mine, root=self.trainer_ranks[0])
+        every = self._per_rank(self.pp.pending_state(), ["pipeline_pending", "ranks"], own,
+                               world=True)
         return {"layout": self._pipeline_layout(), "ranks": every}
 
     def _resume_pending(self, saved):
@@ -1031,7 +1088,7 @@ class Runtime:
         layout = self._pipeline_layout()
         mine = None
         if saved is not None and flushless and list(saved["layout"]) == layout:
-            mine = saved["ranks"][self.rank]
+            mine = values_of(saved["ranks"][self.rank])  # (its own rank shard's)
         elif saved is not None and self.is_root:
             P, T, n = saved["layout"]
             now = ("--schedule async" + f" with {layout[0]} stages x {layout[1]} tensor-"
@@ -1061,7 +1118,7 @@ class Runtime:
             "parallelism resumes only under the layout it was written with")
         if refusal is not None:
             raise refusal
-        entry = ranks[self.rank]
+        entry = values_of(ranks[self.rank])
         avg.load_state(entry["shared"], entry)
 
     def load_state_dict(self, state):
@@ -1092,7 +1149,7 @@ class Runtime:
                 # own parameters and inner optimizer (the first ones again when there
                 # are more)
                 avg.load_state(state["averaging"],
-                               ranks[index % len(ranks)] if ranks else None)
+                               values_of(ranks[index % len(ranks)]) if ranks else None)
         elif avg is not None and state is not None:
             from mpidl.errors import ConfigError  # noqa: PLC0415
 
@@ -1105,7 +1162,7 @@ class Runtime:
             return
         else:
             mine = per_rank[index]
-        for (_, sync), st in zip(self.syncs, mine or ()):
+        for (_, sync), st in zip(self.syncs, values_of(mine) or ()):
             sync.load_state_dict(st)
 
     def _stage_sync_state(self, saved, per_rank):

@@ -23,6 +23,13 @@ each such tensor's place in the state and its shape (``shards["flat"]``); ``load
 the pieces, which must cover each tensor exactly, and ``read=False`` gives ``FlatRef``s,
 from which a rank of another run reads the elements of its own chunks only.
 
+A training rank's own state (error-feedback residuals, model averaging's own
+parameters, an asynchronous pipeline's pending gradient) is written by that rank, as
+``ckpt-<step>-rank-<i>-of-<n>.npz`` in the same flat pieces; the index keeps the
+per-rank lists with each array taken out (``split_arrays``) and names the pieces
+(``rank_shards``). Left on disk, those arrays are ``FlatRef``s marked ``own``:
+``read_shared`` reads everything else, each rank reads its own where it loads it.
+
 Atomic write: the file is written under a temporary name in the same folder, flushed and
 fsync'ed, then ``os.replace``'d onto its final name, and the folder is fsync'ed. A crash
 at any moment leaves either the previous checkpoints only, or the previous ones and the
@@ -46,7 +53,7 @@ from mpidl.errors import UserError
 FORMAT = "mpidl-checkpoint"
 VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d+)\.npz$")
-_SHARD = re.compile(r"^ckpt-(\d+)-shard-\d+-of-\d+\.npz$")
+_SHARD = re.compile(r"^ckpt-(\d+)-(?:shard|rank)-\d+-of-\d+\.npz$")
 _TMP_PREFIX = ".tmp-ckpt-"
 
 
@@ -186,8 +193,10 @@ def _write_npz(f, items):
                     fmt.write_array(member, a, allow_pickle=False)
 
 
-def shard_name(step, index, count):
-    return f"ckpt-{int(step):09d}-shard-{index}-of-{count}.npz"
+def shard_name(step, index, count, kind="shard"):
+    """A shard file's name: ``kind`` "shard" (a piece of the model and its optimizer
+    state) or "rank" (a training rank's own state: ``rank_shards``)."""
+    return f"ckpt-{int(step):09d}-{kind}-{index}-of-{count}.npz"
 
 
 def _arrays_of(step, state):
@@ -208,11 +217,11 @@ def _check_space(directory, path, arrays, kept):
             "--resume")
 
 
-def save_shard(directory, step, index, count, state, crash_after_bytes=None):
-    """Write this rank's part of checkpoint ``step`` (``index`` of ``count`` shards)
-    atomically, space checked first; the index written after every shard makes the
-    checkpoint."""
-    path = os.path.join(directory, shard_name(step, index, count))
+def save_shard(directory, step, index, count, state, crash_after_bytes=None, kind="shard"):
+    """Write this rank's part of checkpoint ``step`` (``index`` of ``count`` shards of
+    ``kind``, ``shard_name``) atomically, space checked first; the index written after
+    every shard makes the checkpoint."""
+    path = os.path.join(directory, shard_name(step, index, count, kind))
     try:
         os.makedirs(directory, exist_ok=True)
         arrays = _arrays_of(step, state)
@@ -244,11 +253,22 @@ def check_shards_visible(directory, files):
 
 def _join_shards(path, state, read=True):
     """Replace the index's sharded entries by the whole tensors joined from its shards
-    (``read=False``: by ``Ref``s over the shards' members)."""
-    info = state.pop("shards")
+    (``read=False``: by ``Ref``s over the shards' members), and the training ranks' own
+    arrays by those of their rank shards."""
+    info = state.pop("shards", None)
+    if info is not None:
+        _join_model_shards(path, state, info, read)
+    info = state.pop("rank_shards", None)
+    if info is not None:
+        _join_flat(path, state, info["flat"], _load_shards(path, info["files"], read),
+                   info["files"], read, own=True)
+    return state
+
+
+def _load_shards(path, files, read):
     directory = os.path.dirname(path)
     pieces = []
-    for name in info["files"]:
+    for name in files:
         shard = os.path.join(directory, name)
         if not os.path.exists(shard):
             raise CheckpointError(f"{path}: its index names shard {name}, which is missing; "
@@ -257,6 +277,11 @@ def _join_shards(path, state, read=True):
             pieces.append(load(shard, read))
         except CheckpointError as e:
             raise CheckpointError(f"{path}: its shard {name} cannot be read ({e})") from None
+    return pieces
+
+
+def _join_model_shards(path, state, info, read):
+    pieces = _load_shards(path, info["files"], read)
     if info.get("flat"):
         _join_flat(path, state, info["flat"], pieces, info["files"], read)
     for name, (dim, full) in info.get("slices", {}).items():
@@ -276,15 +301,17 @@ def _join_shards(path, state, read=True):
     return state
 
 
-def _join_flat(path, state, entries, shards, files, read):
+def _join_flat(path, state, entries, shards, files, read, own=False):
     """Put every ``[place, shape, dtype]`` of ``entries`` into ``state``: the tensor joined
-    from the flat pieces the shards hold of it (``read=False``: a ``FlatRef`` over them)."""
+    from the flat pieces the shards hold of it (``read=False``: a ``FlatRef`` over them,
+    marked ``own`` for a rank's own state). A place runs through dicts (keys) and lists
+    (positions: a per-rank list's entries) the index already holds, or makes dicts."""
     found = {}
     for i, shard in enumerate(shards):
         for place, start, piece in shard.get("pieces", ()):
             found.setdefault(tuple(place), []).append((int(start), piece, files[i]))
     for place, shape, dtype in entries:
-        where = "/".join(place)
+        where = "/".join(map(str, place))
         shape, dtype = tuple(shape), np.dtype(dtype)
         size = int(np.prod(shape, dtype=np.int64))
         have = sorted(found.pop(tuple(place), []), key=lambda e: e[0])
@@ -301,17 +328,59 @@ def _join_flat(path, state, entries, shards, files, read):
                                   f"index says {size} ({shape}) of {dtype}")
         if not read:
             value = FlatRef([(p.parts[0][0], p.parts[0][1], start, start + p.shape[0])
-                             for start, p, _ in have], shape, dtype)
+                             for start, p, _ in have], shape, dtype, own)
         else:
             value = (np.concatenate([np.asarray(p) for _, p, _ in have]) if have
                      else np.empty(0, dtype=dtype)).reshape(shape)
         node = state
-        for key in place[:-1]:
-            node = node.setdefault(key, {})
-        node[place[-1]] = value
+        try:
+            for key in place[:-1]:
+                node = node[key] if isinstance(node, list) else node.setdefault(key, {})
+            node[place[-1]] = value
+        except (IndexError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{path}: its index has no place {where!r} for the "
+                                  "shards' tensor") from None
     if found:
+        names = ", ".join("/".join(map(str, k)) for k in list(found)[:3])
         raise CheckpointError(f"{path}: its shards hold pieces of tensors its index does "
-                              f"not name: {', '.join('/'.join(k) for k in list(found)[:3])}")
+                              f"not name: {names}")
+
+
+def split_arrays(tree, place):
+    """``(skeleton, [(place, array)])``: ``tree`` (a rank's own state) with each array
+    taken out, None where it was, and the arrays with their places (``place`` and the
+    keys and positions below it), for the rank's own shard (``rank_shards``). Tuples
+    holding arrays come back as lists."""
+    out = []
+
+    def walk(obj, at):
+        if _is_array(obj):
+            out.append((at, to_numpy(obj)))
+            return None
+        if isinstance(obj, dict):
+            return {k: walk(v, at + [k]) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [walk(v, at + [i]) for i, v in enumerate(obj)]
+            return items if isinstance(obj, list) or any(
+                _is_array(v) for v in obj) else tuple(items)
+        return obj
+
+    return walk(tree, list(place)), out
+
+
+def read_shared(state):
+    """``state`` (``load(path, read=False)``'s) with every tensor read but the training
+    ranks' own state (each rank reads its own: ``FlatRef.own``): what the first rank
+    hands the others when their model is whole on each of them."""
+    if isinstance(state, Deferred):
+        return state if getattr(state, "own", False) else state.values()
+    if isinstance(state, dict):
+        return {k: read_shared(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [read_shared(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(read_shared(v) for v in state)
+    return state
 
 
 def _join(pieces, dim):
@@ -377,16 +446,19 @@ class Ref(Deferred):
 
 
 class FlatRef(Deferred):
-    """A tensor of a ZeRO checkpoint, in flat pieces over the shards and read when asked
-    for: ``values_flat(lo, hi)`` reads only the pieces that overlap elements ``[lo, hi)``
-    (a rank's chunks), ``values()`` all of them."""
+    """A tensor of a checkpoint in flat pieces over shard files (ZeRO's chunks, a
+    pipeline stage's tensors, a rank's own state), read when asked for:
+    ``values_flat(lo, hi)`` reads only the pieces that overlap elements ``[lo, hi)`` (a
+    rank's chunks), ``values()`` all of them. ``own``: a training rank's own state (its
+    rank shard), which that rank alone reads (``read_shared``)."""
 
-    __slots__ = ("parts", "shape", "dtype")
+    __slots__ = ("parts", "shape", "dtype", "own")
 
-    def __init__(self, parts, shape, dtype):
+    def __init__(self, parts, shape, dtype, own=False):
         self.parts = list(parts)  # [(file, member, first element, end)]
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
+        self.own = own
 
     def values_flat(self, lo, hi):
         over = [part for part in self.parts if part[2] < hi and part[3] > lo]
@@ -513,7 +585,7 @@ def load(path, read=True):
                           else z[k] for k, (shape, dtype) in _headers(z).items()
                           if k != "__tree__"}
             state = decode(doc["state"], arrays)
-        if isinstance(state, dict) and "shards" in state:
+        if isinstance(state, dict) and ("shards" in state or "rank_shards" in state):
             state = _join_shards(path, state, read)
     except CheckpointError:
         raise

@@ -470,8 +470,9 @@ class Trainer:
         elsewhere; this rank's ``Runtime.checkpoint_parts``)."""
         mine = {"rng": rng_states(self.model), "epoch_stats": self.stats.state_dict()}
         per_rank = self.runtime.gather(mine)
-        runtime_state = self.runtime.state_dict(sharded=True)
+        runtime_state, own = self.runtime.checkpoint_state(self.step)
         parts = self.runtime.checkpoint_parts(self.model, self.optimizer)
+        parts.own = own  # this rank's own arrays, for its rank shard
         if not self.is_root:
             return None, parts
         state = {
@@ -486,6 +487,8 @@ class Trainer:
         if parts.shards is not None:
             state["shards"] = dict(parts.shards, files=[
                 ckpt.shard_name(self.step, i, parts.count) for i in range(parts.count)])
+        if own.flat:
+            state["rank_shards"] = {"files": own.files, "flat": own.flat}
         return state, parts
 
     def position_state(self):
@@ -508,18 +511,27 @@ class Trainer:
         # written; without shards the root checks the parameters it holds)
         finite = (self.runtime.parameters_finite(self.model, parts)
                   if parts.shard is not None or self.is_root else True)
+        own = parts.own
+        if own.flat:  # every rank writes its own state (residuals, ...) if the root will
+            finite = self.runtime.bcast(finite if self.is_root else None)
         if parts.shard is not None and finite:  # the pieces first, then the index
             ckpt.save_shard(directory, self.step, parts.index, parts.count, parts.shard,
                             crash_after_bytes=crash)
             self.runtime.shards_written(parts)
+        if own.flat and finite:
+            if own.arrays:
+                ckpt.save_shard(directory, self.step, own.index, own.count, {"pieces": [
+                    [place, 0, a.reshape(-1)] for place, a in own.arrays]}, kind="rank")
+            self.runtime.rank_shards_written()
         path = None
         if self.is_root and not finite:
             self.log.warning(f"not writing a checkpoint at step {self.step}: the parameters "
                              "are not finite (training diverged); the last finite "
                              f"checkpoint stays the newest in {directory}")
         elif self.is_root:
-            if parts.shard is not None:
-                ckpt.check_shards_visible(directory, state["shards"]["files"])
+            for shards in ("shards", "rank_shards"):
+                if shards in state:
+                    ckpt.check_shards_visible(directory, state[shards]["files"])
             path = ckpt.save(self.paths["checkpoint_dir"], self.step, state,
                              keep=self.cfg.keep_checkpoints, crash_after_bytes=crash)
             self.log.debug(f"checkpoint {path}")
@@ -574,13 +586,16 @@ class Trainer:
             try:
                 ckpt.remove_stale_temporaries(directory)
                 skipped = []
-                # a split model's tensors stay on disk: each rank reads its part
+                # left on disk: a split model's tensors (each rank reads its part) and
+                # every rank's own state (its rank shard); the rest is read here
                 path, state = ckpt.latest(directory, warn=skipped.append,
-                                          check=self._usable, read=not self._split)
+                                          check=self._usable, read=False)
                 for why in skipped:
                     self.log.warning(why)
                 if path is not None:
                     self.check_compatible(path, state["config"])
+                    if not self._split:
+                        state = ckpt.read_shared(state)
                 elif skipped:  # starting over there would mix two runs in one folder
                     raise ConfigError(
                         f"--resume: none of the {len(skipped)} checkpoint(s) in {directory} "

@@ -50,7 +50,7 @@ def setup(comm, stage):
 def write_checkpoint(rt, model, opt, directory):
     """As ``Trainer.save_checkpoint``: the shards, then the root's index."""
     assert rt.shards_checkpoints
-    runtime_state = rt.state_dict(sharded=True)  # (collective: the syncs' state)
+    runtime_state, _ = rt.checkpoint_state(STEP)  # (collective: the syncs' state)
     parts = rt.checkpoint_parts(model, opt)
     assert rt.parameters_finite(model, parts)
     ckpt.save_shard(directory, STEP, parts.index, parts.count, parts.shard)
