@@ -186,6 +186,25 @@ def test_compressed_exchange_reports_bytes_sent(tmp_path):
     assert topk["bytes_sent_per_step"] < dense["bytes_sent_per_step"] / 10, (dense, topk)
 
 
+def test_a_crash_while_ranks_write_their_own_shards_keeps_the_previous_checkpoint(
+        tmp_path):
+    """Top-k on 2 ranks, both killed in the middle of writing their rank shards of the
+    second checkpoint (step 10): no index of step 10 exists, the resume starts from step
+    5, and the run ends bitwise the uninterrupted one."""
+    args = COMMON + ["--compression", "topk", "--ratio", "0.01", "--limit-train", "640"]
+    full, run = tmp_path / "full", tmp_path / "run"
+    run_command(mpidl_cmd(2, *args, "--out-dir", full), timeout=180).check()
+    crashed = run_command(mpidl_cmd(2, *args, "--out-dir", run), timeout=120,
+                          env={"MPIDL_CRASH_IN_CHECKPOINT": "2:2000"})
+    assert crashed.returncode != 0 and not crashed.timed_out, crashed.output
+    names = sorted(os.listdir(run / "checkpoints"))
+    assert "ckpt-000000005.npz" in names and "ckpt-000000010.npz" not in names, names
+    launch = run_command(mpidl_cmd(2, *args, "--out-dir", run, "--resume"),
+                         timeout=180).check()
+    assert "resumed from" in launch.output and "step 5," in launch.output, launch.output
+    assert_same_model(model_arrays(run / "model.npz"), model_arrays(full / "model.npz"))
+
+
 def test_resume_with_compression_restores_error_feedback(tmp_path):
     """Top-k keeps residuals per rank (error feedback): the checkpoint carries every
     rank's, each in a rank shard its rank writes (the root's index holds none: no rank

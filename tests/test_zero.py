@@ -424,6 +424,32 @@ def test_cli_checkpoints_are_sharded_and_resume_on_another_number_of_ranks(
         assert np.max(np.abs(got[k] - a)) <= 1e-12 * np.max(np.abs(a)), k
 
 
+def test_cli_crash_while_writing_shards_keeps_the_previous_checkpoint(tmp_path):
+    """mpidl train --zero 3 on 3 ranks, every rank killed in the middle of writing its
+    shard of the step-4 checkpoint: no index of step 4 exists, the resume starts from
+    step 2 and ends bitwise the uninterrupted --zero 0 run."""
+    def train(args, env=None):
+        cmd = [*mpiexec_cmd(), "-n", "3"] + MPIDL + [
+            "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "200",
+            "--limit-test", "32", "--epochs", "2", "--batch-size", "16", "--model", "mlp",
+            "--optimizer", "adam", "--lr", "0.001", "--algorithm", "ring",
+            "--bucket-mb", "0.5"] + [str(a) for a in args]
+        return run_command(cmd, env=env, timeout=240)
+
+    train(["--out-dir", tmp_path / "whole", "--zero", "0"]).check()
+    run = ["--out-dir", tmp_path / "z", "--checkpoint-every", "2", "--zero", "3"]
+    crashed = train(run, env={"MPIDL_CRASH_IN_CHECKPOINT": "2:2000"})
+    assert crashed.returncode != 0, crashed.output
+    names = sorted(os.listdir(tmp_path / "z" / "checkpoints"))
+    assert "ckpt-000000002.npz" in names and "ckpt-000000004.npz" not in names, names
+    resumed = train(run + ["--resume"]).check()
+    assert "resumed from" in resumed.output and "step 2," in resumed.output, resumed.output
+    from mpirun import assert_bitwise_equal, model_arrays
+
+    assert_bitwise_equal(model_arrays(tmp_path / "z" / "model.npz"),
+                         model_arrays(tmp_path / "whole" / "model.npz"))
+
+
 @pytest.mark.parametrize("write_n, resume", [(3, [(2, 3)]),
                                              pytest.param(3, [(4, 3), (2, 1), (1, 2)],
                                                           marks=pytest.mark.slow)])

@@ -715,8 +715,8 @@ class Runtime:
         model's pieces each write their slices; under ZeRO over data parallelism alone
         every rank writes its chunks (``shards_checkpoints``); with a pipeline each stage
         writes its tensors; the root's file is the index. Collective over the ranks that
-        hold pieces of one model (under a pipeline and ZeRO over the tp and dp groups,
-        after ``state_dict``'s gather)."""
+        hold pieces of one model (after ``checkpoint_state``, whose ZeRO gathers a
+        pipeline's stage writers take)."""
         from types import SimpleNamespace  # noqa: PLC0415
 
         if self.shards_checkpoints:  # ZeRO: every rank its chunks, the root the rest

@@ -70,10 +70,10 @@ writes its own chunks as flat pieces of every parameter, optimizer slot and floa
 master (``Sharded.checkpoint_pieces``, ``mpidl.training.checkpoint``'s shard files) and
 nothing is gathered; loading reads, of each tensor, only the elements of this run's
 chunks (``import_state``, ``load_params``, ``load_masters``: a piece at a time, from
-arrays or from a checkpoint left on disk). With tensor or pipeline parallelism
-``Runtime.state_dict`` (collective) gathers the shards' optimizer state into the
-trainer's optimizer on the group's first rank (``export_state``) and the masters into
-``Precision.exported``, and the runtime joins those for the checkpoint.
+arrays or from a checkpoint left on disk). With tensor or pipeline parallelism (and
+through the Python API's ``Runtime.state_dict``) ``export_state`` (collective) gathers
+the shards' optimizer state into the trainer's optimizer on the group's first rank and
+the masters into ``Precision.exported``, which the runtime writes from there.
 """
 
 import copy
