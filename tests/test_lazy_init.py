@@ -185,9 +185,10 @@ def test_mpidl_train_builds_a_split_model_lazily(tmp_path, layout):
             "parameters, only what it keeps") in launch.output, launch.output
 
 
-@pytest.mark.parametrize("mode", ["tp", "pp"])
+@pytest.mark.parametrize("mode", ["tp", "pp", "tp-pp"])
 def test_a_split_model_resumes_and_saves_without_the_whole_model(tmp_path, mode):
-    """On 2 real ranks: a lazily built 48 MB MLP under tensor (pipeline) parallelism,
+    """On 2 real ranks (4 for tp-pp): a lazily built 48 MB MLP under tensor (pipeline)
+    parallelism, or 2 stages of 2 tensor-parallel ranks,
     checkpointed as the trainer writes it (each rank a shard of its slices, or of its
     stage, from their own memory: writing allocates under 1 MiB) and resumed as
     ``Trainer.restore`` does: the root
@@ -198,9 +199,10 @@ def test_a_split_model_resumes_and_saves_without_the_whole_model(tmp_path, mode)
     (``tests/ranks/split_resume.py``)."""
     from mpirun import HERE, run_ranks
 
-    launch = run_ranks(2, [f"{HERE}/ranks/split_resume.py", mode, tmp_path],
+    n = 4 if mode == "tp-pp" else 2  # (tp-pp: 2 stages of 2 tensor-parallel ranks)
+    launch = run_ranks(n, [f"{HERE}/ranks/split_resume.py", mode, tmp_path],
                        timeout=300).check()
-    assert launch.output.count("split_resume ") == 3, launch.output
+    assert launch.output.count("split_resume ") == n + 1, launch.output
 
 
 def test_a_lazily_built_model_that_does_not_fit_the_data_is_one_line(tmp_path):

@@ -748,46 +748,74 @@ class Runtime:
                                group=g if mine else None)
 
     def _stage_parts(self, model, optimizer):
-        """``checkpoint_parts`` under a pipeline: the root's pipeline group (the stages'
-        first tp ranks of the first replica) each write their stage's tensors, whole
-        (joined over its tp group; under ZeRO the state its dp group gathered on it), as
-        one flat piece each: parameters, buffers, optimizer slots and mixed precision's
-        masters. The index names them all: the places, shapes and dtypes go round the
-        group (no tensor travels); a tensor two stages hold (a tied weight's copy) is
-        the first one's."""
+        """``checkpoint_parts`` under a pipeline: every rank of the first data-parallel
+        replica (each stage, each of its tp ranks) writes a shard: its stage's tensors,
+        each whole as one flat piece (parameters, buffers, optimizer slots and mixed
+        precision's masters; under tensor parallelism its slices of the sliced ones, the
+        rest from the stage's first tp rank; under ZeRO the state its dp group gathered
+        on it). The index names them all: what each holds goes round the writers (no
+        tensor travels); a tensor two stages hold (a tied weight's copy) is the first
+        one's."""
         from types import SimpleNamespace  # noqa: PLC0415
 
         self._gather_params()
         model_state = dict(model.state_dict())
         opt_state = optimizer.state_dict(copy=False)  # (written before the next step)
-        if self.tp is not None:
-            model_state = self.tp.full_state(model_state)
-            opt_state = self.tp.full_optimizer_state(opt_state)
-        if not ((self.tp is None or self.tp_group.rank == 0) and self.shard()[0] == 0):
+        g = self._stage_writers()  # (collective over the world)
+        if g is None:  # another replica: the first one's shards hold the same
             return SimpleNamespace(model=None, optimizer=None, shard=None, shards=None,
                                    group=None)
+        shard, slices, first = {}, {}, True
+        if self.tp is not None:
+            model_state, opt_state, shard, slices = self.tp.split_state(model_state,
+                                                                        opt_state)
+            first = self.tp_group.rank == 0
         masters = {} if self.precision is None else self.precision.master_arrays()
         tensors = [(["model", k], a) for k, a in model_state.items()]
         tensors += [(["optimizer", "state", k, slot], v)
                     for k, st in opt_state["state"].items() for slot, v in st.items()
-                    if slot != "step"]
+                    if hasattr(v, "shape")]
         tensors += [(["runtime", "precision", "masters", k], m) for k, m in masters.items()]
+        if not first:  # (the stage's replicated tensors: its first tp rank writes them)
+            tensors = []
         steps = {k: {"step": int(st["step"])} for k, st in opt_state["state"].items()}
-        g = self.pp_group
+        tp_rank = 0 if self.tp is None else self.tp_group.rank
         with g.waiting("in the exchange of the pipeline stages' checkpoint index"):
             every = g.mpi.allgather(([[place, list(np.shape(a)), np.dtype(a.dtype).str]
-                                      for place, a in tensors], steps))
-        earlier = {tuple(e[0]) for entries, _ in every[:g.rank] for e in entries}
+                                      for place, a in tensors], steps,
+                                     self.pp_group.rank, tp_rank, slices))
+        # a tensor two stages hold is the first stage's (writers ordered stage by stage)
+        held = {}
+        for i, (entries, _, stage, _, cut) in enumerate(every):
+            for place in [tuple(e[0]) for e in entries] + [("slice", k) for k in cut]:
+                held.setdefault(place, stage)
+        me = self.pp_group.rank
         pieces = [[place, 0, to_numpy(a).reshape(-1)] for place, a in tensors
-                  if tuple(place) not in earlier]
-        flat, seen, all_steps = [], set(), {}
-        for entries, st in every:
-            flat += [e for e in entries if tuple(e[0]) not in seen]
-            seen.update(tuple(e[0]) for e in entries)
+                  if held[tuple(place)] == me]
+        flat, all_steps, sliced = [], {}, {}
+        for i, (entries, st, stage, t, cut) in enumerate(every):
+            flat += [e for e in entries if held[tuple(e[0])] == stage]
             all_steps = {**st, **all_steps}
+            for k, (dim, full) in cut.items():
+                if held[("slice", k)] == stage:
+                    sliced.setdefault(k, [dim, full, []])[2].append((t, i))
+        slices = {k: [dim, full, [i for _, i in sorted(files)]]
+                  for k, (dim, full, files) in sliced.items()}
+        shard = {"pieces": pieces, **{k: v for k, v in shard.items()}}
         return SimpleNamespace(model={}, optimizer=dict(opt_state, state=all_steps),
-                               shard={"pieces": pieces}, index=g.rank, count=g.size,
-                               shards={"count": g.size, "flat": flat}, group=g)
+                               shard=shard, index=g.rank, count=g.size,
+                               shards={"count": g.size, "flat": flat, "slices": slices},
+                               group=g)
+
+    def _stage_writers(self):
+        """The ranks of the first data-parallel replica (every stage and tp rank), the
+        ones that write a pipeline's checkpoint shards, as a group (made once: collective
+        over the world); None on the other replicas."""
+        if not hasattr(self, "_writers"):
+            writer = self.shard()[0] == 0
+            self._writers = self.comm.split(0 if writer else None, self.rank,
+                                            label="checkpoint writers")
+        return self._writers
 
     @staticmethod
     def shards_written(parts):

@@ -284,11 +284,15 @@ def _join_model_shards(path, state, info, read):
     pieces = _load_shards(path, info["files"], read)
     if info.get("flat"):
         _join_flat(path, state, info["flat"], pieces, info["files"], read)
-    for name, (dim, full) in info.get("slices", {}).items():
+    for name, entry in info.get("slices", {}).items():
+        dim, full = entry[:2]
+        # (the shards that hold its slices, in order: all of them, or a pipeline
+        # stage's tp ranks)
+        holders = [pieces[i] for i in entry[2]] if len(entry) > 2 else pieces
         try:
-            whole = _join([p["model"][name] for p in pieces], dim)
-            slots = {slot: _join([p["optimizer"][name][slot] for p in pieces], dim)
-                     for slot in (pieces[0]["optimizer"].get(name) or {})}
+            whole = _join([p["model"][name] for p in holders], dim)
+            slots = {slot: _join([p["optimizer"][name][slot] for p in holders], dim)
+                     for slot in (holders[0]["optimizer"].get(name) or {})}
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{path}: the shards of {name!r} do not fit together "
                                   f"({type(e).__name__}: {e})") from None

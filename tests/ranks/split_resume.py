@@ -1,8 +1,9 @@
 """A split model resumes, and is saved, without the whole model on any rank (mpiexec).
 
-``mpiexec -n N python -m mpi4py tests/ranks/split_resume.py tp|pp OUT``
+``mpiexec -n N python -m mpi4py tests/ranks/split_resume.py tp|pp|tp-pp OUT``
 
-An MLP of 784-1024x6-10 in float64 (48 MB of parameters, as much again of SGD momentum) built lazily under ``--tensor-parallel N`` (or ``--pipeline-stages N``), one
+An MLP of 784-1024x6-10 in float64 (48 MB of parameters, as much again of SGD momentum) built lazily under ``--tensor-parallel N`` (or ``--pipeline-stages N``, or 2 stages of
+``--tensor-parallel N/2``), one
 step, then a checkpoint written as the trainer writes it (a shard per rank, its slices or
 its stage's tensors, and the root's index). A second model, built and
 set up the same way, resumes from it as ``Trainer.restore`` does: the root reads the
@@ -45,7 +46,9 @@ def setup(comm, mode):
                         lazy=True)
     opt = SGD(model.named_parameters(), lr=0.1, momentum=0.9, fused=False)
     options = ({"tensor_parallel": comm.size} if mode == "tp" else
-               {"pipeline_stages": comm.size, "stage_costs": "layers"})
+               {"pipeline_stages": comm.size, "stage_costs": "layers"} if mode == "pp" else
+               {"pipeline_stages": 2, "tensor_parallel": comm.size // 2,
+                "stage_costs": "layers"})  # tp-pp: 2 stages of T ranks
     rt = build("allreduce", comm, **options)
     rt.setup(model, opt, SoftmaxCrossEntropy())
     return model, opt, rt
