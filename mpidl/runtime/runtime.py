@@ -156,12 +156,19 @@ class Runtime:
                 and self.tp is None and self.pp is None and self.compressor is None)
 
     @property
-    def shards_checkpoints(self):
-        """Whether each rank writes its own part of a checkpoint (ZeRO over data
-        parallelism alone: the elements of its chunks, ``zero.Sharded.checkpoint_pieces``),
-        so that nothing is gathered for it."""
-        return (self.tp is None and self.pp is None and self.trains_on_data
+    def zero_chunks(self):
+        """Whether each rank writes the elements of its ZeRO chunks into a checkpoint
+        (``zero.Sharded.checkpoint_pieces``) and reads its new chunks' from one, so that
+        nothing of the model or its optimizer state is gathered for it: ZeRO without
+        tensor parallelism (whose chunks are of slices), with or without a pipeline."""
+        return (self.tp is None and self.trains_on_data
                 and hasattr(getattr(self, "placement", None), "checkpoint_pieces"))
+
+    @property
+    def shards_checkpoints(self):
+        """``zero_chunks`` over data parallelism alone: every rank a shard of its chunks,
+        the root the index and the rest."""
+        return self.zero_chunks and self.pp is None
 
     @property
     def resumes_resized(self):
@@ -758,6 +765,8 @@ class Runtime:
         one's."""
         from types import SimpleNamespace  # noqa: PLC0415
 
+        if self.zero_chunks:
+            return self._stage_chunk_parts(model, optimizer)
         self._gather_params()
         model_state = dict(model.state_dict())
         opt_state = optimizer.state_dict(copy=False)  # (written before the next step)
@@ -807,6 +816,43 @@ class Runtime:
                                shards={"count": g.size, "flat": flat, "slices": slices},
                                group=g)
 
+    def _stage_chunk_parts(self, model, optimizer):
+        """``checkpoint_parts`` under a pipeline with ZeRO (no tensor parallelism): every
+        rank writes its chunks of its stage's buckets (``zero.Sharded.checkpoint_pieces``),
+        and each stage's first replica the rest of its stage (buffers) whole; the index's
+        entries go round the world (no tensor travels); a tensor two stages hold is the
+        first one's."""
+        from types import SimpleNamespace  # noqa: PLC0415
+
+        placement = self.placement
+        entries, steps = placement.checkpoint_index()
+        pieces = placement.checkpoint_pieces()
+        first = self.shard()[0] == 0
+        rest = [(["model", k], v) for k, v in model.state_dict().items()
+                if k not in placement.of_param]
+        if first:
+            entries += [[place, list(np.shape(a)), np.dtype(a.dtype).str] for place, a in rest]
+            pieces += [[place, 0, to_numpy(a).reshape(-1)] for place, a in rest]
+        else:  # (the first replica's entries name the stage's tensors)
+            entries = []
+        g = self.comm
+        stage = self.pp_group.rank
+        with g.waiting("in the exchange of the pipeline stages' checkpoint index"):
+            every = g.mpi.allgather((entries, steps, stage))
+        held = {}
+        for ents, _, s in every:
+            for e in ents:
+                held.setdefault(tuple(e[0]), s)
+        pieces = [p for p in pieces if held.get(tuple(p[0]), stage) == stage]
+        flat, all_steps = [], {}
+        for ents, st, s in every:
+            flat += [e for e in ents if held[tuple(e[0])] == s]
+            all_steps = {**st, **all_steps}
+        return SimpleNamespace(model={}, optimizer=dict(optimizer.state_dict(copy=False),
+                                                        state=all_steps),
+                               shard={"pieces": pieces}, index=g.rank, count=g.size,
+                               shards={"count": g.size, "flat": flat}, group=g)
+
     def _stage_writers(self):
         """The ranks of the first data-parallel replica (every stage and tp rank), the
         ones that write a pipeline's checkpoint shards, as a group (made once: collective
@@ -838,7 +884,7 @@ class Runtime:
         shards are written, collective over their writers (``parts.group``), who agree:
         each checks what it writes (ZeRO over data parallelism: its chunks); otherwise
         this rank's parameters (the root's are the checkpoint's)."""
-        if self.shards_checkpoints:
+        if self.zero_chunks:
             finite = self.placement.chunks_finite()
         else:
             finite = all(np.isfinite(to_numpy(p.data)).all() for _, p in
@@ -855,7 +901,10 @@ class Runtime:
         this rank's part of the model. Its tensors may be ``Deferred`` (a checkpoint left
         on disk, ``checkpoint.load(path, read=False)``): only this rank's part is read,
         one tensor at a time, as the model and the optimizer load them."""
-        if self.shards_checkpoints:  # ZeRO: this rank's chunks, read piece by piece
+        if self.pp is not None:  # this rank's stages
+            model_state, opt_state = self._stage_state(model, optimizer, model_state,
+                                                       opt_state)
+        if self.zero_chunks:  # ZeRO: this rank's chunks, read piece by piece
             placement, gathers = self.placement, self.placement.sync.gathers
             if gathers is not None and not gathers.pinned:  # (stage 3, never whole)
                 placement.load_params(model, model_state)
@@ -865,14 +914,6 @@ class Runtime:
                 optimizer.load_state_dict(opt_state, read=False)
             return
         self._gather_params()  # (ZeRO stage 3: the parameters to load into, gathered)
-        if self.pp is not None:  # this rank's stages
-            mine = set(model.state_dict())
-            model_state = {k: v for k, v in model_state.items() if k in mine}
-            if opt_state is not None:
-                held = set(optimizer.params)
-                opt_state = dict(opt_state, state={k: v for k, v in
-                                                   opt_state.get("state", {}).items()
-                                                   if k in held})
         if self.tp is not None:
             model_state = self.tp.local_state(model_state)
             if opt_state is not None:
@@ -880,6 +921,18 @@ class Runtime:
         model.load_state_dict(model_state)
         if opt_state is not None:
             optimizer.load_state_dict(opt_state)
+
+    @staticmethod
+    def _stage_state(model, optimizer, model_state, opt_state):
+        """A whole model's (model state, optimizer state) cut to this rank's stages."""
+        mine = set(model.state_dict())
+        model_state = {k: v for k, v in model_state.items() if k in mine}
+        if opt_state is not None:
+            held = set(optimizer.params)
+            opt_state = dict(opt_state, state={k: v for k, v in
+                                               opt_state.get("state", {}).items()
+                                               if k in held})
+        return model_state, opt_state
 
     def full_shapes(self, model):
         """{name: shape} of the whole model's state (what a checkpoint holds)."""
@@ -1050,7 +1103,7 @@ class Runtime:
         self.sync_buffers()
         export = getattr(getattr(self, "placement", None), "export_state", None)
         if export is not None and self.trains_on_data and not (
-                sharded and self.shards_checkpoints):
+                sharded and self.zero_chunks):
             export(self)  # ZeRO: the shards' optimizer state, per parameter on the root
         pending = self._pipeline_pending(own)
         mine = [s.state_dict() for _, s in self.syncs]
@@ -1063,7 +1116,7 @@ class Runtime:
             out["pipeline_pending"] = pending
         if self.precision is not None:  # master weights and loss scale: alike on every rank
             out["precision"] = self.precision.state_dict(
-                masters=not (sharded and (self.shards_checkpoints or self.pp is not None)))
+                masters=not (sharded and (self.zero_chunks or self.pp is not None)))
         avg = self.averaging
         if avg is not None:  # the replicas differ inside a period: every rank's own
             out["averaging"] = avg.shared_state()

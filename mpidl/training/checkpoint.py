@@ -514,7 +514,7 @@ def _headers(z):
 
 def deferred_member(member, shape):
     """Whether ``load(path, read=False)`` leaves array ``member`` on disk: a tensor of the
-    model or of the optimizer, a ZeRO shard's piece (scalars and the rest of the state
+    model or of the optimizer, a shard's flat piece (scalars and the rest of the state
     are read)."""
     return bool(shape) and member.startswith(("model/", "optimizer/", "pieces/"))
 
