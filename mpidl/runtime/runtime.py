@@ -795,7 +795,7 @@ class Runtime:
                                      self.pp_group.rank, tp_rank, slices))
         # a tensor two stages hold is the first stage's (writers ordered stage by stage)
         held = {}
-        for i, (entries, _, stage, _, cut) in enumerate(every):
+        for entries, _, stage, _, cut in every:
             for place in [tuple(e[0]) for e in entries] + [("slice", k) for k in cut]:
                 held.setdefault(place, stage)
         me = self.pp_group.rank
@@ -810,7 +810,7 @@ class Runtime:
                     sliced.setdefault(k, [dim, full, []])[2].append((t, i))
         slices = {k: [dim, full, [i for _, i in sorted(files)]]
                   for k, (dim, full, files) in sliced.items()}
-        shard = {"pieces": pieces, **{k: v for k, v in shard.items()}}
+        shard = {"pieces": pieces, **shard}
         return SimpleNamespace(model={}, optimizer=dict(opt_state, state=all_steps),
                                shard=shard, index=g.rank, count=g.size,
                                shards={"count": g.size, "flat": flat, "slices": slices},
