@@ -619,8 +619,10 @@ class Trainer:
             resized = (f"; written by {saved} rank(s), continued on {self.count}: the "
                        f"epoch's other samples are dealt in global batches of "
                        f"{self.loader.global_batch_size}")
+        # a padded last global batch takes the position past the epoch's end
+        done = min(self.position, self.loader.num_samples)
         self.log.info(f"resumed from {path}: step {self.step}, epoch {self.epoch + 1}, "
-                      f"position {self.position}/{self.loader.num_samples}{resized}")
+                      f"position {done}/{self.loader.num_samples}{resized}")
         return True
 
     def load_state(self, state):
