@@ -370,7 +370,7 @@ def test_growing_with_the_per_rank_batch_is_a_fresh_run_on_more_ranks(tmp_path):
                                   "--keep-batch", "rank"),
                         timeout=300)
     grown.check()
-    assert "written by 2 rank(s), continued on 3" in grown.output, grown.output
+    assert "written by 2 data-parallel rank(s), continued on 3" in grown.output, grown.output
     ref = tmp_path / "fresh.npz"
     run_ranks(3, [os.path.join(HERE, "ranks", "fresh_from_state.py"), first, ref, *flags,
                   "--epochs", "2"], timeout=300).check()

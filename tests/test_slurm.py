@@ -208,7 +208,7 @@ def test_train_sbatch_grows_a_run_by_resubmission(cluster, tmp_path):
     grown = run_job(TRAIN, [*args, "--epochs", "2"], ntasks=3, timeout=150, cwd=tmp_path)
     assert grown.state == "COMPLETED" and grown.returncode == 0, grown.describe()
     assert "MPI world size 3 == SLURM_NTASKS" in grown.output, grown.describe()
-    assert "written by 2 rank(s), continued on 3" in grown.output, grown.describe()
+    assert "written by 2 data-parallel rank(s), continued on 3" in grown.output, grown.describe()
     assert [m["epoch"] for m in epoch_metrics(grown.output)] == [2], grown.describe()
 
 

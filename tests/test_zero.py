@@ -416,12 +416,62 @@ def test_cli_checkpoints_are_sharded_and_resume_on_another_number_of_ranks(
     assert all(abs(size - model_bytes) < 0.01 * model_bytes for size in sizes), sizes
     assert os.path.getsize(ck / "ckpt-000000004.npz") < 50_000
     resumed = train(resume_n, common + ["--zero", resume_stage, "--resume"]).check()
-    assert f"written by 3 rank(s), continued on {resume_n}" in resumed.output, resumed.output
+    assert f"written by 3 data-parallel rank(s), continued on {resume_n}" in resumed.output, resumed.output
     from mpirun import model_arrays
 
     ref, got = model_arrays(whole / "model.npz"), model_arrays(tmp_path / "z" / "model.npz")
     for k, a in ref.items():
         assert np.max(np.abs(got[k] - a)) <= 1e-12 * np.max(np.abs(a)), k
+
+
+@pytest.mark.parametrize("save_n, saved, resume_n, resumed", [
+    (4, ["--tensor-parallel", 2, "--zero", 2], 2, ["--tensor-parallel", 2, "--zero", 1]),
+    (4, ["--pipeline-stages", 2, "--zero", 3], 2, ["--pipeline-stages", 2]),
+    pytest.param(2, ["--tensor-parallel", 2], 4, ["--tensor-parallel", 2, "--zero", 3],
+                 marks=pytest.mark.slow),
+    pytest.param(4, ["--tensor-parallel", 2, "--zero", 2], 3, ["--zero", 1],
+                 marks=pytest.mark.slow),
+    pytest.param(2, ["--pipeline-stages", 2], 4, ["--pipeline-stages", 2, "--zero", 2],
+                 marks=pytest.mark.slow)])
+def test_cli_split_layouts_resume_on_another_number_of_replicas(tmp_path, save_n, saved,
+                                                               resume_n, resumed):
+    """A tensor-parallel or pipelined run (float64, SGD momentum), ZeRO or not, killed
+    mid-epoch after its step-4 checkpoint, resumes with another number of data-parallel
+    replicas (and stage, and tensor-parallel degree), keeping the global batch, and ends
+    within 1e-12 of one process at that batch. A pipeline cannot weigh uneven pieces of
+    the global batch: resuming the pipelined run on 3 replicas is one line."""
+    def train(n, args, env=None):
+        cmd = [*mpiexec_cmd(), "-n", str(n)] + MPIDL + [
+            "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "384",
+            "--limit-test", "32", "--epochs", "1", "--model", "mlp", "--seed", "3",
+            "--optimizer", "sgd", "--momentum", "0.9", "--dtype", "float64",
+            "--bucket-mb", "0.5"] + [str(a) for a in args]
+        return run_command(cmd, env=env, timeout=240)
+
+    split = dict(zip(saved[::2], saved[1::2]))
+    replicas = save_n // split.get("--tensor-parallel", 1) // split.get("--pipeline-stages", 1)
+    batch = 64 // replicas  # a global batch of 64: 6 steps, the checkpoint after 4
+    train(1, ["--out-dir", tmp_path / "one", "--batch-size", 64]).check()
+    ck = tmp_path / "ck"
+    common = ["--out-dir", tmp_path / "run", "--checkpoint-dir", ck, "--checkpoint-every",
+              4, "--batch-size", batch]
+    killed = train(save_n, common + saved, env={"MPIDL_KILL_AT": "0:5"})
+    assert killed.returncode != 0, killed.output
+    done = train(resume_n, common + resumed + ["--resume"]).check()
+    assert "resumed from" in done.output and "step 4," in done.output, done.output
+    assert "continued on" in done.output and "global batches of 64" in done.output
+    from mpirun import model_arrays
+
+    ref, got = model_arrays(tmp_path / "one" / "model.npz"), \
+        model_arrays(tmp_path / "run" / "model.npz")
+    for k, a in ref.items():
+        assert np.max(np.abs(got[k] - a)) <= 1e-12 * np.max(np.abs(a)), k
+    if "--pipeline-stages" in saved and save_n == 4:
+        refused = train(6, common + resumed + ["--resume"])
+        lines = [ln for ln in refused.output.splitlines() if ln.startswith("mpidl: error:")]
+        assert refused.returncode == 2 and len(lines) == 1, refused.output
+        assert "Traceback" not in refused.output, refused.output
+        assert "does not split evenly over 3 data-parallel replicas" in lines[0], lines
 
 
 def test_cli_crash_while_writing_shards_keeps_the_previous_checkpoint(tmp_path):

@@ -172,11 +172,20 @@ class Runtime:
 
     @property
     def resumes_resized(self):
-        """Whether a checkpoint of this run resumes on another number of ranks: the
-        ``resizable`` runtimes, and ZeRO over data parallelism alone (its checkpoints are
-        per parameter, and a rank reads the elements of its new chunks)."""
-        return self.resizable or (self.name.startswith("allreduce+zero") and self.tp is None
-                                  and self.pp is None and self.compressor is None)
+        """Whether a checkpoint of this run resumes on another number of data-parallel
+        replicas: the ``resizable`` runtimes, and all-reduce data parallelism, ZeRO or
+        not, over tensor parallelism and pipelines too. Their checkpoints hold every
+        tensor whole, as tensor-parallel slices or as flat pieces of ZeRO's chunks, and a
+        rank reads its part of the new layout. Not with state a rank keeps of its own
+        (a compressor's residuals, model averaging, an async pipeline's carried
+        gradients) or with the conv-DP/FC-MP hybrid, whose tensor-parallel degree is the
+        world's."""
+        if self.resizable:
+            return True
+        dense = self.name == "allreduce" or self.name.startswith("allreduce+zero")
+        carries = self.pp is not None and self.pp.kind == "async"
+        hybrid = self.tp is not None and self.tp.over_dp
+        return dense and self.compressor is None and not carries and not hybrid
 
     def commit_point(self, step, every):
         """Whether an elastic run keeps the state at the start of ``step`` (it keeps

@@ -181,6 +181,8 @@ class Trainer:
         weight = self.loader.batch_size * self.count / G if global_batch else 1.0
         if hasattr(runtime.schedule, "grad_weight"):
             runtime.schedule.grad_weight = weight
+        elif global_batch and G % self.count:  # (checked before: ``unweighable``)
+            raise ConfigError(self.unweighable(G))
         ranks = G // per_rank if global_batch else self.count  # what --scale-lr scales by
         self.steps_per_epoch = len(self.loader)
         self.total_steps = cfg.epochs * self.steps_per_epoch
@@ -595,6 +597,12 @@ class Trainer:
                     self.log.warning(why)
                 if path is not None:
                     self.check_compatible(path, state["config"])
+                    saved_global = state["progress"].get("global_batch")
+                    if (self.keeps_global_batch and saved_global
+                            and saved_global != self.loader.global_batch_size
+                            and self.unweighable(saved_global)):
+                        raise ConfigError(f"cannot resume from {path}: "
+                                          f"{self.unweighable(saved_global)}")
                     if not self._split:
                         state = ckpt.read_shared(state)
                 elif skipped:  # starting over there would mix two runs in one folder
@@ -616,7 +624,8 @@ class Trainer:
             truncate_metrics(self.paths.get("metrics"), self.epoch)
         saved, resized = state["config"].get("ranks"), ""
         if saved is not None and saved != self.count:
-            resized = (f"; written by {saved} rank(s), continued on {self.count}: the "
+            resized = (f"; written by {saved} data-parallel rank(s), continued on "
+                       f"{self.count}: the "
                        f"epoch's other samples are dealt in global batches of "
                        f"{self.loader.global_batch_size}")
         # a padded last global batch takes the position past the epoch's end
@@ -634,7 +643,7 @@ class Trainer:
         per_rank = state["ranks"]
         saved_count = state["config"].get("ranks", len(per_rank))
         index = self.shard_rank_index()
-        if saved_count == self.count:
+        if saved_count == self.count and len(per_rank) == len(self.runtime.trainer_ranks):
             mine = per_rank[index]
         else:  # resized: rank i takes the RNGs of the i-th saved rank (the first ones
             #   when there are more now), its running sums only if there was one
@@ -656,9 +665,22 @@ class Trainer:
         self.seconds_before = float(p["elapsed"])
         self.last = p.get("last") or {}
 
+    def unweighable(self, global_batch):
+        """Why a global batch of ``global_batch`` cannot be cut over this run's
+        data-parallel replicas (uneven pieces, and a step schedule that cannot weigh
+        them: a pipeline's), or None."""
+        if global_batch % self.count == 0 or hasattr(self.runtime.schedule, "grad_weight"):
+            return None
+        return (f"its global batch of {global_batch} samples does not split evenly over "
+                f"{self.count} data-parallel replicas, and a pipeline cannot weigh uneven "
+                "pieces: continue on a number of replicas that divides it, or with "
+                "--keep-batch rank (the per-rank batch kept instead)")
+
     def shard_rank_index(self):
-        """This rank's entry in the checkpoint's per-rank list (the order of ``gather``)."""
-        return self.index if self.runtime.trains_on_data else 0
+        """This rank's entry in the checkpoint's per-rank list (the order of ``gather``:
+        every training rank, each of a tensor-parallel group and of a pipeline too)."""
+        rt = self.runtime
+        return rt.trainer_ranks.index(rt.rank) if rt.trains_on_data else 0
 
     def check_compatible(self, path, saved):
         now = self.resume_config()
@@ -671,7 +693,8 @@ class Trainer:
                     one.get(now["strategy"], now["strategy"]):
                 ignore.add("strategy")
         now = {k: v for k, v in now.items() if k not in ignore}
-        diff = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}"
+        label = {"ranks": "data-parallel ranks"}  # (the replicas: tp and pp ranks apart)
+        diff = [f"{label.get(k, k)}: checkpoint {saved.get(k)!r}, now {now[k]!r}"
                 for k in now if saved.get(k) != now[k]]
         if diff:
             raise ConfigError(f"cannot resume from {path}: it was written with other settings "
