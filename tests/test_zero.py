@@ -424,6 +424,42 @@ def test_cli_checkpoints_are_sharded_and_resume_on_another_number_of_ranks(
         assert np.max(np.abs(got[k] - a)) <= 1e-12 * np.max(np.abs(a)), k
 
 
+def test_cli_zero_under_tensor_parallelism_writes_a_shard_per_rank(tmp_path):
+    """--zero 2 over TP 2 x DP 2 (float64, Adam): every rank writes its chunks of its
+    slices (a quarter of the parameters and both moments each), the root's index holds
+    none of them; killed after its step-4 checkpoint and resumed at --zero 1, the run
+    ends bitwise the uninterrupted --zero 0 run of that layout; ``checkpoint.load``
+    joins the shards into the whole model's tensors."""
+    def train(args, env=None):
+        cmd = [*mpiexec_cmd(), "-n", "4"] + MPIDL + [
+            "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "384",
+            "--limit-test", "32", "--epochs", "1", "--batch-size", "32", "--model", "mlp",
+            "--optimizer", "adam", "--lr", "0.001", "--dtype", "float64",
+            "--tensor-parallel", "2", "--bucket-mb", "0.5"] + [str(a) for a in args]
+        return run_command(cmd, env=env, timeout=240)
+
+    train(["--out-dir", tmp_path / "whole", "--zero", "0"]).check()
+    ck = tmp_path / "ck"
+    common = ["--out-dir", tmp_path / "z", "--checkpoint-dir", ck, "--checkpoint-every", "4"]
+    killed = train(common + ["--zero", 2], env={"MPIDL_KILL_AT": "0:5"})
+    assert killed.returncode != 0, killed.output
+    shards = [ck / f"ckpt-000000004-shard-{i}-of-4.npz" for i in range(4)]
+    model_bytes = (784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10) * 8
+    sizes = [os.path.getsize(s) for s in shards]
+    assert all(abs(size - 3 * model_bytes / 4) < 0.01 * model_bytes for size in sizes), sizes
+    assert os.path.getsize(ck / "ckpt-000000004.npz") < 50_000
+    from mpidl.training import checkpoint
+
+    joined = checkpoint.load(str(ck / "ckpt-000000004.npz"))
+    assert joined["model"]["1.weight"].shape == (784, 1024)
+    assert joined["optimizer"]["state"]["3.weight"]["exp_avg_sq"].shape == (1024, 1024)
+    train(common + ["--zero", 1, "--resume"]).check()
+    from mpirun import assert_bitwise_equal, model_arrays
+
+    assert_bitwise_equal(model_arrays(tmp_path / "whole" / "model.npz"),
+                         model_arrays(tmp_path / "z" / "model.npz"))
+
+
 @pytest.mark.parametrize("save_n, saved, resume_n, resumed", [
     (4, ["--tensor-parallel", 2, "--zero", 2], 2, ["--tensor-parallel", 2, "--zero", 1]),
     (4, ["--pipeline-stages", 2, "--zero", 3], 2, ["--pipeline-stages", 2]),

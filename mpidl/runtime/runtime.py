@@ -165,6 +165,15 @@ class Runtime:
                 and hasattr(getattr(self, "placement", None), "checkpoint_pieces"))
 
     @property
+    def tp_chunks(self):
+        """ZeRO over the data-parallel groups of tensor parallelism (no pipeline, fp32):
+        every rank writes the elements of its chunks of its slices
+        (``_tp_chunk_parts``), so nothing is gathered for a checkpoint either."""
+        return (self.tp is not None and self.pp is None and not self.tp.over_dp
+                and self.precision is None and self.trains_on_data
+                and hasattr(getattr(self, "placement", None), "checkpoint_pieces"))
+
+    @property
     def shards_checkpoints(self):
         """``zero_chunks`` over data parallelism alone: every rank a shard of its chunks,
         the root the index and the rest."""
@@ -749,6 +758,8 @@ class Runtime:
                                    shards={"count": count, "flat": flat})
         if self.pp is not None:
             return self._stage_parts(model, optimizer)
+        if self.tp_chunks:
+            return self._tp_chunk_parts(model, optimizer)
         if self.tp is None:  # the whole model in the root's file
             model_state, opt_state = self.full_state(model, optimizer)
             return SimpleNamespace(model=model_state, optimizer=opt_state, shard=None,
@@ -862,6 +873,59 @@ class Runtime:
                                shard={"pieces": pieces}, index=g.rank, count=g.size,
                                shards={"count": g.size, "flat": flat}, group=g)
 
+    def _tp_chunk_parts(self, model, optimizer):
+        """``checkpoint_parts`` of ZeRO under tensor parallelism: every rank writes the
+        elements of its chunks (``zero.Sharded.checkpoint_pieces``); those of a sliced
+        tensor go under ``["tp", t, ...]``, its tp rank's slice, which ``checkpoint.load``
+        joins from the pieces and then joins along the slice's dimension
+        (``shards["flat_slices"]``); a tensor the tp ranks hold alike is written by tp
+        rank 0's dp group, a sliced buffer by its first replica, the other buffers are in
+        the root's file. The index's entries go round the ranks (no tensor travels)."""
+        from types import SimpleNamespace  # noqa: PLC0415
+
+        placement, tp = self.placement, self.tp
+        t = self.tp_group.rank
+
+        def sliced(place):  # (a parameter's name: model/<name> or optimizer/state/<name>/..)
+            return place[1 if place[0] == "model" else 2] in tp.slices
+
+        def mine(place):
+            return ["tp", t] + place if sliced(place) else place
+
+        entries, steps = placement.checkpoint_index()
+        pieces = placement.checkpoint_pieces()
+        entries = [[mine(place), shape, dtype] for place, shape, dtype in entries
+                   if t == 0 or sliced(place)]
+        pieces = [[mine(place), first, a] for place, first, a in pieces
+                  if t == 0 or sliced(place)]
+        rest = {k: to_numpy(v) for k, v in model.state_dict().items()
+                if k not in placement.of_param}
+        if self.shard()[0] == 0:  # (a sliced buffer: the first replica's)
+            for k in [k for k in rest if k in tp.slices]:
+                a = rest.pop(k)
+                entries.append([["tp", t, "model", k], list(a.shape), np.dtype(a.dtype).str])
+                pieces.append([["tp", t, "model", k], 0, a.reshape(-1)])
+        g = self.comm
+        with g.waiting("in the exchange of the tensor-parallel ZeRO checkpoint index"):
+            every = g.mpi.allgather(entries if self.shard()[0] == 0 else None)
+        flat, seen = [], set()
+        for ents in every:
+            for e in ents or ():
+                if tuple(e[0]) not in seen:
+                    seen.add(tuple(e[0]))
+                    flat.append(e)
+        tensors = {tuple(e[0][2:]) for e in flat if e[0][0] == "tp"}
+        slices = {"degree": self.tp_group.size, "tensors": [
+            [list(place), tp.slices[place[1 if place[0] == "model" else 2]].dim,
+             tp.slices[place[1 if place[0] == "model" else 2]].full]
+            for place in sorted(tensors, key=str)]}
+        rest = {k: v for k, v in rest.items() if k not in tp.slices}
+        return SimpleNamespace(model=rest, optimizer=dict(optimizer.state_dict(copy=False),
+                                                          state=steps),
+                               shard={"pieces": pieces}, index=g.rank, count=g.size,
+                               shards={"count": g.size, "flat": flat,
+                                       "flat_slices": slices}, group=g)
+
     def _stage_writers(self):
         """The ranks of the first data-parallel replica (every stage and tp rank), the
         ones that write a pipeline's checkpoint shards, as a group (made once: collective
@@ -893,7 +957,7 @@ class Runtime:
         shards are written, collective over their writers (``parts.group``), who agree:
         each checks what it writes (ZeRO over data parallelism: its chunks); otherwise
         this rank's parameters (the root's are the checkpoint's)."""
-        if self.zero_chunks:
+        if self.zero_chunks or self.tp_chunks:
             finite = self.placement.chunks_finite()
         else:
             finite = all(np.isfinite(to_numpy(p.data)).all() for _, p in
@@ -1112,7 +1176,7 @@ class Runtime:
         self.sync_buffers()
         export = getattr(getattr(self, "placement", None), "export_state", None)
         if export is not None and self.trains_on_data and not (
-                sharded and self.zero_chunks):
+                sharded and (self.zero_chunks or self.tp_chunks)):
             export(self)  # ZeRO: the shards' optimizer state, per parameter on the root
         pending = self._pipeline_pending(own)
         mine = [s.state_dict() for _, s in self.syncs]

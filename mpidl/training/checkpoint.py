@@ -284,6 +284,7 @@ def _join_model_shards(path, state, info, read):
     pieces = _load_shards(path, info["files"], read)
     if info.get("flat"):
         _join_flat(path, state, info["flat"], pieces, info["files"], read)
+    _join_flat_slices(path, state, info.get("flat_slices"))
     for name, entry in info.get("slices", {}).items():
         dim, full = entry[:2]
         # (the shards that hold its slices, in order: all of them, or a pipeline
@@ -350,6 +351,37 @@ def _join_flat(path, state, entries, shards, files, read, own=False):
                               f"not name: {names}")
 
 
+def _join_flat_slices(path, state, entry):
+    """ZeRO under tensor parallelism: each tp rank's slice of a tensor was joined from
+    flat pieces under ``["tp", t, *place]``; join the slices along their dimension into
+    the tensor at ``place`` (``entry``: ``{"degree": T, "tensors": [[place, dim, whole
+    size]]}``)."""
+    if not entry:
+        return
+    slices = state.pop("tp", {})
+    for place, dim, full in entry["tensors"]:
+        where = "/".join(map(str, place))
+        try:
+            parts = []
+            for t in range(entry["degree"]):
+                node = slices[t]
+                for key in place:
+                    node = node[key]
+                parts.append(node)
+            whole = _join(parts, dim)
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{path}: the shards' slices of {where!r} do not fit "
+                                  f"together ({type(e).__name__}: {e})") from None
+        if whole.shape[dim] != full:
+            raise CheckpointError(f"{path}: the shards' slices of {where!r} hold "
+                                  f"{whole.shape[dim]} along dimension {dim}, the index "
+                                  f"says {full}")
+        node = state
+        for key in place[:-1]:
+            node = node.setdefault(key, {})
+        node[place[-1]] = whole
+
+
 def split_arrays(tree, place):
     """``(skeleton, [(place, array)])``: ``tree`` (a rank's own state) with each array
     taken out, None where it was, and the arrays with their places (``place`` and the
@@ -390,6 +422,9 @@ def read_shared(state):
 def _join(pieces, dim):
     """Arrays concatenated along ``dim``, or ``Ref``s joined into one (ValueError, as
     ``numpy.concatenate`` gives, when their other dimensions or dtypes differ)."""
+    if any(isinstance(p, Deferred) for p in pieces) and not all(
+            isinstance(p, Ref) for p in pieces):
+        return Joined(pieces, dim)
     if not all(isinstance(p, Ref) for p in pieces):
         return np.concatenate(pieces, axis=dim)
     first = pieces[0]
@@ -487,6 +522,56 @@ class FlatRef(Deferred):
 
     def __repr__(self):
         return f"FlatRef({self.shape}, {self.dtype}, {len(self.parts)} piece(s))"
+
+
+class Joined(Deferred):
+    """Deferred tensors joined along ``dim``: a tensor's tensor-parallel slices, each in
+    flat pieces over shard files (ZeRO's chunks under tensor parallelism).
+    ``values(dim, lo, hi)`` makes only the slices ``[lo, hi)`` overlaps along ``dim``."""
+
+    __slots__ = ("parts", "dim", "shape", "dtype")
+
+    def __init__(self, parts, dim):
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.ndim != first.ndim or np.dtype(p.dtype) != np.dtype(first.dtype)
+                    or tuple(p.shape[:dim]) + tuple(p.shape[dim + 1:])
+                    != tuple(first.shape[:dim]) + tuple(first.shape[dim + 1:])):
+                raise ValueError(f"pieces of shapes {first.shape} ({first.dtype}) and "
+                                 f"{p.shape} ({p.dtype}) do not join along dimension {dim}")
+        self.parts, self.dim = list(parts), dim
+        shape = list(first.shape)
+        shape[dim] = sum(p.shape[dim] for p in parts)
+        self.shape, self.dtype = tuple(shape), np.dtype(first.dtype)
+
+    def values(self, dim=None, lo=None, hi=None):
+        if dim != self.dim:
+            whole = np.concatenate([_made(p) for p in self.parts], axis=self.dim)
+            if dim is None:
+                return whole
+            index = [slice(None)] * len(self.shape)
+            index[dim] = slice(lo, hi)
+            return whole[tuple(index)].copy()
+        out, start = [], 0
+        for p in self.parts:
+            first, start = start, start + p.shape[dim]
+            a, b = max(lo, first) - first, min(hi, start) - first
+            if a < b:
+                out.append(_made(p) if (a, b) == (0, p.shape[dim]) else
+                           p.values(dim, a, b) if isinstance(p, Deferred) else
+                           np.take(p, range(a, b), axis=dim))
+        if not out:
+            shape = list(self.shape)
+            shape[dim] = 0
+            return np.empty(shape, dtype=self.dtype)
+        return out[0] if len(out) == 1 else np.concatenate(out, axis=dim)
+
+    def __repr__(self):
+        return f"Joined({self.shape}, {self.dtype}, {len(self.parts)} slice(s))"
+
+
+def _made(a):
+    return a.values() if isinstance(a, Deferred) else np.asarray(a)
 
 
 def _read_member(path, member):
