@@ -562,9 +562,8 @@ def test_sharded_checkpoints_never_hold_the_model_whole(tmp_path, write_n, resum
     ids=["tp", "pipeline", "interleaved"])
 def test_cli_tp_or_pp_run_stopped_at_zero_3_resumes_as_if_never_stopped(tmp_path, layout):
     """mpidl train on 4 ranks, --tensor-parallel 2 (or --pipeline-stages 2) with Adam: a
-    --zero 3 run fails after its step-4 checkpoint (tensor-parallel shard files, the
-    state gathered on each slice's first dp rank; under a pipeline a shard per rank, its
-    chunks of its stage) and resumes at --zero 1; the final model is bitwise the
+    --zero 3 run fails after its step-4 checkpoint (a shard per rank: its chunks of its
+    slices, or of its stage) and resumes at --zero 1; the final model is bitwise the
     uninterrupted --zero 0 run's."""
     def train(args, env=None):
         cmd = [*mpiexec_cmd(), "-n", "4"] + MPIDL + [
@@ -581,10 +580,8 @@ def test_cli_tp_or_pp_run_stopped_at_zero_3_resumes_as_if_never_stopped(tmp_path
     failed = train(common + ["--zero", "3"], env={"MPIDL_FAIL_AT": "0:5"})
     assert failed.returncode != 0, failed.output
     shards = sorted(f.name for f in ck.iterdir() if f.name.startswith("ckpt-000000004-"))
-    if "--tensor-parallel" in layout:
-        assert shards == [f"ckpt-000000004-shard-{i}-of-2.npz" for i in range(2)], shards
-    else:  # every rank its chunks of its stage
-        assert shards == [f"ckpt-000000004-shard-{i}-of-4.npz" for i in range(4)], shards
+    # every rank its chunks (of its slices, of its stage)
+    assert shards == [f"ckpt-000000004-shard-{i}-of-4.npz" for i in range(4)], shards
     resumed = train(common + ["--zero", "1", "--resume"]).check()
     assert "resumed from" in resumed.output and "ckpt-000000004" in resumed.output, \
         resumed.output

@@ -21,7 +21,10 @@ writes the elements of every tensor that fall in its chunks (``{"pieces": [[path
 1-D array], ...]}``: parameters, optimizer slots, float32 masters), and the index names
 each such tensor's place in the state and its shape (``shards["flat"]``); ``load`` joins
 the pieces, which must cover each tensor exactly, and ``read=False`` gives ``FlatRef``s,
-from which a rank of another run reads the elements of its own chunks only.
+from which a rank of another run reads the elements of its own chunks only. Under
+tensor parallelism a sliced tensor's pieces are of its tp rank's slice (places under
+``["tp", t, ...]``): ``load`` joins each slice from its pieces, then the slices along their
+dimension (``shards["flat_slices"]``; ``read=False``: a ``Joined`` of ``FlatRef``s).
 
 A training rank's own state (error-feedback residuals, model averaging's own
 parameters, an asynchronous pipeline's pending gradient) is written by that rank, as
