@@ -859,14 +859,11 @@ class Runtime:
         stage = self.pp_group.rank
         with g.waiting("in the exchange of the pipeline stages' checkpoint index"):
             every = g.mpi.allgather((entries, steps, stage))
-        held = {}
-        for ents, _, s in every:
-            for e in ents:
-                held.setdefault(tuple(e[0]), s)
-        pieces = [p for p in pieces if held.get(tuple(p[0]), stage) == stage]
-        flat, all_steps = [], {}
-        for ents, st, s in every:
-            flat += [e for e in ents if held[tuple(e[0])] == s]
+        flat, holder = self._first_holders([ents for ents, _, _ in every])
+        pieces = [p for p in pieces if tuple(p[0]) not in holder
+                  or every[holder[tuple(p[0])]][2] == stage]
+        all_steps = {}
+        for _, st, _ in every:
             all_steps = {**st, **all_steps}
         return SimpleNamespace(model={}, optimizer=dict(optimizer.state_dict(copy=False),
                                                         state=all_steps),
@@ -908,12 +905,7 @@ class Runtime:
         g = self.comm
         with g.waiting("in the exchange of the tensor-parallel ZeRO checkpoint index"):
             every = g.mpi.allgather(entries if self.shard()[0] == 0 else None)
-        flat, seen = [], set()
-        for ents in every:
-            for e in ents or ():
-                if tuple(e[0]) not in seen:
-                    seen.add(tuple(e[0]))
-                    flat.append(e)
+        flat, _ = self._first_holders(every)
         tensors = {tuple(e[0][2:]) for e in flat if e[0][0] == "tp"}
         slices = {"degree": self.tp_group.size, "tensors": [
             [list(place), tp.slices[place[1 if place[0] == "model" else 2]].dim,
@@ -925,6 +917,20 @@ class Runtime:
                                shard={"pieces": pieces}, index=g.rank, count=g.size,
                                shards={"count": g.size, "flat": flat,
                                        "flat_slices": slices}, group=g)
+
+    @staticmethod
+    def _first_holders(every):
+        """The checkpoint index's entries gathered from its writers (a list of ``[place,
+        shape, dtype]`` per writer, in rank order, or None): each place's entry once, the
+        first holder's (a tensor two stages hold is the first stage's), and {place: the
+        position of its first holder in ``every``}."""
+        flat, holder = [], {}
+        for i, entries in enumerate(every):
+            for e in entries or ():
+                if tuple(e[0]) not in holder:
+                    holder[tuple(e[0])] = i
+                    flat.append(e)
+        return flat, holder
 
     def _stage_writers(self):
         """The ranks of the first data-parallel replica (every stage and tp rank), the
