@@ -317,6 +317,15 @@ def test_cli_ps_under_mpiexec_isassert_one_line_error(tmp_path):
 RESUME = os.path.join(HERE, "ranks", "zero_resume.py")
 
 
+def train_mlp(n, args, env=None):
+    """``mpidl train`` of the mlp on ``n`` ranks on synthetic data (32 test samples,
+    0.5 MB buckets), ``args`` after."""
+    cmd = [*mpiexec_cmd(), "-n", str(n)] + MPIDL + [
+        "train", "--no-progress", "--dataset", "synthetic", "--limit-test", "32",
+        "--model", "mlp", "--bucket-mb", "0.5"] + [str(a) for a in args]
+    return run_command(cmd, env=env, timeout=240)
+
+
 def test_checkpoint_resumes_at_another_number_of_ranks_and_stage(tmp_path):
     """Saved at --zero 2 on 3 ranks (its optimizer state bitwise --zero 0's), resumed at
     --zero 3 on 2 ranks: bitwise what --zero 0 does from its own checkpoint at that N
@@ -397,12 +406,9 @@ def test_cli_checkpoints_are_sharded_and_resume_on_another_number_of_ranks(
     within 1e-12 of the uninterrupted 3-rank --zero 0 run (only the sums' order
     changes with the rank count)."""
     def train(n, args, env=None):
-        cmd = [*mpiexec_cmd(), "-n", str(n)] + MPIDL + [
-            "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "200",
-            "--limit-test", "32", "--epochs", "2", "--batch-size", "16", "--model", "mlp",
-            "--optimizer", "adam", "--lr", "0.001", "--dtype", "float64",
-            "--bucket-mb", "0.5"] + [str(a) for a in args]
-        return run_command(cmd, env=env, timeout=240)
+        return train_mlp(n, ["--limit-train", 200, "--epochs", 2, "--batch-size", 16,
+                             "--optimizer", "adam", "--lr", 0.001, "--dtype", "float64",
+                             *args], env)
 
     whole = tmp_path / "whole"
     train(3, ["--out-dir", whole, "--zero", "0"]).check()
@@ -431,12 +437,9 @@ def test_cli_zero_under_tensor_parallelism_writes_a_shard_per_rank(tmp_path):
     ends bitwise the uninterrupted --zero 0 run of that layout; ``checkpoint.load``
     joins the shards into the whole model's tensors."""
     def train(args, env=None):
-        cmd = [*mpiexec_cmd(), "-n", "4"] + MPIDL + [
-            "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "384",
-            "--limit-test", "32", "--epochs", "1", "--batch-size", "32", "--model", "mlp",
-            "--optimizer", "adam", "--lr", "0.001", "--dtype", "float64",
-            "--tensor-parallel", "2", "--bucket-mb", "0.5"] + [str(a) for a in args]
-        return run_command(cmd, env=env, timeout=240)
+        return train_mlp(4, ["--limit-train", 384, "--epochs", 1, "--batch-size", 32,
+                             "--optimizer", "adam", "--lr", 0.001, "--dtype", "float64",
+                             "--tensor-parallel", 2, *args], env)
 
     train(["--out-dir", tmp_path / "whole", "--zero", "0"]).check()
     ck = tmp_path / "ck"
@@ -477,12 +480,9 @@ def test_cli_split_layouts_resume_on_another_number_of_replicas(tmp_path, save_n
     within 1e-12 of one process at that batch. A pipeline cannot weigh uneven pieces of
     the global batch: resuming the pipelined run on 3 replicas is one line."""
     def train(n, args, env=None):
-        cmd = [*mpiexec_cmd(), "-n", str(n)] + MPIDL + [
-            "train", "--no-progress", "--dataset", "synthetic", "--limit-train", "384",
-            "--limit-test", "32", "--epochs", "1", "--model", "mlp", "--seed", "3",
-            "--optimizer", "sgd", "--momentum", "0.9", "--dtype", "float64",
-            "--bucket-mb", "0.5"] + [str(a) for a in args]
-        return run_command(cmd, env=env, timeout=240)
+        return train_mlp(n, ["--limit-train", 384, "--epochs", 1, "--seed", 3,
+                             "--optimizer", "sgd", "--momentum", 0.9, "--dtype", "float64",
+                             *args], env)
 
     split = dict(zip(saved[::2], saved[1::2]))
     replicas = save_n // split.get("--tensor-parallel", 1) // split.get("--pipeline-stages", 1)
