@@ -166,7 +166,8 @@ class Runtime:
 
     @property
     def tp_chunks(self):
-        """ZeRO over the data-parallel groups of tensor parallelism (no pipeline, fp32):
+        """ZeRO over the data-parallel groups of tensor parallelism (no pipeline; fp32, the
+        only precision tensor parallelism has):
         every rank writes the elements of its chunks of its slices
         (``_tp_chunk_parts``), so nothing is gathered for a checkpoint either."""
         return (self.tp is not None and self.pp is None and not self.tp.over_dp

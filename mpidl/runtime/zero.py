@@ -71,9 +71,9 @@ master (``Sharded.checkpoint_pieces``, ``mpidl.training.checkpoint``'s shard fil
 nothing is gathered; loading reads, of each tensor, only the elements of this run's
 chunks (``import_state``, ``load_params``, ``load_masters``: a piece at a time, from
 arrays or from a checkpoint left on disk). Under a pipeline, and under tensor
-parallelism in fp32, each rank writes its chunks too (of its stage's buckets, of its
+parallelism, each rank writes its chunks too (of its stage's buckets, of its
 slices: ``Runtime._stage_chunk_parts``, ``Runtime._tp_chunk_parts``). With tensor
-parallelism in mixed precision or with a pipeline as well (and through the Python API's
+parallelism and a pipeline together (and through the Python API's
 ``Runtime.state_dict``) ``export_state`` (collective) gathers
 the shards' optimizer state into the trainer's optimizer on the group's first rank and
 the masters into ``Precision.exported``, which the runtime writes from there.
