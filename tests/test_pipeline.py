@@ -667,9 +667,9 @@ def test_async_pipeline_trains_and_resumes_exactly_from_the_command_line(tmp_pat
 def test_three_d_zero1_checkpoint_resumes_as_plain_data_parallelism(tmp_path):
     """A 2 x 2 x 2 (DP x PP x TP) run with --zero 1, killed after step 25, resumes from
     its step-20 checkpoint as plain data parallelism on 2 ranks (ZeRO 1 again): the
-    checkpoint holds the whole model and the whole optimizer state (each data-parallel
-    group's shards gathered on its first rank, the stages and slices joined on the root),
-    and the run ends within 1e-12 of an uninterrupted 2-rank run."""
+    checkpoint holds the whole model and the whole optimizer state (a shard per rank, its
+    chunks of its slices of its stage, joined when read), and the run ends within 1e-12
+    of an uninterrupted 2-rank run."""
     needs_fashion()
     args = ["--model", "mlp", "--batch-size", "8", "--limit-train", "1280", "--limit-test",
             "200", "--epochs", "1", "--micro-batches", "2", "--zero", "1",

@@ -166,11 +166,11 @@ class Runtime:
 
     @property
     def tp_chunks(self):
-        """ZeRO over the data-parallel groups of tensor parallelism (no pipeline; fp32, the
-        only precision tensor parallelism has):
-        every rank writes the elements of its chunks of its slices
-        (``_tp_chunk_parts``), so nothing is gathered for a checkpoint either."""
-        return (self.tp is not None and self.pp is None and not self.tp.over_dp
+        """ZeRO over the data-parallel groups of tensor parallelism, with a pipeline or
+        not (fp32, the only precision tensor parallelism has): every rank writes the
+        elements of its chunks of its slices (``_chunk_parts``), so nothing is gathered
+        for a checkpoint either."""
+        return (self.tp is not None and not self.tp.over_dp
                 and self.precision is None and self.trains_on_data
                 and hasattr(getattr(self, "placement", None), "checkpoint_pieces"))
 
@@ -757,10 +757,10 @@ class Runtime:
                                    shard={"pieces": placement.checkpoint_pieces()},
                                    index=index, count=count, group=g,
                                    shards={"count": count, "flat": flat})
+        if self.tp_chunks or (self.zero_chunks and self.pp is not None):
+            return self._chunk_parts(model, optimizer)
         if self.pp is not None:
             return self._stage_parts(model, optimizer)
-        if self.tp_chunks:
-            return self._tp_chunk_parts(model, optimizer)
         if self.tp is None:  # the whole model in the root's file
             model_state, opt_state = self.full_state(model, optimizer)
             return SimpleNamespace(model=model_state, optimizer=opt_state, shard=None,
@@ -786,8 +786,6 @@ class Runtime:
         one's."""
         from types import SimpleNamespace  # noqa: PLC0415
 
-        if self.zero_chunks:
-            return self._stage_chunk_parts(model, optimizer)
         self._gather_params()
         model_state = dict(model.state_dict())
         opt_state = optimizer.state_dict(copy=False)  # (written before the next step)
@@ -837,28 +835,45 @@ class Runtime:
                                shards={"count": g.size, "flat": flat, "slices": slices},
                                group=g)
 
-    def _stage_chunk_parts(self, model, optimizer):
-        """``checkpoint_parts`` under a pipeline with ZeRO (no tensor parallelism): every
-        rank writes its chunks of its stage's buckets (``zero.Sharded.checkpoint_pieces``),
-        and each stage's first replica the rest of its stage (buffers) whole; the index's
-        entries go round the world (no tensor travels); a tensor two stages hold is the
-        first one's."""
+    def _chunk_parts(self, model, optimizer):
+        """``checkpoint_parts`` of ZeRO under a pipeline or tensor parallelism (or both):
+        every rank writes the elements of its chunks (``zero.Sharded.checkpoint_pieces``),
+        of its stage's buckets and of its slices; those of a sliced tensor go under
+        ``["tp", t, ...]``, its tp rank's slice, which ``checkpoint.load`` joins from the
+        pieces and then joins along the slice's dimension (``shards["flat_slices"]``). A
+        tensor the tp ranks hold alike is written by tp rank 0's dp group, the buffers by
+        each stage's first replica, a tensor two stages hold (a tied weight's copy) by
+        the first stage. The index's entries go round the world (no tensor travels)."""
         from types import SimpleNamespace  # noqa: PLC0415
 
-        placement = self.placement
+        placement, tp = self.placement, self.tp
+        t = 0 if tp is None else self.tp_group.rank
+        stage = 0 if self.pp is None else self.pp_group.rank
+        slices = {} if tp is None else tp.slices
+
+        def name_of(place):  # model/<name>, optimizer/state/<name>/<slot>
+            return place[1] if place[0] == "model" else place[2]
+
+        def mine(place):
+            return ["tp", t] + place if name_of(place) in slices else place
+
         entries, steps = placement.checkpoint_index()
         pieces = placement.checkpoint_pieces()
-        first = self.shard()[0] == 0
-        rest = [(["model", k], v) for k, v in model.state_dict().items()
-                if k not in placement.of_param]
-        if first:
-            entries += [[place, list(np.shape(a)), np.dtype(a.dtype).str] for place, a in rest]
-            pieces += [[place, 0, to_numpy(a).reshape(-1)] for place, a in rest]
-        else:  # (the first replica's entries name the stage's tensors)
+        if self.shard()[0] == 0:  # the first replica: the buffers too
+            for k, v in model.state_dict().items():
+                if k not in placement.of_param:
+                    a = to_numpy(v)
+                    entries.append([["model", k], list(a.shape), np.dtype(a.dtype).str])
+                    pieces.append([["model", k], 0, a.reshape(-1)])
+        else:  # (the first replica's entries name every tensor)
             entries = []
+        whole = t == 0  # (the tensors a tp group holds alike: its first rank's dp group)
+        entries = [[mine(p), shape, dtype] for p, shape, dtype in entries
+                   if whole or name_of(p) in slices]
+        pieces = [[mine(p), first, a] for p, first, a in pieces
+                  if whole or name_of(p) in slices]
         g = self.comm
-        stage = self.pp_group.rank
-        with g.waiting("in the exchange of the pipeline stages' checkpoint index"):
+        with g.waiting("in the exchange of the ZeRO checkpoint's index"):
             every = g.mpi.allgather((entries, steps, stage))
         flat, holder = self._first_holders([ents for ents, _, _ in every])
         pieces = [p for p in pieces if tuple(p[0]) not in holder
@@ -866,58 +881,15 @@ class Runtime:
         all_steps = {}
         for _, st, _ in every:
             all_steps = {**st, **all_steps}
+        shards = {"count": g.size, "flat": flat}
+        if tp is not None:
+            cut = sorted({tuple(e[0][2:]) for e in flat if e[0][0] == "tp"}, key=str)
+            shards["flat_slices"] = {"degree": self.tp_group.size, "tensors": [
+                [list(p), slices[name_of(p)].dim, slices[name_of(p)].full] for p in cut]}
         return SimpleNamespace(model={}, optimizer=dict(optimizer.state_dict(copy=False),
                                                         state=all_steps),
                                shard={"pieces": pieces}, index=g.rank, count=g.size,
-                               shards={"count": g.size, "flat": flat}, group=g)
-
-    def _tp_chunk_parts(self, model, optimizer):
-        """``checkpoint_parts`` of ZeRO under tensor parallelism: every rank writes the
-        elements of its chunks (``zero.Sharded.checkpoint_pieces``); those of a sliced
-        tensor go under ``["tp", t, ...]``, its tp rank's slice, which ``checkpoint.load``
-        joins from the pieces and then joins along the slice's dimension
-        (``shards["flat_slices"]``); a tensor the tp ranks hold alike is written by tp
-        rank 0's dp group, a sliced buffer by its first replica, the other buffers are in
-        the root's file. The index's entries go round the ranks (no tensor travels)."""
-        from types import SimpleNamespace  # noqa: PLC0415
-
-        placement, tp = self.placement, self.tp
-        t = self.tp_group.rank
-
-        def sliced(place):  # (a parameter's name: model/<name> or optimizer/state/<name>/..)
-            return place[1 if place[0] == "model" else 2] in tp.slices
-
-        def mine(place):
-            return ["tp", t] + place if sliced(place) else place
-
-        entries, steps = placement.checkpoint_index()
-        pieces = placement.checkpoint_pieces()
-        entries = [[mine(place), shape, dtype] for place, shape, dtype in entries
-                   if t == 0 or sliced(place)]
-        pieces = [[mine(place), first, a] for place, first, a in pieces
-                  if t == 0 or sliced(place)]
-        rest = {k: to_numpy(v) for k, v in model.state_dict().items()
-                if k not in placement.of_param}
-        if self.shard()[0] == 0:  # (a sliced buffer: the first replica's)
-            for k in [k for k in rest if k in tp.slices]:
-                a = rest.pop(k)
-                entries.append([["tp", t, "model", k], list(a.shape), np.dtype(a.dtype).str])
-                pieces.append([["tp", t, "model", k], 0, a.reshape(-1)])
-        g = self.comm
-        with g.waiting("in the exchange of the tensor-parallel ZeRO checkpoint index"):
-            every = g.mpi.allgather(entries if self.shard()[0] == 0 else None)
-        flat, _ = self._first_holders(every)
-        tensors = {tuple(e[0][2:]) for e in flat if e[0][0] == "tp"}
-        slices = {"degree": self.tp_group.size, "tensors": [
-            [list(place), tp.slices[place[1 if place[0] == "model" else 2]].dim,
-             tp.slices[place[1 if place[0] == "model" else 2]].full]
-            for place in sorted(tensors, key=str)]}
-        rest = {k: v for k, v in rest.items() if k not in tp.slices}
-        return SimpleNamespace(model=rest, optimizer=dict(optimizer.state_dict(copy=False),
-                                                          state=steps),
-                               shard={"pieces": pieces}, index=g.rank, count=g.size,
-                               shards={"count": g.size, "flat": flat,
-                                       "flat_slices": slices}, group=g)
+                               shards=shards, group=g)
 
     @staticmethod
     def _first_holders(every):

@@ -70,13 +70,12 @@ writes its own chunks as flat pieces of every parameter, optimizer slot and floa
 master (``Sharded.checkpoint_pieces``, ``mpidl.training.checkpoint``'s shard files) and
 nothing is gathered; loading reads, of each tensor, only the elements of this run's
 chunks (``import_state``, ``load_params``, ``load_masters``: a piece at a time, from
-arrays or from a checkpoint left on disk). Under a pipeline, and under tensor
-parallelism, each rank writes its chunks too (of its stage's buckets, of its
-slices: ``Runtime._stage_chunk_parts``, ``Runtime._tp_chunk_parts``). With tensor
-parallelism and a pipeline together (and through the Python API's
-``Runtime.state_dict``) ``export_state`` (collective) gathers
-the shards' optimizer state into the trainer's optimizer on the group's first rank and
-the masters into ``Precision.exported``, which the runtime writes from there.
+arrays or from a checkpoint left on disk). Under a pipeline or tensor parallelism each
+rank writes its chunks too, of its stage's buckets and of its slices
+(``Runtime._chunk_parts``). Through the Python API's ``Runtime.state_dict``
+``export_state`` (collective) gathers the shards' optimizer state into the trainer's
+optimizer on the group's first rank and the masters into ``Precision.exported``, which
+the runtime writes from there.
 """
 
 import copy
