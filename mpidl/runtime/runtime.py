@@ -780,8 +780,8 @@ class Runtime:
         replica (each stage, each of its tp ranks) writes a shard: its stage's tensors,
         each whole as one flat piece (parameters, buffers, optimizer slots and mixed
         precision's masters; under tensor parallelism its slices of the sliced ones, the
-        rest from the stage's first tp rank; under ZeRO the state its dp group gathered
-        on it). The index names them all: what each holds goes round the writers (no
+        rest from the stage's first tp rank; ZeRO's chunks: ``_chunk_parts``). The
+        index names them all: what each holds goes round the writers (no
         tensor travels); a tensor two stages hold (a tied weight's copy) is the first
         one's."""
         from types import SimpleNamespace  # noqa: PLC0415
@@ -851,8 +851,8 @@ class Runtime:
         stage = 0 if self.pp is None else self.pp_group.rank
         slices = {} if tp is None else tp.slices
 
-        def name_of(place):  # model/<name>, optimizer/state/<name>/<slot>
-            return place[1] if place[0] == "model" else place[2]
+        def name_of(place):  # model/<name>, optimizer/state/<name>/<slot>,
+            return place[{"model": 1, "optimizer": 2}.get(place[0], 3)]  # runtime/../<name>
 
         def mine(place):
             return ["tp", t] + place if name_of(place) in slices else place
