@@ -465,7 +465,10 @@ def test_cli_zero_under_tensor_parallelism_writes_a_shard_per_rank(tmp_path):
 
 @pytest.mark.parametrize("save_n, saved, resume_n, resumed", [
     (4, ["--tensor-parallel", 2, "--zero", 2], 2, ["--tensor-parallel", 2, "--zero", 1]),
-    (4, ["--pipeline-stages", 2, "--zero", 3], 2, ["--pipeline-stages", 2]),
+    # 3 replicas of a global batch of 64: pieces of 22, 21 and 21, each weighed
+    (4, ["--pipeline-stages", 2, "--zero", 3], 6, ["--pipeline-stages", 2]),
+    pytest.param(4, ["--pipeline-stages", 2, "--zero", 3], 2, ["--pipeline-stages", 2],
+                 marks=pytest.mark.slow),
     pytest.param(2, ["--tensor-parallel", 2], 4, ["--tensor-parallel", 2, "--zero", 3],
                  marks=pytest.mark.slow),
     pytest.param(4, ["--tensor-parallel", 2, "--zero", 2], 3, ["--zero", 1],
@@ -477,8 +480,8 @@ def test_cli_split_layouts_resume_on_another_number_of_replicas(tmp_path, save_n
     """A tensor-parallel or pipelined run (float64, SGD momentum), ZeRO or not, killed
     mid-epoch after its step-4 checkpoint, resumes with another number of data-parallel
     replicas (and stage, and tensor-parallel degree), keeping the global batch, and ends
-    within 1e-12 of one process at that batch. A pipeline cannot weigh uneven pieces of
-    the global batch: resuming the pipelined run on 3 replicas is one line."""
+    within 1e-12 of one process at that batch (uneven pieces weighed by their share,
+    under a pipeline too)."""
     def train(n, args, env=None):
         return train_mlp(n, ["--limit-train", 384, "--epochs", 1, "--seed", 3,
                              "--optimizer", "sgd", "--momentum", 0.9, "--dtype", "float64",
@@ -502,12 +505,6 @@ def test_cli_split_layouts_resume_on_another_number_of_replicas(tmp_path, save_n
         model_arrays(tmp_path / "run" / "model.npz")
     for k, a in ref.items():
         assert np.max(np.abs(got[k] - a)) <= 1e-12 * np.max(np.abs(a)), k
-    if "--pipeline-stages" in saved and save_n == 4:
-        refused = train(6, common + resumed + ["--resume"])
-        lines = [ln for ln in refused.output.splitlines() if ln.startswith("mpidl: error:")]
-        assert refused.returncode == 2 and len(lines) == 1, refused.output
-        assert "Traceback" not in refused.output, refused.output
-        assert "does not split evenly over 3 data-parallel replicas" in lines[0], lines
 
 
 def test_cli_crash_while_writing_shards_keeps_the_previous_checkpoint(tmp_path):

@@ -254,6 +254,9 @@ class Pipeline:
         self.measure_activations = False
         self.activation_bytes = 0
         self.forward_s = self.backward_s = self.straggle_s = 0.0
+        # this replica's share of the global batch over the mean share (set by the
+        # trainer when a run keeps its global batch on replicas that do not divide it)
+        self.grad_weight = 1.0
         self.peak_in_flight = 0
         self.busy_s = self.step_s = 0.0
         self._totals = [0.0, 0.0]   # busy and step seconds since the last metrics()
@@ -656,6 +659,8 @@ class Pipeline:
                         dy = walk.loss.backward()
                         if M > 1:
                             dy *= 1.0 / M
+                        if self.grad_weight != 1.0:
+                            dy *= self.grad_weight
                     else:
                         dy = out
                     self._grads[key, c] = dy

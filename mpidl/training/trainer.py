@@ -181,8 +181,9 @@ class Trainer:
         weight = self.loader.batch_size * self.count / G if global_batch else 1.0
         if hasattr(runtime.schedule, "grad_weight"):
             runtime.schedule.grad_weight = weight
-        elif global_batch and G % self.count:  # (checked before: ``unweighable``)
-            raise ConfigError(self.unweighable(G))
+        elif weight != 1.0:  # (every step schedule has one; a new one must too)
+            raise RuntimeError(f"{type(runtime.schedule).__name__} cannot weigh a piece "
+                               "of the global batch (no grad_weight)")
         ranks = G // per_rank if global_batch else self.count  # what --scale-lr scales by
         self.steps_per_epoch = len(self.loader)
         self.total_steps = cfg.epochs * self.steps_per_epoch
@@ -597,12 +598,6 @@ class Trainer:
                     self.log.warning(why)
                 if path is not None:
                     self.check_compatible(path, state["config"])
-                    saved_global = state["progress"].get("global_batch")
-                    if (self.keeps_global_batch and saved_global
-                            and saved_global != self.loader.global_batch_size
-                            and self.unweighable(saved_global)):
-                        raise ConfigError(f"cannot resume from {path}: "
-                                          f"{self.unweighable(saved_global)}")
                     if not self._split:
                         state = ckpt.read_shared(state)
                 elif skipped:  # starting over there would mix two runs in one folder
@@ -664,17 +659,6 @@ class Trainer:
         self.stats = EpochStats.from_state(mine["epoch_stats"])  # this rank's own sums
         self.seconds_before = float(p["elapsed"])
         self.last = p.get("last") or {}
-
-    def unweighable(self, global_batch):
-        """Why a global batch of ``global_batch`` cannot be cut over this run's
-        data-parallel replicas (uneven pieces, and a step schedule that cannot weigh
-        them: a pipeline's), or None."""
-        if global_batch % self.count == 0 or hasattr(self.runtime.schedule, "grad_weight"):
-            return None
-        return (f"its global batch of {global_batch} samples does not split evenly over "
-                f"{self.count} data-parallel replicas, and a pipeline cannot weigh uneven "
-                "pieces: continue on a number of replicas that divides it, or with "
-                "--keep-batch rank (the per-rank batch kept instead)")
 
     def shard_rank_index(self):
         """This rank's entry in the checkpoint's per-rank list (the order of ``gather``:
