@@ -430,13 +430,20 @@ def _join(pieces, dim):
         return Joined(pieces, dim)
     if not all(isinstance(p, Ref) for p in pieces):
         return np.concatenate(pieces, axis=dim)
+    _check_joinable(pieces, dim)
+    return Ref([part for p in pieces for part in p.parts], pieces[0].dtype, dim)
+
+
+def _check_joinable(pieces, dim):
+    """ValueError, as ``numpy.concatenate`` gives, unless ``pieces`` (deferred tensors)
+    agree in dtype and in every dimension but ``dim``."""
     first = pieces[0]
     for p in pieces[1:]:
-        if (p.ndim != first.ndim or p.dtype != first.dtype
-                or p.shape[:dim] + p.shape[dim + 1:] != first.shape[:dim] + first.shape[dim + 1:]):
+        if (p.ndim != first.ndim or np.dtype(p.dtype) != np.dtype(first.dtype)
+                or tuple(p.shape[:dim]) + tuple(p.shape[dim + 1:])
+                != tuple(first.shape[:dim]) + tuple(first.shape[dim + 1:])):
             raise ValueError(f"pieces of shapes {first.shape} ({first.dtype}) and {p.shape} "
                              f"({p.dtype}) do not join along dimension {dim}")
-    return Ref([part for p in pieces for part in p.parts], first.dtype, dim)
 
 
 class Ref(Deferred):
@@ -535,13 +542,8 @@ class Joined(Deferred):
     __slots__ = ("parts", "dim", "shape", "dtype")
 
     def __init__(self, parts, dim):
+        _check_joinable(parts, dim)
         first = parts[0]
-        for p in parts[1:]:
-            if (p.ndim != first.ndim or np.dtype(p.dtype) != np.dtype(first.dtype)
-                    or tuple(p.shape[:dim]) + tuple(p.shape[dim + 1:])
-                    != tuple(first.shape[:dim]) + tuple(first.shape[dim + 1:])):
-                raise ValueError(f"pieces of shapes {first.shape} ({first.dtype}) and "
-                                 f"{p.shape} ({p.dtype}) do not join along dimension {dim}")
         self.parts, self.dim = list(parts), dim
         shape = list(first.shape)
         shape[dim] = sum(p.shape[dim] for p in parts)
