@@ -5,7 +5,9 @@
 * An exception on one rank (the MPIDL_FAIL_AT hook) ends all 4 ranks within 10 s of the
   traceback, non-zero, with that rank's traceback in the output.
 * Kill-and-resume with 2 ranks: a run SIGKILLed mid-epoch (or failing on a rank) and
-  resumed with --resume ends with a model file bitwise equal to an uninterrupted run.
+  resumed with --resume ends with a model file bitwise equal to an uninterrupted run
+  (slow: CI resumes 2-rank runs that died in tests/test_train.py); with top-k
+  compression every rank's residuals come back from its rank shard.
 """
 
 import glob
@@ -151,6 +153,8 @@ def kill_after_checkpoint(cmd, directory, min_step, timeout=120):
     return checkpoint_steps(directory)
 
 
+@pytest.mark.slow  # (CI: test_train.py's 2-rank runs that die abruptly, in a checkpoint's
+# write, or fail mid-epoch, then resume bitwise from the last whole checkpoint)
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(tmp_path, uninterrupted):
     run = tmp_path / "run"
     cmd = mpidl_cmd(2, *COMMON, "--out-dir", run)
@@ -163,6 +167,8 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(tmp_path, uninterrupted)
     assert_same_model(model_arrays(run / "model.npz"), uninterrupted)
 
 
+@pytest.mark.slow  # (CI: test_train.py's test_resume_after_failure_is_bitwise_equal[2], a rank
+# of 2 failing mid-epoch and resumed bitwise, with BatchNorm, dropout and a schedule too)
 def test_rank_failure_mid_epoch_then_resume_is_bitwise_equal(tmp_path, uninterrupted):
     run = tmp_path / "run"
     failed = run_command(mpidl_cmd(2, *COMMON, "--out-dir", run), timeout=120,
@@ -186,6 +192,8 @@ def test_compressed_exchange_reports_bytes_sent(tmp_path):
     assert topk["bytes_sent_per_step"] < dense["bytes_sent_per_step"] / 10, (dense, topk)
 
 
+@pytest.mark.slow  # 19 s; CI: the same write hook and resume in test_zero.py's crash while
+# writing shards, and the rank shards written and resumed in the test below
 def test_a_crash_while_ranks_write_their_own_shards_keeps_the_previous_checkpoint(
         tmp_path):
     """Top-k on 2 ranks, both killed in the middle of writing their rank shards of the

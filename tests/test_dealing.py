@@ -84,6 +84,9 @@ def test_row_sparse_portions_too(tmp_path):
     assert rec["ps_applied"] == 4 * rec["ps_updates"] * 3, rec  # 4 portions per worker
 
 
+@pytest.mark.slow  # 12 s; dealing adds nothing to a checkpoint: CI resumes the parameter
+# server's epoch-end checkpoints bitwise (test_parameter_server_mpi.py, test_preempt.py),
+# and a straggler changes no bit of a dealt run (the first test here)
 def test_resume_of_a_dealt_run_is_bitwise_the_uninterrupted_run(tmp_path):
     """Epoch 1, a checkpoint, then epoch 2 resumed with a straggler that was not there:
     the parameters of the run that went straight through."""
@@ -111,6 +114,9 @@ def test_dealt_portions_equal_one_process_at_the_global_batch(tmp_path):
     assert rel <= 1e-12, rel
 
 
+@pytest.mark.slow  # (CI: dealt portions within 1e-12 of one process at the global batch,
+# above, and sync PS within 1e-12 of it, test_parameter_server_mpi.py; another portion
+# size, the same mean: the first test's --portion-size 48 run)
 def test_dealt_portions_equal_synchronous_ps_in_float64(tmp_path):
     dealt, _ = train(tmp_path, "dealt", "--deal", "portions", "--portion-size", "16")
     sync, _ = train(tmp_path, "sync")

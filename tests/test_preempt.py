@@ -105,7 +105,11 @@ def stop_line(output):
     return lines[0]
 
 
-@pytest.mark.parametrize("sig, n", [(signal.SIGTERM, 2),
+# CI: SIGUSR1-mpiexec-2 in the Open MPI slice (the same handler, stop and resume); under
+# MPICH the SIGTERM run is slow (33 s): the Slurm test's job stopped mid-epoch by SIGTERM
+# checkpoints and resumes bitwise, and the parameter server's test below has the
+# launcher forward SIGTERM
+@pytest.mark.parametrize("sig, n", [pytest.param(signal.SIGTERM, 2, marks=pytest.mark.slow),
                                     pytest.param(signal.SIGUSR1, 2,
                                                  marks=pytest.mark.mpi_matrix_extra),
                                     pytest.param(signal.SIGINT, 2, marks=pytest.mark.slow),

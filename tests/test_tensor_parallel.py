@@ -238,6 +238,8 @@ def test_checkpoint_of_t2_dp2_resumes_at_t1_and_t4(tmp_path, request):
     assert "resumed from" in launch.output and "step 40" in launch.output, launch.output
 
 
+@pytest.mark.slow  # (CI: test_zero.py's crash while writing shards: the same shard write
+# and resume; tensor-parallel shards are written and resumed in the test above)
 def test_crash_while_writing_shards_keeps_the_previous_checkpoint(tmp_path):
     """Killed in the middle of writing checkpoint 3's shards (step 30): no index of step
     30 exists, the resume starts from step 20, and the run ends as an uninterrupted one."""
@@ -284,7 +286,10 @@ def test_degree_not_dividing_the_ranks_is_one_line(tmp_path):
     assert lines and "launch a multiple of 2 ranks" in lines[0], launch.output
 
 
-@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.slow)],
+# (slow: CI runs the same averaging of each rank's own parameters over its data-parallel
+# group, DiLoCo with a warm-up, in test_pipeline.py's averaging test, with the resume)
+@pytest.mark.parametrize("resume", [pytest.param(False, marks=pytest.mark.slow),
+                                    pytest.param(True, marks=pytest.mark.slow)],
                          ids=["equal", "resume"])
 def test_model_averaging_over_tensor_parallelism(tmp_path, resume):
     """--sync diloco (with a post-local-SGD warm-up) on 2 replicas of a 2-way
