@@ -77,10 +77,13 @@ def test_info_memory_bad_model_is_one_line():
     assert "--model nope" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ranks", [1, 2, pytest.param(4, marks=pytest.mark.slow),
+                                   pytest.param(8, marks=pytest.mark.slow)])
 def test_the_ledger_equals_the_formula_on_real_ranks(ranks):
     """Every stage, SGD with momentum and Adam, uneven buckets: each rank's ledger of
-    parameters, gradients and optimizer state is the formula's to the byte."""
+    parameters, gradients and optimizer state is the formula's to the byte. (CI: 1 and 2
+    ranks, whose uneven buckets give the ranks shards of other sizes; the shards of 3
+    and 8 ranks sum to the closed form above; 4 and 8 ranks slow.)"""
     from mpirun import HERE, run_ranks
 
     launch = run_ranks(ranks, [f"{HERE}/ranks/memory_check.py"], timeout=300).check()
@@ -114,8 +117,9 @@ def test_one_process_reports_the_ledger_and_leaves_no_probe_behind():
     assert "mem_params" not in rt.metrics()  # no step since: nothing measured
 
 
-@pytest.mark.parametrize("precision, ranks", [
-    ("bf16", 2), ("fp16", 2), ("bf16", 1), pytest.param("fp16", 4, marks=pytest.mark.slow),
+@pytest.mark.parametrize("precision, ranks", [  # (fp16's words are bf16's 2 bytes: slow)
+    ("bf16", 2), pytest.param("fp16", 2, marks=pytest.mark.slow), ("bf16", 1),
+    pytest.param("fp16", 4, marks=pytest.mark.slow),
     pytest.param("bf16", 8, marks=pytest.mark.slow)])
 def test_the_ledger_of_mixed_precision_equals_its_formula(precision, ranks):
     """bf16/fp16 at every stage on 1, 2, 4 and 8 ranks: the optimizer state (moments and float32
