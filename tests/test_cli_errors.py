@@ -137,7 +137,7 @@ def test_user_error_in_its_own_process_is_one_line():
     assert_one_line_error(run(["train", "--model", "vgg"] + FAST), "unknown model 'vgg'")
 
 
-@pytest.mark.mpi_matrix
+# (the other MPIs: test_any_mpi.py's test_user_error_is_one_mpidl_error_line_and_exit_2)
 def test_user_error_under_mpiexec_is_printed_once_and_all_ranks_exit_2():
     launch = run(["train", "--lr", "-1"] + FAST, n=3)
     assert_one_line_error(launch, "--lr must be positive")
@@ -162,7 +162,7 @@ def test_info():
         assert key in launch.output, key
 
 
-@pytest.mark.mpi_matrix
+# (the other MPIs: test_any_mpi.py's test_info_reports_the_loaded_mpi_library)
 def test_info_under_mpiexec_json():
     import json
 

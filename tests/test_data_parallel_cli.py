@@ -37,7 +37,8 @@ def records(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.mpi_matrix
+# (the other MPIs: test_data_parallel.py's N-rank equivalence, and mpidl train on ranks in
+# test_any_mpi.py and the failure test below)
 def test_two_ranks_learn_fashion_mnist_subset(tmp_path):
     if not fashion_available():
         pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
