@@ -83,6 +83,11 @@ OPTIONS = [
     Option("nesterov", bool, False, "use Nesterov momentum with SGD"),
     Option("weight_decay", float, 0.0, "L2 weight decay (decoupled for adamw)",
            metavar="WD"),
+    Option("clip_grad_norm", float, None, "clip the gradients to this global L2 norm after "
+           "they are synchronized (every layout computes the same norm, to the bit); the "
+           "epoch line reports grad_norm and clipped_steps", metavar="MAX",
+           check=lambda v: None if v > 0 and v < float("inf") else "must be a positive "
+           "number"),
     Option("schedule", str, "constant", "learning-rate schedule over the steps: constant, "
            "step, cosine, linear (see the engine's make_schedule); a pipeline schedule "
            "name (gpipe, 1f1b, interleaved[:v], zb) sets --pipeline-schedule; both: "

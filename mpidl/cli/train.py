@@ -192,6 +192,10 @@ def prepare(args, world):
 
     name = runtimes.canonical(cfg.strategy or default_strategy(world.size))
     if cfg.optimizer == "lbfgs":  # full-batch iterations: a loop of their own
+        if cfg.clip_grad_norm is not None:
+            raise ConfigError("--clip-grad-norm scales the gradient steps of sgd, adam and "
+                              "adamw; --optimizer lbfgs steps along its own line search: "
+                              "drop --clip-grad-norm")
         from mpidl.cli import lbfgs  # noqa: PLC0415
 
         return lbfgs.prepare(cfg, world, name, model, optimizer, dataset, stop_signals)
@@ -201,6 +205,8 @@ def prepare(args, world):
 
         raise ConfigError(epoch_end_checkpoints_only(name))
     options = strategy_kwargs(cfg)
+    if cfg.clip_grad_norm is not None:
+        options["clip_grad_norm"] = cfg.clip_grad_norm
     cfg.strategy = name
     meta = {"model": cfg.model, "dataset": dataset.name,
             "input_shape": list(dataset.input_shape), "num_classes": dataset.num_classes,

@@ -23,7 +23,13 @@ class Replicated:
         self.optimizer.zero_grad()
         model.zero_grad()
 
-    def step(self, names):
+    def step(self, names, coef=1.0):
+        """Step the parameters of ``names``; their gradients times ``coef`` first (the
+        clipping coefficient, ``mpidl.runtime.clip``)."""
+        if coef != 1.0:
+            from mpidl.runtime.clip import scale_grads  # noqa: PLC0415
+
+            scale_grads(self.optimizer, names, coef)
         held = self.optimizer.params
         self.optimizer.step([n for n in names if n in held])
 
@@ -46,7 +52,7 @@ class OnServers:
     def memory(self, ledger):
         pass  # the optimizer state lives on the servers
 
-    def step(self, names):
+    def step(self, names, coef=1.0):
         raise RuntimeError(f"parameters {list(names)[:3]} are updated by the parameter "
                            "servers, not on this worker")
 

@@ -319,12 +319,13 @@ class Precision:
         self.sharded = placement
 
     # -- a step
-    def step(self, placement, names):
+    def step(self, placement, names, coef=1.0):
         """Apply the ready gradients ``names`` through ``placement`` to the masters, then
         round the masters into the working copies. fp16: on an overflow anywhere in them,
         skip, halve the scale and return False (the caller hands every name of the step
         at once, so a skip is all or nothing). Under ZeRO the placement decodes its
-        reduced chunks, steps its masters and gathers the working copies itself."""
+        reduced chunks, steps its masters and gathers the working copies itself.
+        ``coef``: the clipping coefficient, applied to the unscaled gradients."""
         from mpidl.backend import array_module  # noqa: PLC0415
 
         if self.sharded is not None:
@@ -334,7 +335,7 @@ class Precision:
         if self.dynamic and self._overflowed(grads):
             return False
         if self.sharded is not None:
-            placement.step(names)
+            placement.step(names, coef)
             self._grow()
             return True
         unscale = 1.0 / self.scale
@@ -347,11 +348,12 @@ class Precision:
             keep = master.grad
             reuse = keep is not None and keep.shape == g.shape and keep.dtype == np.float32
             g32 = self.wire.decode(g, out=keep if reuse else None)
-            if unscale != 1.0:  # exact: the scale is a power of two
-                if g32 is g:  # (float32 already, the caller's: not scaled in place)
-                    g32 = g32 * np.float32(unscale)
-                else:
-                    g32 *= np.float32(unscale)
+            for factor in (unscale, coef):  # (unscaling is exact: a power of two)
+                if factor != 1.0:
+                    if g32 is g:  # (float32 already, the caller's: not scaled in place)
+                        g32 = g32 * np.float32(factor)
+                    else:
+                        g32 *= np.float32(factor)
             master.grad = g32
         placement.step(names)
         for n in names:

@@ -42,6 +42,7 @@ the log saying it has no effect here (one command line runs on 1 rank and on N).
 from mpidl.errors import ConfigError
 from mpidl.options import Option
 from mpidl.runtime import averaging as averaging_part
+from mpidl.runtime import clip as clip_part
 from mpidl.runtime import hogwild as hogwild_part
 from mpidl.runtime import dealing as dealing_part
 from mpidl.runtime import hybrid as hybrid_part
@@ -106,6 +107,10 @@ def build(name, comm=None, strict=True, **options):
     rank, or None for one process); local work only, no communication."""
     name = canonical(name)
     given = {k: v for k, v in options.items() if v is not None}
+    clip = clip_part.check_max_norm(given.pop("clip_grad_norm", None))
+    if clip is not None and name in clip_part.REFUSED:
+        raise ConfigError(f"--clip-grad-norm cannot be used with --strategy {name}: "
+                          f"{clip_part.REFUSED[name]}; use --strategy allreduce")
     averaging_part.check_options(name, given)
     zero_part.check_options(name, given)
     hybrid_part.check_options(name, given)
@@ -130,7 +135,11 @@ def build(name, comm=None, strict=True, **options):
         raise ConfigError(f"strategy {name!r} does not take option(s) {', '.join(unused)}; "
                           f"it takes {', '.join(sorted(takes)) or 'none'}")
     mine = {k: v for k, v in given.items() if k in takes}
-    return preset(comm, unused, **mine)
+    rt = preset(comm, unused, **mine)
+    if clip is not None:
+        rt.clip = clip_part.GradClip(clip)
+        rt.clip.check(rt)
+    return rt
 
 
 def check_optimizer(name, optimizer):

@@ -75,6 +75,7 @@ class Runtime:
         self.syncs = list(syncs)              # [(selector, GradSync)]; see presets
         self.averaging = averaging            # a ModelAveraging (local SGD, DiLoCo) or None
         self.precision = precision            # a precision.Precision (bf16, fp16) or None
+        self.clip = None                      # a clip.GradClip (--clip-grad-norm) or None
         self.tp = tensor_parallel             # a tensor_parallel.TensorParallel or None
         self.tp_group = None                  # its group (the mesh's tp axis)
         self.pp = pipeline                    # a pipeline.Pipeline (also the schedule) or None
@@ -298,6 +299,8 @@ class Runtime:
             self._local_syncs = [(lambda name: True, local)]
             self.averaging.setup(self)
         self._step_syncs = self.syncs
+        if self.clip is not None:
+            self.clip.setup(self)
         # (a pipeline's backward passes are spread over its schedule: its gradients are
         # synced after the last one)
         self._hooked = [s for _, s in self.syncs if s.wants_hooks and self.pp is None]
@@ -432,7 +435,15 @@ class Runtime:
         returns the seconds spent waiting on communication."""
         wait = 0.0
         prec = self.precision
-        if prec is None:
+        if self.clip is not None:  # the global norm needs every gradient before any update
+            ready = [n for _, s in self._step_syncs for names in s.finish() for n in names]
+            wait += sum(s.wait_seconds() for _, s in self._step_syncs)
+            coef = self.clip.coefficient(ready)
+            if prec is None:
+                self.placement.step(ready, coef)
+            else:
+                prec.step(self.placement, ready, coef)
+        elif prec is None:
             for _, s in self._step_syncs:
                 for names in s.finish():
                     self.placement.step(names)
@@ -582,6 +593,8 @@ class Runtime:
             out.update(self.precision.metrics())
         if self.averaging is not None:
             out.update(self.averaging.metrics())
+        if self.clip is not None and self.trains_on_data:
+            out.update(self.clip.metrics())
         if self.server is not None and self.server.final_stats is not None:
             from mpidl.runtime.sync.pushpull import summarize  # noqa: PLC0415
 

@@ -620,7 +620,9 @@ class Sharded:
             setattr(inner, h, getattr(opt, h))
         inner.fused = opt.fused
 
-    def step(self, names):
+    def step(self, names, coef=1.0):
+        """Step this rank's chunks of the buckets of ``names``, their reduced gradients
+        times ``coef`` (the clipping coefficient) first; then gather (stages 1-2)."""
         buckets = []
         for n in names:
             b = self.of_param.get(n)
@@ -637,6 +639,8 @@ class Sharded:
                 prec.wire.decode(sh.grad, out=sh.param.grad)
                 if prec.scale != 1.0:
                     sh.param.grad *= sh.param.grad.dtype.type(1.0 / prec.scale)
+            if coef != 1.0:
+                sh.param.grad *= sh.param.grad.dtype.type(coef)
             self.inner.step([b])
             if prec is not None:
                 self._publish(sh)
