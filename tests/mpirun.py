@@ -116,6 +116,10 @@ def _run_once(cmd, timeout, env, cwd):
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return Launch(proc.returncode, out, timed_out=True)
+    except BaseException:  # pytest's own timeout, Ctrl-C: the launch must not outlive it
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
 
 
 def run_cli_cases(cases, n=1, timeout=300, cwd=None):

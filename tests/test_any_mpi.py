@@ -49,6 +49,36 @@ def test_every_launch_goes_through_mpidl_mpiexec(tmp_path, monkeypatch):
     assert train_cmd(2, tmp_path)[:2] == ["env", "MPIDL_VIA_SITE_LAUNCHER=yes"]
 
 
+def test_a_launch_does_not_outlive_the_test_that_gave_up_on_it(tmp_path):
+    """pytest's per-test timeout (or Ctrl-C) interrupts a launch's wait: its processes are
+    killed, not left running through the rest of the suite."""
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "wait.py"
+    script.write_text("import os, time\n"
+                      f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                      "time.sleep(60)\n")
+
+    def give_up(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_command([sys.executable, script], timeout=120)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    pid = int(pid_file.read_text())
+    for _ in range(50):
+        if not os.path.exists(f"/proc/{pid}") or \
+                open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the launched process {pid} is still running")
+
+
 # -- BLAS threads: the share a rank's CPUs allow --------------------------------------------
 THREADS = ("import mpidl.cli.main, os, json; from mpidl.threads import blas_threads_note; "
            "os.write(1, (json.dumps([sorted(os.sched_getaffinity(0)), "
