@@ -21,6 +21,7 @@ import pytest
 from mpirun import (assert_bitwise_equal, assert_one_line_error, model_arrays,
                     run_cli_cases, run_command, train_cmd)
 
+from mpidl.errors import ConfigError
 from mpidl.runtime import clip
 
 
@@ -63,12 +64,16 @@ def test_norm_edge_cases():
     assert clip.global_norm(lambda: iter(zeros), 10) == 0.0
     bad = [np.array([1.0, np.inf, 2.0]), np.array([np.nan])]
     assert clip.global_norm(lambda: iter(bad), 4) == math.inf
-    tiny = [np.full(4, 1e-160)]
-    assert clip.global_norm(lambda: iter(tiny), 4) > 0
-    with pytest.raises(RuntimeError, match="more than"):
+    for values in ([1e-160, 3e-170, 2e-161], [1.3e154, 1e200, -3e190], [5e-300, 1e-310]):
+        a = [np.array(values)]  # (float64 beyond 2**+-400: scaled by a power of two)
+        exact = math.fsum((v / values[0]) ** 2 for v in values)
+        want = abs(values[0]) * math.sqrt(exact)
+        assert abs(clip.global_norm(lambda: iter(a), 3) - want) <= 1e-15 * want, values
+    with pytest.raises(ConfigError, match="more than"):
         clip.folds_for(2 ** 40)
     assert clip.coefficient(3.0, 1.0) == 1.0 / (3.0 + 1e-6)
     assert clip.coefficient(0.5, 1.0) == 1.0 and clip.coefficient(math.inf, 1.0) == 1.0
+    assert clip.coefficient(1.0, 1.0) == 1.0 / (1.0 + 1e-6)  # (PyTorch's: min(1, ...))
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -214,6 +219,8 @@ def test_what_clipping_cannot_serve_is_one_line(tmp_path):
                  "async", "--micro-batches", "2"], "--pipeline-schedule async"),
         (base + ["--clip-grad-norm", "1", "--sync", "local-sgd", "--period", "2"],
          "--clip-grad-norm with --sync local-sgd is not built yet"),
+        (base + ["--clip-grad-norm", "1", "--compression", "dgc"],
+         "--clip-grad-norm with --compression dgc is not built"),
     ]
     for launch, (_, needle) in zip(run_cli_cases([c for c, _ in on_ranks], n=3), on_ranks):
         assert_one_line_error(launch, needle)

@@ -29,7 +29,8 @@ a later pipeline stage is no parameter of that stage. Data-parallel replicas hol
 reduced gradient and each computes the same norm without talking; under ZeRO the
 data-parallel group sums its chunks. Not built: model averaging (local SGD, DiLoCo: each
 replica would clip its own gradient), the asynchronous pipeline, parameter servers and
-Hogwild (the servers apply the gradients), L-BFGS and ``--cuda-graph``.
+Hogwild (the servers apply the gradients), compression, L-BFGS and ``--cuda-graph``; more
+than 2**32 counted elements (a fold would no longer sum exactly).
 """
 
 import math
@@ -68,7 +69,7 @@ def _pieces(a):
 
 
 def local_max(pieces):
-    """The largest square over ``pieces`` (arrays), in float64; inf if any element is not
+    """The largest |x| over ``pieces`` (arrays), as a float; inf if any element is not
     finite."""
     top = 0.0
     for a in pieces:
@@ -78,7 +79,7 @@ def local_max(pieces):
         if not (math.isfinite(hi) and math.isfinite(lo)):
             return math.inf
         top = max(top, hi, -lo)
-    return float(np.float64(top) * np.float64(top))
+    return top
 
 
 def folds_for(count):
@@ -87,9 +88,17 @@ def folds_for(count):
     two folds, or three where they would be narrower than 26 bits."""
     bits = 52 - max(1, int(count)).bit_length()
     if bits < MIN_BITS:
-        raise RuntimeError(f"--clip-grad-norm: a gradient of {int(count)} elements is more "
-                           f"than the {MAX_ELEMENTS} its exact norm can sum")
+        raise ConfigError(f"--clip-grad-norm: the gradient has {int(count)} elements, more "
+                          f"than the {MAX_ELEMENTS} its exact norm can sum")
     return (2 if bits >= 26 else 3), bits
+
+
+def scale_exponent(top):
+    """``k`` such that the elements times ``2**-k`` square without overflow or loss to
+    underflow (0 for every float32 gradient: only float64 ones beyond 2**+-400 move)."""
+    if top == 0.0 or 2.0 ** -400 < top < 2.0 ** 400:
+        return 0
+    return math.frexp(top)[1]
 
 
 def sigmas(largest, folds, bits):
@@ -99,8 +108,9 @@ def sigmas(largest, folds, bits):
     return [1.5 * 2.0 ** (e - (k + 1) * bits + 52) for k in range(folds)]
 
 
-def fold_sums(pieces, boundaries):
-    """Each fold's sum of parts over the squares of ``pieces`` (every sum exact)."""
+def fold_sums(pieces, boundaries, k=0):
+    """Each fold's sum of parts over the squares of ``pieces`` times ``2**-k`` (every sum
+    exact)."""
     from mpidl.backend import array_module  # noqa: PLC0415
 
     out = [0.0] * len(boundaries)
@@ -113,20 +123,18 @@ def fold_sums(pieces, boundaries):
             if s is None or s.size < m:
                 s, q = xp.empty(PIECE, dtype=np.float64), xp.empty(PIECE, dtype=np.float64)
             sv, qv = s[:m], q[:m]
-            xp.square(piece, out=sv, dtype=np.float64)  # (exact for float32, 2-byte values)
-            for k, sigma in enumerate(boundaries):
+            if k:  # (a power of two: exact, but for elements 2**-1000 below the largest)
+                xp.multiply(piece, 2.0 ** -k, out=sv, dtype=np.float64)
+                xp.square(sv, out=sv)
+            else:
+                xp.square(piece, out=sv, dtype=np.float64)  # (exact for float32, 2-byte)
+            for j, sigma in enumerate(boundaries):
                 xp.add(sv, sigma, out=qv)  # sv rounded to a multiple of sigma's unit
                 qv -= sigma
-                out[k] += float(qv.sum())
-                if k < last:
+                out[j] += float(qv.sum())
+                if j < last:
                     sv -= qv
     return out
-
-
-def _tiny(largest, folds, bits):
-    """Squares so small that the folds' units would leave float64's normal range: the
-    norm is then below 1e-100, and the largest square stands for the sum."""
-    return math.frexp(largest)[1] - folds * bits + 52 < -1000
 
 
 def global_norm(pieces, count, reduce=None):
@@ -136,27 +144,29 @@ def global_norm(pieces, count, reduce=None):
     None for one process. The same bits however the elements are spread; inf when any
     element is not finite."""
     folds, bits = folds_for(count)
-    largest = local_max(pieces())
+    top = local_max(pieces())
     if reduce is not None:
-        largest = float(reduce(np.array([largest]), "max")[0])
-    if largest == 0.0 or not math.isfinite(largest) or _tiny(largest, folds, bits):
-        return math.sqrt(largest)
-    sums = fold_sums(pieces(), sigmas(largest, folds, bits))
+        top = float(reduce(np.array([top]), "max")[0])
+    if top == 0.0 or not math.isfinite(top):
+        return top
+    k = scale_exponent(top)
+    scaled = math.ldexp(top, -k)
+    sums = fold_sums(pieces(), sigmas(scaled * scaled, folds, bits), k)
     if reduce is not None:
         sums = reduce(np.array(sums, dtype=np.float64), "sum")
     total = 0.0
     for v in sums:  # (in a fixed order: the folds' sums are not multiples of one unit)
         total += float(v)
-    return math.sqrt(total)
+    return math.ldexp(math.sqrt(total), k)
 
 
 def coefficient(norm, max_norm):
-    """What the gradients are multiplied by: ``max_norm / (norm + 1e-6)`` when the norm is
-    larger than ``max_norm``, else 1 (also for a norm that is not finite: the step's
+    """What the gradients are multiplied by: ``min(1, max_norm / (norm + 1e-6))``, as
+    PyTorch's ``clip_grad_norm_`` computes it; 1 for a norm that is not finite (the step's
     overflow or divergence checks decide about those)."""
-    if not math.isfinite(norm) or norm <= max_norm:
+    if not math.isfinite(norm):
         return 1.0
-    return max_norm / (norm + EPS)
+    return min(1.0, max_norm / (norm + EPS))
 
 
 class GradClip:
@@ -190,6 +200,11 @@ class GradClip:
                               "built yet: each replica would clip its own gradient between "
                               "averagings, which no test holds to a reference; drop one of "
                               "them")
+        if runtime.compressor is not None:
+            raise ConfigError(f"--clip-grad-norm with --compression {runtime.compressor.name} "
+                              "is not built: a compressor's payload and error feedback (and "
+                              "dgc's and onebit's momentum) are not the gradient the norm "
+                              "is of; drop one of them")
         if runtime.roles.get("server"):
             raise ConfigError("--clip-grad-norm cannot be used with parameter servers "
                               "(--sparse-sync ps): the servers apply gradients to their own "
