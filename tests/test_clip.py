@@ -21,6 +21,8 @@ import pytest
 from mpirun import (assert_bitwise_equal, assert_one_line_error, model_arrays,
                     run_cli_cases, run_command, train_cmd)
 
+from test_tensor_parallel import max_relative_difference
+
 from mpidl.errors import ConfigError
 from mpidl.runtime import clip
 
@@ -134,17 +136,11 @@ def run(tmp_path, name, n, *args, dtype="float64", epochs=2):
     return out / "model.npz"
 
 
-def relative_difference(a_path, b_path):
-    a, b = model_arrays(a_path), model_arrays(b_path)
-    assert sorted(a) == sorted(b)
-    return max(float(np.abs(a[k] - b[k]).max() / np.abs(a[k]).max()) for k in a)
-
-
 @pytest.mark.mpi_matrix_extra
 def test_data_parallel_equals_one_process_at_the_global_batch(tmp_path):
     one = run(tmp_path, "one", None, "--batch-size", "32")
     two = run(tmp_path, "two", 2, "--batch-size", "16")
-    assert relative_difference(one, two) <= 1e-12
+    assert max_relative_difference(one, two) <= 1e-12
 
 
 def test_tensor_parallel_counts_each_element_once(tmp_path):
@@ -152,7 +148,7 @@ def test_tensor_parallel_counts_each_element_once(tmp_path):
     counted on the first only; within 1e-12 of one process."""
     one = run(tmp_path, "one", None, "--batch-size", "32")
     tp = run(tmp_path, "tp", 2, "--batch-size", "32", "--tensor-parallel", "2")
-    assert relative_difference(one, tp) <= 1e-12
+    assert max_relative_difference(one, tp) <= 1e-12
 
 
 @pytest.mark.slow
@@ -162,7 +158,7 @@ def test_hybrid_equals_one_process(tmp_path):
     args = ["--model", "cnn", "--sync-bn", "--clip-grad-norm", "10"]
     one = run(tmp_path, "one", None, "--batch-size", "32", *args)
     two = run(tmp_path, "two", 2, "--batch-size", "16", "--hybrid", "conv-dp-fc-mp", *args)
-    assert relative_difference(one, two) <= 1e-12
+    assert max_relative_difference(one, two) <= 1e-12
 
 
 @pytest.mark.slow

@@ -179,6 +179,8 @@ class GradClip:
         self.first_of_copies = True  # this rank counts tensors its group holds whole
         self.runtime = None
         self.count = 0           # the most elements the norm counts, over the groups
+        self.chunks = None       # ZeRO: (shard, lo, hi) of each counted piece of its chunk
+        self.counted = {}        # else: name -> Parameter whose gradient this rank counts
         self.reset()
 
     def reset(self):
@@ -225,28 +227,25 @@ class GradClip:
                 runtime.group is not tp_group:
             groups.append(runtime.group)
         self.groups = groups
-        self.count = self._bound()
-        folds_for(self.count)  # (refuses a gradient too large for its exact norm)
-
-    def _bound(self):
-        """How many elements the norm counts at most, over the groups (a row-sparse
-        gradient counts its whole tensor)."""
-        rt = self.runtime
-        placement = rt.placement
-        if hasattr(placement, "shards"):
+        placement = runtime.placement
+        if hasattr(placement, "shards"):  # ZeRO: the counted pieces of this rank's chunks
             from mpidl.runtime.zero import _overlaps  # noqa: PLC0415
 
-            n = 0
+            self.chunks = []
             for sh in placement.shards.values():
                 params = dict(zip(sh.bucket.names, sh.bucket.params))
-                n += sum(hi - lo for name, _, _, lo, hi in _overlaps(sh)
-                         if self._counts(params[name]))
+                self.chunks += [(sh, lo, hi) for name, _, _, lo, hi in _overlaps(sh)
+                                if self._counts(params[name])]
+            n = sum(hi - lo for _, lo, hi in self.chunks)
         else:
-            held = rt.precision.params if rt.precision is not None else \
+            held = runtime.precision.params if runtime.precision is not None else \
                 placement.optimizer.params
-            n = sum(p.data.size for p in held.values() if self._counts(p))
+            self.counted = {name: p for name, p in held.items() if self._counts(p)}
+            n = sum(p.data.size for p in self.counted.values())  # (a row-sparse gradient:
+            # at most its tensor's rows)
         values = np.array([float(n)])
-        return float(self._reduce(values, "sum")[0]) if self.groups else float(n)
+        self.count = float(self._reduce(values, "sum")[0]) if groups else float(n)
+        folds_for(self.count)  # (refuses a gradient too large for its exact norm)
 
     def _reduce(self, values, op):
         for g in self.groups:
@@ -286,25 +285,18 @@ class GradClip:
                 yield piece
 
     def _grads(self, names):
-        rt = self.runtime
-        prec = rt.precision
-        placement = rt.placement
-        if hasattr(placement, "shards"):  # ZeRO: this rank's reduced chunks
-            from mpidl.runtime.zero import _overlaps  # noqa: PLC0415
-
-            for sh in placement.shards.values():
-                params = dict(zip(sh.bucket.names, sh.bucket.params))
-                chunk = sh.grad_wire if prec is not None else sh.grad
-                for name, _, _, lo, hi in _overlaps(sh):
-                    if self._counts(params[name]):
-                        yield chunk[lo:hi]
+        """This rank's counted gradients of ``names`` (ZeRO: its reduced chunks, every
+        bucket's), as the collectives left them."""
+        if self.chunks is not None:
+            wire = self.runtime.precision is not None
+            for sh, lo, hi in self.chunks:
+                yield (sh.grad_wire if wire else sh.grad)[lo:hi]
             return
         from mpidl.engine.module import SparseGrad  # noqa: PLC0415
 
-        held = prec.params if prec is not None else placement.optimizer.params
         for n in dict.fromkeys(names):
-            p = held.get(n)
-            if p is None or p.grad is None or not self._counts(p):
+            p = self.counted.get(n)
+            if p is None or p.grad is None:
                 continue
             g = p.grad
             if isinstance(g, SparseGrad):  # the dense gradient's rows (duplicates summed)

@@ -435,27 +435,22 @@ class Runtime:
         returns the seconds spent waiting on communication."""
         wait = 0.0
         prec = self.precision
-        if self.clip is not None:  # the global norm needs every gradient before any update
+        if self.clip is not None or (prec is not None and prec.dynamic):
+            # every gradient before any update: the global norm, fp16's overflow check
             ready = [n for _, s in self._step_syncs for names in s.finish() for n in names]
             wait += sum(s.wait_seconds() for _, s in self._step_syncs)
-            coef = self.clip.coefficient(ready)
+            coef = 1.0 if self.clip is None else self.clip.coefficient(ready)
             if prec is None:
                 self.placement.step(ready, coef)
             else:
                 prec.step(self.placement, ready, coef)
-        elif prec is None:
+        else:  # each sync's buckets as they are ready
             for _, s in self._step_syncs:
                 for names in s.finish():
-                    self.placement.step(names)
-                wait += s.wait_seconds()
-        elif prec.dynamic:  # fp16: every gradient checked before any update
-            ready = [n for _, s in self._step_syncs for names in s.finish() for n in names]
-            wait += sum(s.wait_seconds() for _, s in self._step_syncs)
-            prec.step(self.placement, ready)
-        else:
-            for _, s in self._step_syncs:
-                for names in s.finish():
-                    prec.step(self.placement, names)
+                    if prec is None:
+                        self.placement.step(names)
+                    else:
+                        prec.step(self.placement, names)
                 wait += s.wait_seconds()
         return wait
 
