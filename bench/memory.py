@@ -14,9 +14,9 @@ activations kept for backward, the ledger's ``mem_peak`` (ledger + activations +
 gradients backward makes before they are packed, an upper bound of the step's high
 water mark), ``tracemalloc``'s peak during that step, and the formula
 (``mpidl.runtime.memory.predict``). The ranks oversubscribe 2 cores at N = 4, 8: memory
-does not care. ``--precision bf16|fp16``: the same in mixed precision (the float32
-masters sharded with the optimizer state), against the formula as the CPU's emulation
-holds it (``predict(emulated=True)``: float32 working copies, decoded float32 gradients).
+does not care. ``--precision bf16|fp16``: the same in mixed precision (2-byte working
+copies and gradients, the float32 masters sharded with the optimizer state), against
+ZeRO's mixed-precision formula.
 
 Time: at p = 2 (one rank per core) ``--time-steps`` steps of each stage, and of stage 3
 with ``--zero-reuse on``, ring algorithm, stage 0 as the anchor in the same run, the
@@ -92,8 +92,7 @@ def rank_main(a):
         times.append(time.perf_counter() - t)
     _, peak = tracemalloc.get_traced_memory()
     m = rt.metrics()
-    want = memory.predict(sizes, n, a.stage, slots=2, rank=r, precision=a.precision,
-                          emulated=True)
+    want = memory.predict(sizes, n, a.stage, slots=2, rank=r, precision=a.precision)
     mine = {k: m[k] for k in m if k.startswith("mem_")}
     mine.update(rank=r, tracemalloc_peak=peak, formula=want.as_dict(),
                 step_s=times[1:] or times, param_gathers=m.get("param_gathers"),

@@ -52,21 +52,21 @@ def test_info_memory_prints_the_prediction():
     assert sum(r["mem_optimizer"] for r in rows) == 8 * psi
 
 
-def test_info_memory_of_zero_3_in_bf16_prints_what_the_emulation_holds():
+@pytest.mark.parametrize("stage", [0, 3])
+def test_info_memory_in_bf16_prints_the_papers_bytes(stage):
+    """Mixed-precision Adam: (2 + 2 + 12)Ψ at stage 0, 16Ψ/N at stage 3, summed over the
+    ranks."""
     out = subprocess.run([sys.executable, "-m", "mpidl", "info", "--memory", "--model", "mlp",
-                          "--zero", "3", "--ranks", "4", "--optimizer", "adam",
+                          "--zero", str(stage), "--ranks", "4", "--optimizer", "adam",
                           "--precision", "bf16", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    info = json.loads(out.stdout)
-    psi = info["per_rank"][0]["elements"]
-    formula, held = info["per_rank"], info["per_rank_emulated"]
-    # the paper's (2 + 2 + 12)Ψ/N; the emulation adds the decoded float32 gradient chunk
-    assert sum(r["mem_params"] for r in formula) == sum(r["mem_params"] for r in held) \
-        == 2 * psi
-    assert sum(r["mem_grads"] for r in formula) == 2 * psi
-    assert sum(r["mem_grads"] for r in held) == 6 * psi
-    assert sum(r["mem_optimizer"] for r in held) == 12 * psi
+    rows = json.loads(out.stdout)["per_rank"]
+    psi = rows[0]["elements"]
+    copies = 4 if stage == 0 else 1  # every rank holds all of it, or its shard
+    assert sum(r["mem_params"] for r in rows) == sum(r["mem_grads"] for r in rows) \
+        == copies * 2 * psi
+    assert sum(r["mem_optimizer"] for r in rows) == copies * 12 * psi
 
 
 def test_info_memory_bad_model_is_one_line():
@@ -122,11 +122,11 @@ def test_one_process_reports_the_ledger_and_leaves_no_probe_behind():
     pytest.param("fp16", 4, marks=pytest.mark.slow),
     pytest.param("bf16", 8, marks=pytest.mark.slow)])
 def test_the_ledger_of_mixed_precision_equals_its_formula(precision, ranks):
-    """bf16/fp16 at every stage on 1, 2, 4 and 8 ranks: the optimizer state (moments and float32
-    masters, sharded from stage 1) is the formula's K·Ψ (K·Ψ/N); parameters and gradients
-    are what the emulation holds (``predict(emulated=True)``: float32 working copies,
-    at stage 3 only the 2-byte chunk between passes; the decoded float32 gradient, or its
-    chunk, beside the 2-byte buckets)."""
+    """bf16/fp16 at every stage on 1, 2, 4 and 8 ranks: the ledger is ZeRO's mixed-precision
+    formula to the byte: 2-byte working copies (2Ψ; stage 3: its 2Ψ/N chunk) and
+    gradients (2Ψ, 2Ψ + 2Ψ/N at stage 1, 2Ψ/N at stages 2-3), the optimizer state with
+    the float32 masters K·Ψ (K·Ψ/N from stage 1). A float32 copy of a working copy or of
+    a gradient held between steps would be in it."""
     from mpirun import HERE, run_ranks
 
     launch = run_ranks(ranks, [f"{HERE}/ranks/memory_check.py", "--stages", "0,1,2,3",

@@ -18,7 +18,7 @@ from mpirun import (assert_bitwise_equal, fashion_available, model_arrays, run_c
 from mpidl import bfloat16
 from mpidl.engine import (SGD, Adam, Embedding, Flatten, Layer, Linear, ReLU, Sequential,
                           SoftmaxCrossEntropy)
-from mpidl.errors import ConfigError
+from mpidl.errors import AgreedUserError, ConfigError
 from mpidl.runtime import build
 from mpidl.runtime.precision import ROUND, Precision, Wire, check_model
 
@@ -175,7 +175,15 @@ def test_training_loss_falls_with_masters_and_working_copies_on_the_grid(fmt, st
     x, y = problem(40)
     losses = [rt.train_step(x[s], y[s]) for s in range(40)]
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5]), losses
+    # between steps the working copies are 2-byte only; reading them needs a gather
+    words = prec.low.words
     for name, p in model.named_parameters():
+        assert words[name].dtype == prec.wire.storage and words[name].shape == p.data.shape
+        with pytest.raises(AgreedUserError, match=f"{name!r} was used while not decoded"):
+            p.data.copy()
+    rt.gather_params()
+    for name, p in model.named_parameters():
+        assert np.array_equal(p.data, prec.wire.decode(words[name]))
         master = prec.masters[name].data
         assert master.dtype == np.float32 and p.data.dtype == np.float32
         assert on_grid(fmt, p.data), name
@@ -185,6 +193,66 @@ def test_training_loss_falls_with_masters_and_working_copies_on_the_grid(fmt, st
     out = model(x[0])
     assert on_grid(fmt, out), "layer outputs are rounded to the format"
     assert np.array_equal(x[0], problem(40)[0][0]), "the input batch is never modified"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_two_byte_working_copies_change_no_bit(fmt, zero, monkeypatch):
+    """The working copies held in the 2-byte format between passes and decoded layer by
+    layer (``working_copy``) train bitwise as float32 working copies holding the same
+    values (the runtime without them), Adam, 12 steps, with an evaluation between steps
+    (which decodes them all until the next step)."""
+    from mpidl.runtime.runtime import Runtime
+
+    def train(low):
+        if not low:
+            monkeypatch.setattr(Runtime, "_keep_working_copies", lambda self: None)
+        model = mlp()
+        opt = Adam(model.named_parameters(), lr=1e-2)
+        rt = build("allreduce", None, precision=fmt, zero=zero, bucket_mb=0.001)
+        rt.setup(model, opt, SoftmaxCrossEntropy())
+        monkeypatch.undo()
+        assert (rt.precision.low is not None) == low
+        x, y = problem(12)
+        for s in range(12):
+            rt.train_step(x[s], y[s])
+            if s == 5:
+                rt.prepare_eval()
+                model(x[0])
+        rt.gather_params()
+        return {n: p.data.copy() for n, p in model.named_parameters()}, rt
+
+    got, rt = train(True)
+    want, _ = train(False)
+    assert got.keys() == want.keys()
+    for n in got:
+        assert np.array_equal(got[n], want[n]), n
+    assert rt.metrics()["mem_params"] == sum(a.size for a in got.values()) * 2
+
+
+def test_a_layer_decodes_only_its_own_working_copies():
+    """In forward and backward each layer holds float32 copies of its own parameters
+    only; the pass's other layers' are freed (and nothing is held after the step)."""
+    model, loss = mlp(), SoftmaxCrossEntropy()
+    rt = build("allreduce", None, precision="bf16")
+    rt.setup(model, SGD(model.named_parameters(), lr=0.1), loss)
+    low = rt.precision.low
+    x, y = problem(2)
+    rt.train_step(x[0], y[0])
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen = []
+
+    def probe(layer, phase):  # (added after the working copies' hook: runs after it)
+        own = sorted(names[id(p)] for p in layer._params.values())
+        seen.append((phase, own, sorted(low.decoded)))
+
+    for _, m in model.modules():
+        if m._params:
+            m.add_pre_hook(probe)
+    rt.train_step(x[1], y[1])
+    assert [phase for phase, _, _ in seen] == ["forward"] * 2 + ["backward"] * 2
+    assert all(own == held for _, own, held in seen), seen
+    assert not low.decoded and not low.pinned
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
@@ -211,6 +279,7 @@ def test_gpt_tiny_trains_with_its_embeddings_gradient_rounded_once_per_row(fmt):
     assert len(sparse) == 1, [n for n, _ in sparse]
     _, g = sparse[0]
     assert np.array_equal(g.indices, np.unique(x)) and on_grid(fmt, g.values)
+    rt.gather_params()
     for name, p in model.named_parameters():
         assert on_grid(fmt, p.data), name
     # data parallelism exchanges those rows in the 2-byte buckets only
@@ -239,6 +308,7 @@ def test_buckets_hold_two_byte_gradients():
 
 
 def snapshot(rt):
+    rt.gather_params()  # (the working copies are 2-byte between steps)
     return ({n: p.data.copy() for n, p in rt.model.named_parameters()},
             {n: m.data.copy() for n, m in rt.precision.masters.items()},
             {n: {k: v.copy() if hasattr(v, "copy") else v for k, v in st.items()}
@@ -278,6 +348,7 @@ def test_forced_overflow_skips_the_step_and_halves_the_scale_then_growth():
     prec.scale = 2.0 ** 8
     for s in range(2, 5):  # three clean steps: the scale doubles once
         rt.train_step(x[s], y[s])
+        rt.gather_params()
         assert not np.array_equal(before[0]["1.weight"], model.named_parameters()[0][1].data)
     assert prec.scale == 2.0 ** 9 and prec.good_steps == 0 and opt.step_count == 4
     assert rt.metrics()["skipped_steps"] == 0
@@ -289,6 +360,7 @@ def test_state_round_trip_keeps_masters_and_scale():
     rt.setup(model, SGD(model.named_parameters(), lr=0.1), SoftmaxCrossEntropy())
     x, y = problem(2)
     rt.train_step(x[0], y[0])
+    rt.gather_params()
     state = rt.precision.state_dict()
     other = Precision("fp16")
     m2 = mlp(seed=9)

@@ -234,21 +234,13 @@ def memory_report(args, world):
             for r in range(args.ranks)]
     closed = memory.paper_formula(sum(sizes), args.ranks, args.zero, slots,
                                   args.precision, args.dtype)
-    today = None
-    if args.precision != "fp32":  # what the emulation holds
-        today = [memory.predict(sizes, args.ranks, args.zero, slots=slots,
-                                precision=args.precision, dtype=args.dtype, rank=r,
-                                emulated=True)
-                 for r in range(args.ranks)]
     if args.json:
         print(json.dumps({"model": args.model, "dataset": args.dataset, "zero": args.zero,
                           "ranks": args.ranks, "precision": args.precision,
                           "dtype": args.dtype, "optimizer": args.optimizer,
                           "slots": slots, "bucket_elements": sizes,
                           "paper_formula_bytes": closed,
-                          "per_rank": [r.as_dict() for r in rows],
-                          "per_rank_emulated": None if today is None else
-                          [r.as_dict() for r in today]}))
+                          "per_rank": [r.as_dict() for r in rows]}))
         return 0
     mib = 1 << 20
     print(f"{args.model} on {args.dataset}: {sum(sizes):,} parameters in {len(sizes)} "
@@ -259,12 +251,6 @@ def memory_report(args, world):
     for r in rows:
         print(f"{r.rank:>4}  {r.mem_params:>12,}  {r.mem_grads:>12,}  {r.mem_optimizer:>12,}"
               f"  {r.total:>12,}")
-    if today is not None:
-        working = ("its 2-byte chunk of the working copies between passes" if args.zero == 3
-                   else "float32 working copies")
-        print(f"mpidl's {args.precision} path holds today ({working}, the decoded float32 "
-              f"gradient{' chunk' if args.zero else ''}): params {today[0].mem_params:,}, grads "
-              f"{today[0].mem_grads:,}, optimizer {today[0].mem_optimizer:,} bytes")
     print(f"total per rank {rows[0].total / mib:.2f} MiB (rank 0); ZeRO's closed form "
           f"(Psi/N) gives {closed / mib:.2f} MiB. Activations and communication buffers "
           "come on top (the epoch line's mem_activations, mem_comm).")

@@ -84,13 +84,12 @@ def element_bytes(precision="fp32", dtype="float32"):
 
 
 def predict(bucket_sizes, ranks, stage, *, slots, precision="fp32", dtype="float32",
-            rank=0, emulated=False):
+            rank=0):
     """The formula for rank ``rank`` of ``ranks``, at ZeRO ``stage``, for a model whose
-    fused buckets hold ``bucket_sizes`` elements each (``fusion.plan``).
-
-    ``emulated``: what mpidl's bf16/fp16 path holds today (``runtime/precision.py``): the
-    working copies are float32 arrays holding low-precision values (4 bytes, not 2), and
-    the optimizer reads a decoded float32 gradient beside the 2-byte buckets."""
+    fused buckets hold ``bucket_sizes`` elements each (``fusion.plan``). Under bf16/fp16
+    the working copies are held in the 2-byte format between passes
+    (``runtime/working_copy.py``) and the optimizer decodes one tensor's (or chunk's)
+    float32 gradient at a time into a scratch buffer (communication, not here)."""
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of 0, 1, 2, 3, got {stage!r}")
     if not 0 <= rank < ranks:
@@ -104,12 +103,6 @@ def predict(bucket_sizes, ranks, stage, *, slots, precision="fp32", dtype="float
     # overlap backward) and the reduced chunk beside them
     grads = p * (shard if stage >= 2 else psi + shard if stage == 1 else psi)
     optim = k * (shard if stage >= 1 else psi)
-    if emulated and precision != "fp32":
-        # float32 working copies (stage 3 keeps its chunk in the format between passes)
-        # and the decoded float32 gradient (chunk) the optimizer reads
-        if stage < 3:
-            params = 4 * psi
-        grads += 4 * (shard if stage else psi)
     return Prediction(rank, params, grads, optim, psi, shard)
 
 

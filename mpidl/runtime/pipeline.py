@@ -906,6 +906,17 @@ class Pipeline:
         return model_out, opt_out
 
     # -- reports
+    def params_outside_passes(self):
+        """Names of this rank's parameters the pipeline reads or swaps outside their
+        layers' forward and backward, which must stay float32 arrays between steps (mixed
+        precision's 2-byte working copies skip them): all of them under the async
+        schedule (2BW stashes the weights and swaps them in), a tied weight's owner side
+        (sent to the head at a step's start)."""
+        if self.plan.flushless:
+            return {name for name, _ in self._params}
+        owned = {id(t.param) for t in self._ties if t.side == "owner"}
+        return {name for name, p in self._params if id(p) in owned}
+
     def memory(self, ledger):
         """The head's copies of tied weights (``mem_comm``: received each step, no
         parameter of this stage)."""

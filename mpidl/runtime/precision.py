@@ -14,15 +14,18 @@ today's code path). With ``bf16`` or ``fp16``:
   ``setup`` on the model's own modules (their ``forward``/``backward``), so layers need
   no change; layers that mpidl does not know to round this way are refused
   (``check_model``) rather than silently computed in float32.
-* **Storage**: the model's working copy of each parameter (``Parameter.data``) and its
-  activations are float32 arrays holding low-precision values (4 bytes each, not 2: on
-  CPU, float32 is what BLAS computes in, and NumPy has no bfloat16). Gradients travel in
-  real 2-byte form: float16, or bfloat16 words (``mpidl.bfloat16``), in the fused
-  all-reduce buckets (half the bytes of fp32).
+* **Storage**: the model's working copy of each parameter is held in the 2-byte format
+  between passes and decoded into a float32 ``Parameter.data`` only while its layer
+  computes (``runtime/working_copy.py``: on CPU, float32 is what BLAS computes in, and
+  NumPy has no bfloat16); the activations are float32 arrays holding low-precision
+  values. Gradients travel in real 2-byte form: float16, or bfloat16 words
+  (``mpidl.bfloat16``), in the fused all-reduce buckets (half the bytes of fp32); the
+  optimizer decodes one tensor's at a time into a float32 scratch buffer.
 * **Master weights**: the optimizer holds its own float32 copy of every parameter
   (``Precision.masters``: the optimizer's ``params`` are replaced by them, and its
   moments are float32 like them). After each update the working copy becomes the master
-  rounded to the format. Under ZeRO (``--zero 1|2|3``) the sharded placement takes each
+  rounded to the format. Reading the parameters between steps takes
+  ``Runtime.gather_params()`` (evaluation, checkpoints and ``--save`` call it). Under ZeRO (``--zero 1|2|3``) the sharded placement takes each
   rank's chunks of the masters at set-up (``hand_masters_to``), steps them and gathers
   the rounded working copies itself (``zero.Sharded``); this part keeps the loss scale.
 * **fp16 dynamic loss scaling** (Micikevicius et al. 2018): the loss gradient is
@@ -241,6 +244,8 @@ class Precision:
         # ZeRO (``hand_masters_to``): its placement holds the masters, in shards
         self.sharded = None
         self.exported = {}  # a checkpoint's gathered masters on the root (ZeRO)
+        self.low = None       # working_copy.WorkingCopies: the 2-byte working copies
+        self._scratch = None  # the float32 gradient one update reads (``_grad32``)
 
     # -- set-up
     def setup(self, model, optimizer, loss, chunks=()):
@@ -318,6 +323,34 @@ class Precision:
         self.masters = OrderedDict()
         self.sharded = placement
 
+    def keep_working_copies(self, model, named, words=None):
+        """Hold the working copies of ``named`` (``[(name, Parameter)]``, on the grid
+        already) in the 2-byte format from now on, decoded layer by layer
+        (``working_copy``). ``words``: arrays the caller keeps them in (ZeRO stages 1-2:
+        views of its buckets' 2-byte buffers, filled with them); the others get their
+        own."""
+        from mpidl.backend import array_module  # noqa: PLC0415
+        from mpidl.runtime.working_copy import WorkingCopies  # noqa: PLC0415
+
+        words = dict(words or {})
+        for n, p in named:
+            if n not in words:
+                w = words[n] = array_module(p.data).empty(p.data.shape,
+                                                           dtype=self.wire.storage)
+                self.wire.encode(p.data, 1.0, w)
+        self.low = WorkingCopies(self.wire, model, named, words)
+
+    def gather_params(self):
+        """Every working copy decoded and kept until the next step (evaluation,
+        checkpoints, reading the model)."""
+        if self.low is not None:
+            self.low.materialize()
+
+    def begin_step(self):
+        """The decoded working copies go back to the 2-byte format (``unpin``)."""
+        if self.low is not None:
+            self.low.unpin()
+
     # -- a step
     def step(self, placement, names, coef=1.0):
         """Apply the ready gradients ``names`` through ``placement`` to the masters, then
@@ -326,8 +359,8 @@ class Precision:
         at once, so a skip is all or nothing). Under ZeRO the placement decodes its
         reduced chunks, steps its masters and gathers the working copies itself.
         ``coef``: the clipping coefficient, applied to the unscaled gradients."""
-        from mpidl.backend import array_module  # noqa: PLC0415
-
+        if self.low is not None:  # backward is over: no layer computes until next step
+            self.low.release_all()
         if self.sharded is not None:
             grads = placement.reduced_chunks(names)
         else:  # (one process: an Embedding's gradient is still row-sparse)
@@ -336,18 +369,17 @@ class Precision:
             return False
         if self.sharded is not None:
             placement.step(names, coef)
+            self._scratch = None
             self._grow()
             return True
         unscale = 1.0 / self.scale
         for n, g in zip(names, grads):
             master = self.masters[n]
             if g is None:
-                master.grad = None
                 continue
-            # (into last step's buffer: a new one beside it would double the largest)
-            keep = master.grad
-            reuse = keep is not None and keep.shape == g.shape and keep.dtype == np.float32
-            g32 = self.wire.decode(g, out=keep if reuse else None)
+            # one parameter at a time, its gradient decoded into a scratch buffer: no
+            # float32 copy of the whole gradient beside the 2-byte buckets
+            g32 = g if g.dtype == np.float32 else self.wire.decode(g, out=self._grad32(g))
             for factor in (unscale, coef):  # (unscaling is exact: a power of two)
                 if factor != 1.0:
                     if g32 is g:  # (float32 already, the caller's: not scaled in place)
@@ -355,14 +387,35 @@ class Precision:
                     else:
                         g32 *= np.float32(factor)
             master.grad = g32
-        placement.step(names)
-        for n in names:
-            p, master = self.params[n], self.masters[n]
-            xp = array_module(p.data)
-            xp.copyto(p.data, master.data)
-            self.round(p.data)
+            placement.step([n])
+            master.grad = None
+            self._set_working(n, master.data)
+        self._scratch = None
         self._grow()
         return True
+
+    def _grad32(self, g):
+        """A float32 scratch array shaped like ``g``: a view of one buffer the size of the
+        largest gradient of the update, which lets it go at its end (backward, the
+        memory's high point, never holds it beside the layers' float32 copies)."""
+        from mpidl.backend import array_module  # noqa: PLC0415
+
+        buf = self._scratch
+        if buf is None or buf.size < g.size:
+            buf = self._scratch = array_module(g).empty(g.size, dtype=np.float32)
+        return buf[:g.size].reshape(g.shape)
+
+    def _set_working(self, n, values):
+        """Parameter ``n``'s working copy becomes float32 ``values`` rounded to the
+        format."""
+        if self.low is not None and n in self.low.words:
+            self.low.store(n, values)
+            return
+        from mpidl.backend import array_module  # noqa: PLC0415
+
+        p = self.params[n]
+        array_module(p.data).copyto(p.data, values)
+        self.round(p.data)
 
     def _overflowed(self, grads):
         """fp16: whether any of ``grads`` (on any rank ``agree`` asks) holds an inf or a
@@ -390,10 +443,11 @@ class Precision:
 
     # -- reporting and checkpoints
     def memory(self, ledger):
-        """The float32 master weights (optimizer state, as ZeRO counts them) and the
-        decoded float32 gradients the optimizer reads (gradients)."""
+        """The float32 master weights (optimizer state, as ZeRO counts them) and the 2-byte
+        working copies (parameters)."""
         ledger.add("mem_optimizer", [m.data for m in self.masters.values()])
-        ledger.add("mem_grads", [m.grad for m in self.masters.values()])
+        if self.low is not None:
+            self.low.memory(ledger)
 
     def metrics(self):
         if not self.dynamic:
@@ -451,8 +505,7 @@ class Precision:
                 value = state["masters"][n]
                 value = value.values() if is_deferred(value) else value
                 self.masters[n].data[...] = to_device(value, dtype=np.float32)
-                self.params[n].data[...] = self.masters[n].data
-                self.round(self.params[n].data)
+                self._set_working(n, self.masters[n].data)
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
         self.skipped_total = int(state["skipped_total"])

@@ -291,6 +291,8 @@ class Runtime:
             owned.update(n for n, _ in mine)
             sync.checkpoints = self.checkpoints
             sync.setup(self, mine)
+        if self.precision is not None:
+            self._keep_working_copies()
         self._local_syncs = self.syncs
         if self.averaging is not None:
             # the local phase of model averaging: no gradient leaves the rank
@@ -391,6 +393,8 @@ class Runtime:
         """Clear the gradients and open the syncs' step (before the first forward)."""
         if self.schedule.measure_activations:
             self._start_ledger()
+        if self.precision is not None:
+            self.precision.begin_step()
         self.placement.zero_grad(self.model)
         # an asynchronous pipeline's first step has no earlier gradient to apply
         self._updating = getattr(self.schedule, "gradients_ready", True)
@@ -429,6 +433,23 @@ class Runtime:
             tl.record("compute", "forward", "", 0, t0, t0 + forward_s, 0)
             tl.record("compute", "backward", "", 0, t0 + forward_s, t2, 0)
             tl.record("compute", "exchange+update", "", 0, t2, t4, 0)
+
+    def _keep_working_copies(self):
+        """Mixed precision: the working copies go to the 2-byte format
+        (``working_copy``), but ZeRO stage 3's, which its gathers keep so already, and
+        those a pipeline uses outside their layers' passes (which stay float32); ZeRO
+        stages 1-2 hold them in their buckets' 2-byte buffers (``working_words``)."""
+        words, own = {}, set()
+        for _, s in self.syncs:
+            if getattr(s, "gathers", None) is not None and s.stage == 3:
+                own.update(n for sh in s.shards for n in sh.bucket.names)
+            elif hasattr(s, "working_words"):
+                words.update(s.working_words())
+        if self.pp is not None:
+            own |= self.pp.params_outside_passes()
+        named = [(n, p) for n, p in self.named_params if n not in own]
+        if named:
+            self.precision.keep_working_copies(self.model, named, words)
 
     def _apply_gradients(self):
         """The syncs make the step's gradients ready and the placement applies them;
@@ -475,6 +496,8 @@ class Runtime:
         """Make the model hold the parameters to evaluate and average its buffers."""
         for _, s in self.syncs:
             s.prepare_eval()
+        if self.precision is not None:
+            self.precision.gather_params()
         if self.averaging is not None and self.trains_on_data:
             self.averaging.prepare_eval()
         self.sync_buffers()
@@ -658,17 +681,20 @@ class Runtime:
         return batches
 
     # -- the whole model, whatever the layout (checkpoints, --save)
-    def _gather_params(self):
+    def gather_params(self):
         """Make every parameter whole before the model is read (ZeRO stage 3 holds
-        shards between steps; the other syncs do nothing)."""
+        shards between steps, mixed precision 2-byte working copies; the other syncs do
+        nothing); they stay so until the next step. Collective under ZeRO stage 3."""
         for _, s in self.syncs:
             s.gather_params()
+        if self.precision is not None:
+            self.precision.gather_params()
 
     def full_state(self, model, optimizer=None):
         """Collective over the ranks that hold pieces of one model: (model state,
         optimizer state) of the whole model, as one process would hold them, on the
         root; on other ranks None. Without tensor parallelism: the local states."""
-        self._gather_params()
+        self.gather_params()
         if self.tp is None and self.pp is None:
             if not self.is_root:
                 return None, None
@@ -707,7 +733,7 @@ class Runtime:
             for k, b in model.named_buffers():
                 yield k, to_numpy(b) if root else None
             return
-        self._gather_params()
+        self.gather_params()
 
         def mine():  # this rank's tensors, whole over its tp group (on its first rank)
             for k, a in model.state_dict().items():
@@ -773,7 +799,7 @@ class Runtime:
             model_state, opt_state = self.full_state(model, optimizer)
             return SimpleNamespace(model=model_state, optimizer=opt_state, shard=None,
                                    shards=None, group=None)
-        self._gather_params()
+        self.gather_params()
         whole, opt_state, shard, slices = self.tp.split_state(
             dict(model.state_dict()), optimizer.state_dict(copy=False))  # (written at once)
         g = self.tp_group
@@ -794,7 +820,7 @@ class Runtime:
         one's."""
         from types import SimpleNamespace  # noqa: PLC0415
 
-        self._gather_params()
+        self.gather_params()
         model_state = dict(model.state_dict())
         opt_state = optimizer.state_dict(copy=False)  # (written before the next step)
         g = self._stage_writers()  # (collective over the world)
@@ -973,7 +999,7 @@ class Runtime:
             if opt_state is not None:  # cut into the shards by ``import_state``
                 optimizer.load_state_dict(opt_state, read=False)
             return
-        self._gather_params()  # (ZeRO stage 3: the parameters to load into, gathered)
+        self.gather_params()  # (ZeRO stage 3: the parameters to load into, gathered)
         if self.tp is not None:
             model_state = self.tp.local_state(model_state)
             if opt_state is not None:

@@ -217,13 +217,16 @@ class Shard:
 
     Mixed precision (``precision``): the buckets and ``grad`` are 2-byte; ``param`` is
     this rank's chunk of the float32 **masters** (its own array, taken from
-    ``precision.masters`` before they go), its ``grad`` the decoded float32 chunk;
-    ``params`` hold the working copies (the masters rounded); at stage 3 ``low`` is this
-    rank's chunk of them in the 2-byte format, which the gathers send.
+    ``precision.masters`` before they go), its ``grad`` the decoded float32 chunk while
+    it is stepped; the working copies (the masters rounded) are in the 2-byte format: at
+    stages 1-2 ``words``, the whole bucket's (the all-gather's target; ``params``, the
+    float32 buffer built at set-up, goes once ``working_words`` handed them to the
+    model's ``working_copy.WorkingCopies``), at stage 3 ``low``, this rank's chunk,
+    which the gathers send.
     """
 
     __slots__ = ("bucket", "counts", "displs", "lo", "hi", "params", "param", "grad",
-                 "grad_wire", "algorithm", "exact_rs", "dtype", "low")
+                 "grad_wire", "algorithm", "exact_rs", "dtype", "low", "words")
 
     def __init__(self, bucket, rank, size, algorithm, own=False, precision=None,
                  chunk_only=False):
@@ -254,17 +257,19 @@ class Shard:
         # goes (``ParamGathers``); stages 1-2: a view, the buffer stays
         self.grad = xp.zeros(self.hi - self.lo, dtype=bucket.buffer.dtype)
         self.grad_wire = self.grad.view(bucket.dtype)
-        self.low = None
+        self.low = self.words = None
         if precision is None:
             self.param = Parameter(chunk.copy() if own and not chunk_only else chunk)
             self.param.grad = self.grad
             return
         masters = _flat(xp, [precision.masters[name].data for name in bucket.names])
         self.param = Parameter(masters[self.lo:self.hi].copy())
-        self.param.grad = xp.zeros(self.hi - self.lo, dtype=self.param.data.dtype)
         if own:
             self.low = xp.empty(self.hi - self.lo, dtype=bucket.buffer.dtype)
             precision.wire.encode(chunk, 1.0, self.low)
+        else:
+            self.words = xp.empty(n, dtype=bucket.buffer.dtype)
+            precision.wire.encode(self.params, 1.0, self.words)
 
     def _chunk(self, params, xp):
         """Elements ``lo:hi`` of the bucket's flat layout, from its parameters' values
@@ -364,6 +369,21 @@ class ZeroSync(FusedAllreduce):
         super().begin_step()
         if self.gathers is not None:
             self.gathers.unpin()
+
+    def working_words(self):
+        """Mixed precision at stages 1-2: ``{name: the parameter's 2-byte working copy}``,
+        views of its bucket's ``Shard.words`` (which the update's all-gather fills), for
+        ``working_copy.WorkingCopies``; the float32 flat buffers go (the parameters'
+        ``data`` keep them alive until the first step frees them)."""
+        out = {}
+        for sh in self.shards:
+            if sh.words is None:
+                continue
+            for name, view, flat in zip(sh.bucket.names, sh.bucket.views,
+                                        _param_views(sh.words, sh)):
+                out[name] = flat.reshape(view.shape)
+            sh.params = None
+        return out
 
     @property
     def gathers_in_eval(self):
@@ -468,10 +488,10 @@ class ZeroSync(FusedAllreduce):
         ledger.add("mem_params", [sh.params for sh in self.shards if sh.params is not None])
         if self.precision is not None:
             # mixed precision: the chunks of the float32 masters (optimizer state), the
-            # 2-byte working chunks (stage 3), the decoded float32 gradient chunks
+            # 2-byte working chunks (stage 3; stages 1-2's whole buffers: the precision
+            # part counts them)
             ledger.add("mem_optimizer", [sh.param.data for sh in self.shards])
             ledger.add("mem_params", [sh.low for sh in self.shards if sh.low is not None])
-            ledger.add("mem_grads", [sh.param.grad for sh in self.shards])
         else:
             ledger.add("mem_params", [sh.param.data for sh in self.shards])
         buckets = [b.buffer for b in self.fusion.buckets]
@@ -635,33 +655,40 @@ class Sharded:
         prec = self.precision
         for b in buckets:
             sh = self.shards[b]
-            if prec is not None:  # the reduced 2-byte chunk, decoded and unscaled (exact)
-                prec.wire.decode(sh.grad, out=sh.param.grad)
+            if prec is not None:  # the reduced 2-byte chunk, decoded (into the precision
+                # part's scratch: one chunk at a time) and unscaled (exact)
+                sh.param.grad = prec.wire.decode(sh.grad, out=prec._grad32(sh.grad))
                 if prec.scale != 1.0:
                     sh.param.grad *= sh.param.grad.dtype.type(1.0 / prec.scale)
             if coef != 1.0:
                 sh.param.grad *= sh.param.grad.dtype.type(coef)
             self.inner.step([b])
             if prec is not None:
+                sh.param.grad = None
                 self._publish(sh)
             elif comm is not None and self.stage < 3:  # (stage 3 gathers before use)
                 comm.allgather_shards(sh.params, algorithm=sh.algorithm, name=f"{b}.params")
 
     def _publish(self, sh):
         """Mixed precision: the working copies become the masters rounded to the format.
-        Stages 1-2 all-gather the rounded chunks in the 2-byte format through the bucket's
-        buffer (its gradients are spent) and decode them; stage 3 keeps its chunk in that
-        format for the gathers before use."""
+        Stages 1-2 all-gather the rounded chunks in the 2-byte format into the bucket's
+        working copies (``Shard.words``); stage 3 keeps its chunk in that format for the
+        gathers before use."""
         wire, b = self.precision.wire, sh.bucket
         if self.stage == 3:
             wire.encode(sh.param.data, 1.0, sh.low)
             return
-        wire.encode(sh.param.data, 1.0, b.buffer[sh.lo:sh.hi])
+        wire.encode(sh.param.data, 1.0, sh.words[sh.lo:sh.hi])
         comm = self.sync.comm
         if comm is not None:  # (words: nothing is summed)
-            comm.allgather_shards(_words(b.buffer), algorithm=sh.algorithm,
+            comm.allgather_shards(_words(sh.words), algorithm=sh.algorithm,
                                   name=f"{b.name}.params")
-        wire.decode(b.buffer, out=sh.params)
+        low = self.precision.low
+        for name, p, w in zip(b.names, b.params, _param_views(sh.words, sh)):
+            if low is not None and name in low.words:
+                low.refresh(name)  # (a decoded copy, if one is held, follows)
+            else:  # a float32 working copy (one a pipeline uses outside the passes)
+                wire.decode(w.reshape(p.data.shape), out=p.data)
 
     def reduced_chunks(self, names):
         """The reduced gradient chunks this rank holds for the buckets of ``names``
@@ -683,6 +710,11 @@ class Sharded:
             sh.param.data[...] = self._chunk_of(sh, masters)
             if sh.low is not None:
                 wire.encode(sh.param.data, 1.0, sh.low)
+            if sh.words is not None:  # stages 1-2: the whole bucket's working copies
+                for name, view in zip(sh.bucket.names, sh.bucket.views):
+                    value = to_device(flat_slice(masters[name], 0, view.size),
+                                      dtype=sh.param.data.dtype)
+                    self.precision._set_working(name, value.reshape(view.shape))
             if sh.params is not None:  # the whole working copies (stage 3: while gathered)
                 for name, view in zip(sh.bucket.names, _param_views(sh.params, sh)):
                     view[...] = to_device(flat_slice(masters[name], 0, view.size),
@@ -704,9 +736,11 @@ class Sharded:
         with; under mixed precision the masters rounded), on the host."""
         if self.precision is None:
             return to_numpy(sh.param.data)
-        if sh.low is not None:  # stage 3 keeps it in the 2-byte format
+        low = sh.low if sh.low is not None else \
+            None if sh.words is None else sh.words[sh.lo:sh.hi]
+        if low is not None:  # in the 2-byte format (stage 3: the chunk; 1-2: the bucket's)
             out = array_module(sh.param.data).empty(sh.hi - sh.lo, dtype=sh.dtype)
-            self.precision.wire.decode(sh.low, out=out)
+            self.precision.wire.decode(low, out=out)
             return to_numpy(out)
         return to_numpy(sh.params[sh.lo:sh.hi])
 
@@ -862,14 +896,16 @@ class Sharded:
 
 
 class _Freed:
-    """A stage-3 parameter's ``data`` while its bucket is not gathered: its ``shape`` and
+    """A parameter's ``data`` while no float32 copy of it is held (a stage-3 bucket not
+    gathered; a 2-byte working copy between passes, ``working_copy``): its ``shape`` and
     ``dtype`` can be read (a checkpoint's shapes are checked against them), any other use
-    is one clear error instead of wrong numbers."""
+    is one clear error instead of wrong numbers (``hint``: what holds it, and what to do;
+    default: stage 3's)."""
 
-    __slots__ = ("name", "shape", "dtype")
+    __slots__ = ("name", "shape", "dtype", "hint")
 
-    def __init__(self, name, shape, dtype):
-        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+    def __init__(self, name, shape, dtype, hint=None):
+        self.name, self.shape, self.dtype, self.hint = name, tuple(shape), dtype, hint
 
     @property
     def ndim(self):
@@ -878,6 +914,9 @@ class _Freed:
     def _refuse(self):
         # every rank runs the same model code and meets this at the same point: an error
         # the ranks agree on (one line, exit 2 from the command line)
+        if self.hint is not None:
+            return AgreedUserError(f"parameter {self.name!r} was used while not decoded: "
+                                   f"{self.hint}")
         return AgreedUserError(f"--zero 3 cannot serve this model: parameter {self.name!r} "
                                "was used while not gathered, outside its layer's own "
                                "forward (layer(x)) and backprop, where stage 3 gathers it "
@@ -893,7 +932,8 @@ class _Freed:
         raise self._refuse()
 
     def __repr__(self):
-        return f"<{self.name}: sharded by --zero 3, not gathered>"
+        held = "2-byte, not decoded" if self.hint else "sharded by --zero 3, not gathered"
+        return f"<{self.name}: {held}>"
 
 
 def param_layers(model):

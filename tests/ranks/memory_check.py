@@ -56,7 +56,7 @@ for opt_name in args.optimizers.split(","):
         held = rt.memory()
         want = memory.predict(sizes, n, stage, slots=memory.optimizer_slots(
             opt_name, HYPER[opt_name].get("momentum", 0)), dtype=args.dtype, rank=r,
-            precision=args.precision, emulated=True)
+            precision=args.precision)
         for key in memory.CATEGORIES:
             assert held[key] == getattr(want, key), (
                 f"rank {r}, stage {stage}, {opt_name}: ledger {key} = {held[key]}, the "

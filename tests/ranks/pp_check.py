@@ -200,6 +200,7 @@ def run(comm, name, P, T, kind, M, optimizer, steps, flags, bytes_one):
     worst = 0.0
     if rt.is_root:
         exact = D == 1 and T == 1 and "tiedstep" not in flags
+        ref_rt.gather_params()  # (mixed precision: 2-byte working copies between steps)
         ref_state = ref.state_dict()
         assert set(state) == set(ref_state), sorted(set(state) ^ set(ref_state))
         for k, a in ref_state.items():

@@ -126,6 +126,7 @@ def batches(steps, n, seed=7):
 
 
 def snapshot(rt):
+    rt.gather_params()  # (the working copies are 2-byte between steps)
     params = {n: p.data.copy() for n, p in rt.model.named_parameters()}
     masters = {n: m.data.copy() for n, m in rt.precision.masters.items()}
     state = {n: {k: (v.copy() if hasattr(v, "copy") else v) for k, v in st.items()}
@@ -194,6 +195,7 @@ def section_replicas(comm):
             rt.setup(model, opt, SoftmaxCrossEntropy())
             for s in range(steps):
                 rt.train_step(x[s, rank * b:(rank + 1) * b], y[s, rank * b:(rank + 1) * b])
+            rt.gather_params()
             mine = {n: q.data.copy() for n, q in model.named_parameters()}
             masters = {n: m.data.copy() for n, m in rt.precision.masters.items()}
             ref, ref_masters = simulate(fmt, p, b, x, y, steps)
