@@ -104,6 +104,11 @@ def from_words(w, out=None):
         u <<= _SHIFT
         return u.view(xp.float32)
     for ws, os in pieces(w.view(xp.uint16), out):
+        if xp is np:  # in place, no temporary (NumPy copies first where they overlap)
+            ov = os.view(np.uint32)
+            np.copyto(ov, ws.reshape(ov.shape))
+            ov <<= _SHIFT
+            continue
         u = ws.astype(xp.uint32)
         u <<= _SHIFT
         os[...] = u.view(xp.float32).reshape(os.shape)

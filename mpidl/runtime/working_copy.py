@@ -59,8 +59,6 @@ class WorkingCopies:
             m.add_pre_hook(self._before)
         self.decoded = {n: p.data for n, p in self.params.items()}  # set-up: all of them
         self.pinned = True
-        self.phase = None
-        self.decodes = 0  # parameters decoded in training passes (reset by metrics)
 
     # -- the hooks
     def _before(self, layer, phase):
@@ -69,15 +67,12 @@ class WorkingCopies:
         need = self.needs.get(id(layer))
         if need is None:
             return
-        if phase != self.phase:
-            self.release_all()
-            self.phase = phase
+        # (forward's last layer is backward's first: what it holds, it keeps)
         for n in [n for n in self.decoded if n not in need]:
             self._release(n)
         for n in need:
             if n not in self.decoded:
                 self._decode(n)
-                self.decodes += 1
 
     def _decode(self, n):
         w = self.words[n]
@@ -92,12 +87,11 @@ class WorkingCopies:
         self.params[n].data = _Freed(n, a.shape, a.dtype, hint=_HINT)
 
     def release_all(self):
-        """Free every decoded array (a pass is over: backward's end, a phase change)."""
+        """Free every decoded array (backward is over)."""
         if self.pinned:
             return
         for n in list(self.decoded):
             self._release(n)
-        self.phase = None
 
     # -- whole, for evaluation and checkpoints
     def materialize(self):
