@@ -25,9 +25,10 @@ today's code path). With ``bf16`` or ``fp16``:
   (``Precision.masters``: the optimizer's ``params`` are replaced by them, and its
   moments are float32 like them). After each update the working copy becomes the master
   rounded to the format. Reading the parameters between steps takes
-  ``Runtime.gather_params()`` (evaluation, checkpoints and ``--save`` call it). Under ZeRO (``--zero 1|2|3``) the sharded placement takes each
-  rank's chunks of the masters at set-up (``hand_masters_to``), steps them and gathers
-  the rounded working copies itself (``zero.Sharded``); this part keeps the loss scale.
+  ``Runtime.gather_params()`` (evaluation, checkpoints and ``--save`` call it). Under
+  ZeRO (``--zero 1|2|3``) the sharded placement takes each rank's chunks of the masters
+  at set-up (``hand_masters_to``), steps them and gathers the rounded working copies
+  itself (``zero.Sharded``); this part keeps the loss scale.
 * **fp16 dynamic loss scaling** (Micikevicius et al. 2018): the loss gradient is
   multiplied by the scale S (initially ``--loss-scale``, 2**16). If any reduced gradient
   holds an inf or a NaN, the whole step is skipped (parameters and optimizer state

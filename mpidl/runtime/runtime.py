@@ -441,7 +441,7 @@ class Runtime:
         stages 1-2 hold them in their buckets' 2-byte buffers (``working_words``)."""
         words, own = {}, set()
         for _, s in self.syncs:
-            if getattr(s, "gathers", None) is not None and s.stage == 3:
+            if getattr(s, "stage", None) == 3:
                 own.update(n for sh in s.shards for n in sh.bucket.names)
             elif hasattr(s, "working_words"):
                 words.update(s.working_words())

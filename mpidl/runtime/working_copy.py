@@ -41,22 +41,14 @@ class WorkingCopies:
         self.words = words
         self.params = {n: p for n, p in named if n in words}
         name_of = {id(p): n for n, p in self.params.items()}
-        # id(layer) -> the names it computes with: its own parameters and those of the
-        # layers around it that hold parameters too (a container's own weight stays
-        # decoded while its children run)
+        # id(layer) -> the names of its own parameters, which it computes with (a layer
+        # that used another's would meet a placeholder: one clear error, ``_HINT``)
         self.needs = {}
-        own = {id(m): [name_of[id(p)] for p in ps if id(p) in name_of]
-               for m, ps in param_layers(model)}
-        for path, m in model.modules():
-            names = list(own.get(id(m), ()))
-            if not names:
-                continue
-            for outer, c in model.modules():
-                if c is not m and id(c) in own and (outer == "" or
-                                                     path.startswith(outer + ".")):
-                    names += [n for n in own[id(c)] if n not in names]
-            self.needs[id(m)] = names
-            m.add_pre_hook(self._before)
+        for m, ps in param_layers(model):
+            names = [name_of[id(p)] for p in ps if id(p) in name_of]
+            if names:
+                self.needs[id(m)] = names
+                m.add_pre_hook(self._before)
         self.decoded = {n: p.data for n, p in self.params.items()}  # set-up: all of them
         self.pinned = True
 
