@@ -213,8 +213,6 @@ def test_what_clipping_cannot_serve_is_one_line(tmp_path):
          "--clip-grad-norm cannot be used with --strategy ps"),
         (base + ["--clip-grad-norm", "1", "--pipeline-stages", "3", "--pipeline-schedule",
                  "async", "--micro-batches", "2"], "--pipeline-schedule async"),
-        (base + ["--clip-grad-norm", "1", "--sync", "local-sgd", "--period", "2"],
-         "--clip-grad-norm with --sync local-sgd is not built yet"),
         (base + ["--clip-grad-norm", "1", "--compression", "dgc"],
          "--clip-grad-norm with --compression dgc is not built"),
     ]

@@ -2,7 +2,8 @@
 
 * On 2, 3 and 4 ranks (tests/ranks/local_sgd_check.py, float64): local SGD with H = 1 is
   all-reduce within 1e-13 for SGD (the mean of the local momentum buffers is all-reduce's
-  buffer; each rank's own differs), not for Adam; DiLoCo with outer lr 1 and no outer
+  buffer; each rank's own differs), not for Adam; local SGD with H = 3 is one process
+  simulating the replicas, with and without ``--clip-grad-norm`` (and DiLoCo with it); DiLoCo with outer lr 1 and no outer
   momentum is local SGD bitwise; post-local SGD is all-reduce bitwise before its switch;
   replicas bitwise equal after every averaging; bytes exactly 1/H of all-reduce's.
 * Bad input is one line and exit status 2.
@@ -37,7 +38,9 @@ def test_identities_and_bytes_on_n_ranks(n):
     out = run_ranks(n, [os.path.join(HERE, "ranks", "local_sgd_check.py")],
                     timeout=240).check().output
     assert "local SGD checks passed" in out, out
-    assert f"local SGD H=3 == one process simulating {n} replicas" in out, out
+    assert f"local-sgd H=3 == one process simulating {n} replicas" in out, out
+    for sync in ("local-sgd", "diloco"):  # each replica clips its own gradient
+        assert f"{sync} H=3 --clip-grad-norm 2.5" in out, out
 
 
 def test_sync_composes_with_the_allreduce_preset():

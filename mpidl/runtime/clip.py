@@ -27,8 +27,12 @@ Every element is counted once: a tensor whole on every rank of a tensor-parallel
 of the conv-DP/FC-MP hybrid's group) by the group's first rank only; a tied weight's copy on
 a later pipeline stage is no parameter of that stage. Data-parallel replicas hold the same
 reduced gradient and each computes the same norm without talking; under ZeRO the
-data-parallel group sums its chunks. Not built: model averaging (local SGD, DiLoCo: each
-replica would clip its own gradient), the asynchronous pipeline, parameter servers and
+data-parallel group sums its chunks. Under model averaging (local SGD, DiLoCo) each
+replica clips its own gradient with its own norm between averagings, as one process
+training that replica would (no collective: the replicas' gradients differ by design;
+the all-reduced steps of post-local SGD's warm-up are clipped like data parallelism's,
+and DiLoCo's outer step is not clipped). Not built: the asynchronous pipeline,
+parameter servers and
 Hogwild (the servers apply the gradients), compression, L-BFGS and ``--cuda-graph``; more
 than 2**32 counted elements (a fold would no longer sum exactly).
 """
@@ -197,11 +201,6 @@ class GradClip:
         if runtime.cuda_graph:
             raise ConfigError("--clip-grad-norm with --cuda-graph is not built: the captured "
                               "step has no place for the norm's exchange; drop one of them")
-        if runtime.averaging is not None:
-            raise ConfigError(f"--clip-grad-norm with --sync {runtime.averaging.name} is not "
-                              "built yet: each replica would clip its own gradient between "
-                              "averagings, which no test holds to a reference; drop one of "
-                              "them")
         if runtime.compressor is not None:
             raise ConfigError(f"--clip-grad-norm with --compression {runtime.compressor.name} "
                               "is not built: a compressor's payload and error feedback (and "

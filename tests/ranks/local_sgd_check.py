@@ -8,7 +8,8 @@ Checks, every one on every rank:
   buffer within 1e-13 (momentum is linear in the gradient). With Adam it is not (the
   moments are not linear): the parameters differ by far more than rounding;
 * local SGD (H = 3) on N ranks is one process training the N replicas itself and
-  averaging them every H steps, within 1e-13 after every step;
+  averaging them every H steps, within 1e-13 after every step; with ``--clip-grad-norm``
+  too (each replica clips its own gradient), and DiLoCo (outer lr 1, no momentum) with it;
 * DiLoCo with outer lr 1 and no outer momentum is local SGD bitwise (H = 3);
 * post-local SGD (4 warm-up steps) is all-reduce bitwise up to its switch;
 * after every averaging the replicas are bitwise equal (``verify_averaging``), DiLoCo's
@@ -179,20 +180,25 @@ def check_post_local_switch(comm, warmup=4, steps=10):
               "warm-up steps", flush=True)
 
 
-def check_is_one_process_simulation(comm, steps=9, period=3):
+def check_is_one_process_simulation(comm, steps=9, period=3, sync="local-sgd", clip=None):
     """Local SGD (H = 3, SGD with momentum) on N ranks equals one process that trains N
     replicas itself, each on its shard with its own optimizer, and averages their
     parameters every H steps (summed in rank order; the ring sums in another order, hence
-    within 1e-13). Every rank runs the simulation and compares after every step."""
+    within 1e-13). Every rank runs the simulation and compares after every step.
+    ``clip``: ``--clip-grad-norm`` on both sides, each replica clipping its own gradient
+    (the runs must clip some steps and not others); with ``sync="diloco"`` (outer lr 1, no
+    outer momentum: an averaging) too."""
     n = comm.size
     x, y = data(steps, n * B)
     replicas = []
+    own = {} if clip is None else {"clip_grad_norm": clip}
     for _ in range(n):
         model = mlp(3)  # the runtime starts every replica from rank 0's weights
-        rt = build("local", None)
+        rt = build("local", None, **own)
         rt.setup(model, sgd(model), SoftmaxCrossEntropy())
         replicas.append((model, rt))
-    for s, m, _, _ in train(comm, steps, sync="local-sgd", period=period):
+    outer = dict(outer_lr=1.0, outer_momentum=0.0) if sync == "diloco" else {}
+    for s, m, _, run in train(comm, steps, sync=sync, period=period, **outer, **own):
         for r, (_, rt) in enumerate(replicas):
             rt.train_step(x[s - 1][r * B:(r + 1) * B], y[s - 1][r * B:(r + 1) * B])
         if s % period == 0:
@@ -203,10 +209,17 @@ def check_is_one_process_simulation(comm, steps=9, period=3):
                     nm[k].data[...] = mean
         d = max_diff(params(m), params(replicas[comm.rank][0]))
         if d > TOL:
-            raise AssertionError(f"local SGD step {s}: rank {comm.rank} is {d:.3g} from "
+            raise AssertionError(f"{sync} step {s}: rank {comm.rank} is {d:.3g} from "
                                  "its replica in the one-process simulation")
+    what = f"{sync} H={period}"
+    if clip is not None:
+        clipped = comm.mpi.allreduce(run.clip.clipped)
+        if not 0 < clipped < n * steps:
+            raise AssertionError(f"--clip-grad-norm {clip}: {clipped} of {n * steps} replica "
+                                 "steps clipped; choose a bound that clips some only")
+        what += f" --clip-grad-norm {clip} ({clipped} of {n * steps} replica steps clipped)"
     if comm.rank == 0:
-        print(f"[N={n}] local SGD H={period} == one process simulating {n} replicas "
+        print(f"[N={n}] {what} == one process simulating {n} replicas "
               f"(within {TOL}, every step)", flush=True)
 
 
@@ -244,6 +257,8 @@ def main():
     comm = Communicator()
     check_h1_is_allreduce(comm)
     check_is_one_process_simulation(comm)
+    check_is_one_process_simulation(comm, clip=2.5)
+    check_is_one_process_simulation(comm, sync="diloco", clip=2.5)
     check_diloco_lr1_is_local_sgd(comm)
     check_post_local_switch(comm)
     if comm.size > 1:
