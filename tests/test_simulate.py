@@ -63,7 +63,8 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
 # compressors (no buckets), a pipeline with a stage per rank (no data-parallel group).
 @pytest.mark.parametrize("n, algs, buckets, models, layouts, per_node", [
     (3, "ring,tree,recursive_doubling", "0.001", "mlp,gpt", "zero1,zero3,zero3r", None),
-    (2, "recursive_doubling,auto", "4", "mlp", "zero2+bf16,diloco,bf16", None),
+    (2, "recursive_doubling,auto", "4", "mlp", "zero2+bf16,diloco,bf16,clip,zero2+bf16+clip",
+     None),
     (4, "hierarchical,ring", "4", "mlp", "zero2,fp16,zero3+fp16", 2),
     (2, "ring", "4", "mlp,gpt", "c-fp16,c-qsgd,c-threshold", None),
     (3, "ring,auto", "4", "cnn", "syncbn,syncbn+local-sgd", None),
@@ -78,10 +79,10 @@ def test_predicted_traffic_equals_counters(n, algs, buckets, per_node):
      "ps-async,ps-backup-2", None),
     (4, "ring", "4", "mlp", "tp2+zero1,tp2+zero3r,pp2-1f1b-2+zero2,"
      "pp2-zb-3-rc+zero3,pp2-interleaved:2-4+zero3,pp2-gpipe-2-fp16+zero3,"
-     "pp2-interleaved:2-4-bf16", None),
+     "pp2-interleaved:2-4-bf16,tp2+zero1+clip,pp2-1f1b-2-t2+clip", None),
     (4, "ring", "0.001", "gpt", "tp2+zero3,pp2-interleaved:2-4-tied,pp2-1f1b-2-t2-tied,"
      "pp2-zb-4-tiedstep", None),
-    (3, "ring", "0.001,4", "cnn", "hybrid,hybrid+syncbn", None),
+    (3, "ring", "0.001,4", "cnn", "hybrid,hybrid+syncbn,hybrid+clip", None),
     (3, "ring", "0.001,4", "gpt,mlp", "parallax-sync,parallax-async", None),
 ])
 def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts, per_node):
@@ -104,7 +105,9 @@ def test_other_layouts_traffic_equals_counters(n, algs, buckets, models, layouts
     boundary's all-gathers and reduce-scatter, the FC block's all-reduces, the
     convolutions' buckets; uneven FC slices at p = 3) and Parallax (``parallax-MODE``:
     gpt-tiny's Embedding, or the mlp's biases, pushed to the servers as coalesced rows or
-    whole, the rest all-reduced among the trainers), counted exactly, group by group."""
+    whole, the rest all-reduced among the trainers), and ``--clip-grad-norm`` (``+clip``:
+    its two MPI all-reduces on each group that sums the norm: tp, pp, hybrid, ZeRO's dp;
+    none under plain data parallelism), counted exactly, group by group."""
     check_ranks(n, algs, buckets, models, per_node=per_node, layouts=layouts)
 
 

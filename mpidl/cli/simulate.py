@@ -478,7 +478,8 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
         if pieces is not None and p > 1:
             lay = tensor.layout(*pieces, p, algorithm, bucket_mb, accumulate,
                                 sparse=bool(sparse), zero=int(cfg.zero or 0),
-                                zero_keep=shape.get("zero_keep", ()))
+                                zero_keep=shape.get("zero_keep", ()),
+                                clip=clip_count(cfg, model))
             t = tensor.step_time(lay, compute, cfg.batch_size, accumulate, machine, per_node,
                                  overlap, seg)
             counted = tensor.traffic(lay, per_node, ranks=watch, seg_bytes=seg)
@@ -601,7 +602,17 @@ def layout_options(cfg, model, accumulate, grads=None):
         out["period"] = int(cfg.period)
     if (cfg.precision or "fp32") != "fp32":
         out["wire"] = Wire(cfg.precision).dtype
+    if clip_count(cfg, model):
+        out["clip"] = clip_count(cfg, model)
     return out
+
+
+def clip_count(cfg, model):
+    """``--clip-grad-norm``: the elements its norm counts (the whole model's, each once);
+    0 without it."""
+    if getattr(cfg, "clip_grad_norm", None) is None:
+        return 0
+    return sum(q.data.size for _, q in model.named_parameters())
 
 
 def pipeline_of(cfg):
@@ -650,7 +661,8 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
         return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, sparse,
                                {0: {n: [r] * d for n, r in rows.items()}},
                                cost_source=source, zero=zero, recompute=bool(cfg.recompute),
-                               tied_per_step=per_step, sync_bn=sync_bn, wire=wire)
+                               tied_per_step=per_step, sync_bn=sync_bn, wire=wire,
+                               clip=clip_count(cfg, model))
     loss = task_for(dataset).loss
     y = to_device(dataset.train_y[idx])
     xs, ids = draw_batch(dataset, rng, cfg.batch_size * plan.M, _param_dtype(model))
@@ -661,7 +673,7 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
     return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, names, tp_rows,
                            cost_source=source, zero=zero, recompute=bool(cfg.recompute),
                            tied_per_step=per_step, sync_bn=sync_bn,
-                           pieces=lambda bounds: tensor.pieces_of(make_model, T, (x, y), loss,
+                           clip=clip_count(cfg, model), pieces=lambda bounds: tensor.pieces_of(make_model, T, (x, y), loss,
                                                                   chunks=bounds)[0])
 
 
@@ -712,7 +724,8 @@ def hybrid_step(cfg, dataset, p, algorithm, bucket_mb, accumulate, make_model):
                         _param_dtype(model))
     return hybrid.layout(make_model, p, x, to_device(dataset.train_y[idx]),
                          task_for(dataset).loss, algorithm, bucket_mb, accumulate,
-                         sync_bn=bool(getattr(cfg, "sync_bn", False)))
+                         sync_bn=bool(getattr(cfg, "sync_bn", False)),
+                         clip=clip_count(cfg, model))
 
 
 def tensor_pieces(cfg, model, dataset, degree, make_model):

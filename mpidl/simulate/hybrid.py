@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from mpidl.comm import auto
 
 from . import collectives as col
-from .step import Compute, call_time, calls_traffic, segment_bytes
+from .step import Compute, call_time, calls_traffic, clip_calls, segment_bytes
 from .step import layout as group_layout
 from .step import step_time as group_time
 from .tensor import RecordingGroup
@@ -51,13 +51,15 @@ class HybridStep:
     every: int = 1
     servers: int = 0
     calls: list = field(default_factory=list)  # (the convolutions' buckets, for --json)
+    step_calls: list = field(default_factory=list)  # once a step (clipping's norm)
 
 
 def layout(make_model, p, x, y, loss, algorithm="auto", bucket_mb=4.0, micro=1,
-           sync_bn=False, tables=None, rank=0):
+           sync_bn=False, tables=None, rank=0, clip=0):
     """``HybridStep`` of ``p`` ranks, rank ``rank``'s view (its FC slices), for one
     micro-batch ``(x, y)`` per rank (module doc); ``make_model()`` builds the whole
-    model afresh (it is cut)."""
+    model afresh (it is cut). ``clip``: under ``--clip-grad-norm`` the elements its norm
+    counts (summed over the group once a step: its FC slices differ by rank)."""
     from mpidl.runtime.hybrid import Hybrid  # noqa: PLC0415
 
     from .step import sync_bn_layers  # noqa: PLC0415
@@ -88,14 +90,15 @@ def layout(make_model, p, x, y, loss, algorithm="auto", bucket_mb=4.0, micro=1,
     held = sum(q.data.size for _, q in named) / max(sum(whole.values()), 1)
     return HybridStep(p, group.calls, conv, factor, held, part.boundary, micro,
                       what=f"hybrid conv-dp-fc-mp over {p} ranks (layers 0..{part.boundary - 1}"
-                      " data parallel, the rest tensor parallel)", calls=conv.calls)
+                      " data parallel, the rest tensor parallel)", calls=conv.calls,
+                      step_calls=clip_calls(clip) if clip else [])
 
 
 def traffic(step, per_node=1, ranks=None, seg_bytes=None):
     """``{rank: {kind: {...}, "total": ...}}``: what the group's counters show."""
     seg_bytes = segment_bytes() if seg_bytes is None else seg_bytes
     topo = col.Topology(step.p, max(1, min(per_node, step.p)))
-    calls = step.fc_calls * step.micro + step.conv.calls
+    calls = step.fc_calls * step.micro + step.conv.calls + step.step_calls
     return {r: calls_traffic(calls, r, topo, seg_bytes)
             for r in (range(step.p) if ranks is None else ranks)}
 
@@ -113,4 +116,7 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
     t = group_time(step.conv, mine, batch, accumulate, links, overlap, seg_bytes,
                    in_pass=(passes["forward-tp"], passes["backward-tp"]))
     t["comm"] += accumulate * (passes["forward-tp"] + passes["backward-tp"])
+    once = sum(call_time(c, links, seg_bytes) for c in step.step_calls)  # (blocking)
+    for key in ("comm", "exposed_comm", "total"):
+        t[key] += once
     return t

@@ -58,7 +58,7 @@ from mpidl.comm.counters import FIELDS, KINDS
 from mpidl.errors import ConfigError
 
 from . import collectives as col
-from .step import call_time, segment_bytes, slowest_of
+from .step import call_time, clip_calls, segment_bytes, slowest_of
 from .step import layout as group_layout
 from .step import traffic as group_traffic
 
@@ -104,6 +104,9 @@ class PipelineStep:
     # fp16: the stages agree on an overflow, one MPI all-reduce on the pipeline group per
     # step (counted as a call; its four bytes are not priced)
     overflow_agreement: bool = False
+    # --clip-grad-norm: its MPI all-reduces once a step on the pipeline group (and the tp
+    # group): counted as calls, not priced (as the overflow's)
+    step_calls: list = field(default_factory=list)
 
 
 def plan_of(stages, schedule, micro):
@@ -186,7 +189,7 @@ def held_names(named, bounds, plan, rank):
 
 def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
            rows=None, tables=None, cost_source="", pieces=None, zero=0, recompute=False,
-           tied_per_step=False, sync_bn=False, wire=None):
+           tied_per_step=False, sync_bn=False, wire=None, clip=0):
     """``PipelineStep`` of ``p`` ranks for ``model`` (whole, built from the seed) cut by
     ``costs`` over ``plan``; ``x``: one micro-batch of input (its shape sets the
     messages). ``sparse``: the row-sparse parameters gathered as rows; ``rows[j][name]``:
@@ -200,7 +203,8 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
     stage's BatchNorms all-reduce over its dp group in every pass: counted with its dp
     group's calls; without tensor parallelism); ``wire``: mixed precision's bucket dtype
     (each stage's buckets 2-byte; fp16's overflow agreed over the stages, and with ZeRO
-    over each dp group)."""
+    over each dp group); ``clip``: under ``--clip-grad-norm`` the elements its norm counts
+    (summed over the pipeline and tp groups, and under ZeRO the dp groups)."""
     from mpidl.runtime.pipeline import partition, piece_of, tied_pairs  # noqa: PLC0415
 
     from .step import sync_bn_layers  # noqa: PLC0415
@@ -255,7 +259,8 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
                                       zero_recompute=recompute, part_of=piece,
                                       sync_bn=[b for b in bn if int(b[0].split(".")[0])
                                                in mine],
-                                      bn_forwards=2 if recompute else 1, wire=wire))
+                                      bn_forwards=2 if recompute else 1, wire=wire,
+                                      clip=clip))
             tp_calls[s].append([c for c in calls if call_layer(c.name, n) in mine])
     kind = plan.kind + (f":{plan.v}" if plan.v > 1 else "")
     whole = sum(q.data.size for _, q in model.named_parameters())
@@ -265,7 +270,8 @@ def layout(model, p, plan, costs, x, algorithm="auto", bucket_mb=4.0, sparse=(),
                         whole_params=whole, cost_source=cost_source,
                         what=f"pipeline {P} stages ({kind}, {plan.M} micro-batches)"
                         f"{tp_text} x data parallelism {d}", calls=dp[0][0].calls,
-                        overflow_agreement=wire is not None and np.dtype(wire) == np.float16)
+                        overflow_agreement=wire is not None and np.dtype(wire) == np.float16,
+                        step_calls=clip_calls(clip) if clip else [])
 
 
 def layers_of(bounds, plan, rank):
@@ -315,14 +321,15 @@ def traffic(step, per_node=1, ranks=None, seg_bytes=None):
         s, i, j = groups_of(r, step)
         pp = {kind: dict(zip(FIELDS, p2p[j][s] if kind == "p2p" else [0, 0, 0, 0]))
               for kind in KINDS}
-        if step.overflow_agreement:
-            pp["allreduce"].update(calls=1, native_calls=1)
+        native = step.overflow_agreement + len(step.step_calls)  # (MPI's: calls only)
+        if native:
+            pp["allreduce"].update(calls=native, native_calls=native)
         pp["total"] = {f: sum(pp[k][f] for k in KINDS) for f in FIELDS}
         groups = {"pp": pp, "dp": group_traffic(step.dp[s][j], dp_topo.per_node, ranks=[i],
                                                 seg_bytes=seg_bytes)[i]}
         if T > 1:
-            groups["tp"] = calls_traffic(step.tp_calls[s][j] * step.micro, j, tp_topo,
-                                         seg_bytes)
+            groups["tp"] = calls_traffic(step.tp_calls[s][j] * step.micro + step.step_calls,
+                                         j, tp_topo, seg_bytes)
         summary = {k: {f: sum(g[k][f] for g in groups.values()) for f in FIELDS}
                    for k in (*KINDS, "total")}
         summary["groups"] = groups

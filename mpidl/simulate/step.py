@@ -101,6 +101,18 @@ class StepLayout:
     local_gamma: float = 0.0
 
 
+def clip_calls(count):
+    """``--clip-grad-norm``'s MPI all-reduces on a group whose ranks hold parts of the
+    gradient (``runtime.clip.GradClip``; ``count`` elements in all): the largest square,
+    then the folds' float64 sums. (A step whose gradient is all zero or not finite makes
+    the first only.)"""
+    from mpidl.runtime.clip import folds_for  # noqa: PLC0415
+
+    folds, _ = folds_for(count)
+    return [Call("allreduce", "clip.max", "mpi", 1, 8, "float64", (), phase="update"),
+            Call("allreduce", "clip.sum", "mpi", folds, 8, "float64", (), phase="update")]
+
+
 def segment_bytes():
     """The ring's segment in bytes, as the communicator reads it."""
     return max(env.number("MPIDL_RING_SEGMENT", int), 64)
@@ -124,7 +136,7 @@ def _dtype_name(dtype):
 def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), rows=None,
            tables=None, zero=0, micro=1, wire=None, period=None, compression=None,
            sync_bn=(), alone=False, zero_keep=(), zero_recompute=False, part_of=None,
-           bn_forwards=1):
+           bn_forwards=1, clip=0):
     """The collectives of one step on ``p`` ranks (module doc). ``rows``: for each
     row-sparse parameter name, the rows every rank sends (a list of ``p`` counts).
     ``zero``: the ZeRO stage (``mpidl.runtime.zero``), ``micro`` the micro-batches of a
@@ -141,7 +153,10 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
     ``bn_forwards``: 2 under a pipeline's ``--recompute``). ``alone``:
     on one rank the calls are still made (a mesh's data-parallel group of one: they count
     as calls, moving nothing); otherwise one process makes none. ``part_of``: the
-    buckets' parts (``fusion.plan``: a pipeline's chunks)."""
+    buckets' parts (``fusion.plan``: a pipeline's chunks). ``clip``: under
+    ``--clip-grad-norm`` the elements its norm counts (the whole model's), which this
+    group sums under ZeRO (``clip_calls``; replicas that hold the whole reduced gradient
+    compute it without a message)."""
     named_params = list(named_params)
     sparse_names = set(sparse_names)
     selector = auto.Selector(p, auto.load() if tables is None else tables)
@@ -179,13 +194,17 @@ def layout(named_params, p, algorithm="auto", bucket_mb=4.0, sparse_names=(), ro
         out.overlap = zero == 1
         out.update_share = 1.0 / p
         out.what = f"ZeRO stage {zero}"
+        agree = []  # (before any update: the clipping coefficient, then fp16's skip)
+        if clip and p > 1:  # each rank holds chunks: the group sums the norm's parts
+            agree += clip_calls(clip)
         if wire is not None and np.dtype(wire) == np.float16 and p > 1:
             # fp16: each rank checks its own chunks for an overflow, so the ranks agree
             # (MPI's all-reduce of one int32) before any update
-            first = next((i for i, c in enumerate(out.calls) if c.phase == "update"),
-                         len(out.calls))
-            out.calls.insert(first, Call("allreduce", "precision.overflow", "mpi", 1, 4,
-                                         "int32", (), phase="update"))
+            agree.append(Call("allreduce", "precision.overflow", "mpi", 1, 4, "int32", (),
+                              phase="update"))
+        first = next((i for i, c in enumerate(out.calls) if c.phase == "update"),
+                     len(out.calls))
+        out.calls[first:first] = agree
     sparse = [(n, q) for n, q in named_params if n in sparse_names]
     out.sparse = tuple(n for n, _ in sparse)
     for name, q in sparse:

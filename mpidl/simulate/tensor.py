@@ -29,7 +29,8 @@ from mpidl.comm import auto
 from mpidl.comm.counters import FIELDS, KINDS
 
 from . import collectives as col
-from .step import Call, Compute, _dtype_name, calls_traffic, resolve, segment_bytes
+from .step import Call, Compute, _dtype_name, call_time, calls_traffic, clip_calls
+from .step import resolve, segment_bytes
 from .step import layout as group_layout
 from .step import step_time as group_time
 from .step import traffic as group_traffic
@@ -167,6 +168,7 @@ class MeshStep:
     every: int = 1
     servers: int = 0
     calls: list = field(default_factory=list)  # (tp rank 0's dp calls, for --json)
+    step_calls: list = field(default_factory=list)  # tp calls once a step (clipping's)
 
 
 def groups_of(rank, degree):
@@ -189,7 +191,8 @@ def traffic(step, per_node=1, ranks=None, seg_bytes=None):
     out = {}
     for r in (range(step.p) if ranks is None else ranks):
         i, j = groups_of(r, step.degree)
-        tp = calls_traffic(step.pieces[j].calls * step.micro, j, tp_topo, seg_bytes)
+        tp = calls_traffic(step.pieces[j].calls * step.micro + step.step_calls, j, tp_topo,
+                           seg_bytes)
         dp = group_traffic(step.dp[j], dp_topo.per_node, ranks=[i], seg_bytes=seg_bytes)[i]
         summary = {k: {f: tp[k][f] + dp[k][f] for f in FIELDS} for k in (*KINDS, "total")}
         summary["groups"] = {"tp": tp, "dp": dp}
@@ -218,6 +221,9 @@ def step_time(step, compute, batch, accumulate, machine, per_node, overlap, seg_
         t = group_time(dp, mine, batch, accumulate, dp_links, overlap, seg_bytes,
                        in_pass=(passes["forward-tp"], passes["backward-tp"]))
         t["comm"] += accumulate * (passes["forward-tp"] + passes["backward-tp"])
+        once = sum(call_time(c, tp_links, seg_bytes) for c in step.step_calls)  # (blocking)
+        for key in ("comm", "exposed_comm", "total"):
+            t[key] += once
         if worst is None or t["total"] > worst["total"]:
             worst = t
     return worst
@@ -231,13 +237,15 @@ def pieces_of(make_model, degree, batch, loss, tables=None, chunks=None):
 
 
 def layout(pieces, whole_params, p, algorithm="auto", bucket_mb=4.0, micro=1, tables=None,
-           rows=None, sparse=True, zero=0, zero_keep=()):
+           rows=None, sparse=True, zero=0, zero_keep=(), clip=0):
     """``MeshStep`` of ``p`` ranks over ``pieces_of``'s pieces (one per tp rank).
     ``rows``: the rows each dp rank's row-sparse gradients hold, per tp rank
     (``rows[j][name]``: a count per dp rank; default: the piece's batch's on every dp
     rank); ``sparse=False``: they go dense in the buckets (``--sparse-grads dense``);
     ``zero``: the dp group's ZeRO stage (its buckets of the slices sharded; stage 3
-    gathers them for every pass, but ``zero_keep``'s, ``step.layout``'s)."""
+    gathers them for every pass, but ``zero_keep``'s, ``step.layout``'s); ``clip``: under
+    ``--clip-grad-norm`` the elements its norm counts, summed over the tp group (and
+    under ZeRO the dp group) once a step."""
     degree = len(pieces)
     d = p // degree
     dp = []
@@ -246,7 +254,7 @@ def layout(pieces, whole_params, p, algorithm="auto", bucket_mb=4.0, micro=1, ta
         sizes = (rows or {}).get(j) or {name: [piece.rows[name]] * d for name in names}
         dp.append(group_layout(piece.named, d, algorithm, bucket_mb, names, sizes,
                                tables=tables, alone=True, zero=zero, micro=micro,
-                               zero_keep=zero_keep))
+                               zero_keep=zero_keep, clip=clip))
     return MeshStep(p, degree, pieces, dp, micro=micro, whole_params=whole_params,
                     what=f"tensor parallelism {degree} x data parallelism {d}",
-                    calls=dp[0].calls)
+                    calls=dp[0].calls, step_calls=clip_calls(clip) if clip else [])

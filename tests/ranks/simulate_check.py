@@ -33,7 +33,8 @@ tp groups' counters; ``-rc`` in ``pp...``: ``--recompute``, ``-tied``: gpt-tiny 
 ``+zeroK``: ZeRO stage K on the dp group; ``tp...`` also ``3r`` with ``--zero-reuse on``),
 ``parallax-MODE[-S]`` (``--sparse-sync ps``: gpt-tiny's Embeddings, or the mlp's
 biases with ``--ps-params '*.bias'``, on S servers; the rest all-reduced among the
-trainers), ``hogwild[-S]`` (``--strategy hogwild --servers S``: a worker's one-sided
+trainers), ``clip`` or ``...+clip`` (``--clip-grad-norm``: the norm's two MPI
+all-reduces on every group that sums it, in any layout above), ``hogwild[-S]`` (``--strategy hogwild --servers S``: a worker's one-sided
 operations), ``groupsG-MODE[-S]`` (``--strategy ps --group-size G``: a group's all-reduce and
 broadcast, its leader's pushes), ``hybrid`` and ``hybrid+syncbn`` (``--hybrid conv-dp-fc-mp``, the cnn: the boundary's
 gathers, the FC block's all-reduces and the convolutions' buckets on the one group). Models: ``mlp``, ``gpt``, ``cnn``.
@@ -103,7 +104,17 @@ LAYOUTS = {
     "bf16": ({"precision": "bf16"}, {"wire": "bf16"}),
     "fp16": ({"precision": "fp16"}, {"wire": "fp16"}),
     "syncbn": ({"sync_bn": True}, {"sync_bn": True}),  # (the cnn: its BatchNorms)
+    # --clip-grad-norm: ZeRO's group sums the norm (the elements: check); plain data
+    # parallelism computes it without a message
+    "clip": ({"clip_grad_norm": 1.0}, {}),
 }
+
+
+def clip_of(how, kind):
+    """``(how without "+clip", the elements --clip-grad-norm counts or 0)``."""
+    if not how.endswith("+clip"):
+        return how, 0
+    return how[:-len("+clip")], sum(q.data.size for _, q in make(kind).named_parameters())
 
 
 #: compressors whose payload size depends on the gradient's values
@@ -168,6 +179,8 @@ def check(kind, algorithm, bucket_mb, overlap, per_node, how="dp"):
             options, shape = {**options, **LAYOUTS[part][0]}, {**shape, **LAYOUTS[part][1]}
     if options.get("zero_reuse") == "on":
         shape["zero_keep"] = boundary_params(model)
+    if "clip_grad_norm" in options:
+        shape["clip"] = sum(q.data.size for _, q in model.named_parameters())
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb,
                overlap="off" if options.get("zero", 0) >= 2 else overlap, **options)
     rt.setup(model, opt, TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy())
@@ -484,7 +497,8 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     layout for this rank, group by group."""
     from mpidl.simulate import tensor
 
-    base, _, stage = how.partition("+zero")
+    core, clip = clip_of(how, kind)
+    base, _, stage = core.partition("+zero")
     degree, zero, reuse = int(base[2:]), int(stage.rstrip("r") or 0), stage.endswith("r")
     tables = gathers_by(algorithm)
     comm = Communicator(MPI.COMM_WORLD, _tables=tables)
@@ -496,7 +510,8 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     loss = TokenCrossEntropy() if kind == "gpt" else SoftmaxCrossEntropy()
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
                tensor_parallel=degree, zero=zero, zero_reuse="on" if reuse else None,
-               sparse_grads="dense" if zero else "allgather")
+               sparse_grads="dense" if zero else "allgather",
+               clip_grad_norm=1.0 if clip else None)
     rt.setup(model, opt, loss)
     rt.train_step(*batch(kind, 0, i))  # (a tp group's ranks share their data: dp index)
     rt.mesh.reset_counters()
@@ -510,7 +525,7 @@ def check_tp(kind, algorithm, bucket_mb, overlap, how, per_node):
     pieces, whole = tensor.pieces_of(lambda: make(kind), degree, (x, y), loss_of(kind), tables)
     keep = boundary_params(make(kind)) if reuse else ()
     step = tensor.layout(pieces, whole, p, algorithm, bucket_mb, tables=tables, rows=rows,
-                         sparse=not zero, zero=zero, zero_keep=keep)
+                         sparse=not zero, zero=zero, zero_keep=keep, clip=clip)
     predicted = tensor.traffic(step, per_node, ranks=[rank])[rank]["groups"]
     same_groups(predicted, {g: counted[g] for g in ("tp", "dp")},
                 f"rank {rank} of {p}, {kind} {how} {algorithm} bucket {bucket_mb}")
@@ -534,7 +549,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
 
     from mpidl.simulate import tensor
 
-    base, _, stage = how.partition("+zero")
+    core, clip = clip_of(how, kind)
+    base, _, stage = core.partition("+zero")
     zero = int(stage or 0)
     parts = base[2:].split("-")
     recompute, tied, per_step = "rc" in parts, "tied" in parts, "tiedstep" in parts
@@ -555,7 +571,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
                pipeline_stages=P, pipeline_schedule=schedule, micro_batches=M,
                stage_costs="layers", tensor_parallel=T, zero=zero, recompute=recompute,
                tied_exchange="step" if per_step else None, sync_bn=sync_bn,
-               sparse_grads="dense" if zero else "allgather", precision=precision)
+               sparse_grads="dense" if zero else "allgather", precision=precision,
+               clip_grad_norm=1.0 if clip else None)
     rt.setup(model, opt, loss_of(kind))
     i = rt.shard()[0]  # (a replica's stages share its data)
 
@@ -569,6 +586,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
     rt.train_step(x, y)
     counted = rt.mesh.counters()
     whole = make(kind, tied)
+    if clip:  # (a tied weight counted once)
+        clip = sum(q.data.size for _, q in whole.named_parameters())
     sparse = sorted(sparse_param_names(whole))
     j = rank % T
     if T == 1:
@@ -587,7 +606,8 @@ def check_pp(kind, algorithm, bucket_mb, how, per_node):
                            bucket_mb, () if zero else sparse if T == 1 else sorted(mine),
                            rows, tables=tables, pieces=pieces, zero=zero,
                            recompute=recompute, tied_per_step=per_step, sync_bn=sync_bn,
-                           wire=None if precision is None else wire_dtype(precision))
+                           wire=None if precision is None else wire_dtype(precision),
+                           clip=clip)
     assert step.bounds == rt.pp.bounds, (step.bounds, rt.pp.bounds)
     predicted = pipeline.traffic(step, per_node, ranks=[rank])[rank]["groups"]
     same_groups(predicted, {g: counted[g] for g in predicted},
@@ -608,14 +628,16 @@ def check_hybrid(kind, algorithm, bucket_mb, overlap, how, per_node):
     rank (every rank trains on as many rows)."""
     from mpidl.simulate import hybrid
 
-    sync_bn = how.endswith("+syncbn")
+    core, clip = clip_of(how, kind)
+    sync_bn = core.endswith("+syncbn")
     tables = gathers_by(algorithm)
     comm = Communicator(MPI.COMM_WORLD, _tables=tables)
     p, rank = comm.size, comm.rank
     model = make(kind)
     opt = SGD(model.named_parameters(), lr=0.01, momentum=0.9, fused=False)
     rt = build("allreduce", comm, algorithm=algorithm, bucket_mb=bucket_mb, overlap=overlap,
-               hybrid="conv-dp-fc-mp", sync_bn=sync_bn)
+               hybrid="conv-dp-fc-mp", sync_bn=sync_bn,
+               clip_grad_norm=1.0 if clip else None)
     rt.setup(model, opt, loss_of(kind))
     rt.train_step(*batch(kind, 0, rank))
     rt.group.reset_counters()
@@ -623,7 +645,7 @@ def check_hybrid(kind, algorithm, bucket_mb, overlap, how, per_node):
     rt.train_step(x, y)
     counted = rt.group.counters()
     step = hybrid.layout(lambda: make(kind), p, x, y, loss_of(kind), algorithm, bucket_mb,
-                         sync_bn=sync_bn, tables=tables, rank=rank)
+                         sync_bn=sync_bn, tables=tables, rank=rank, clip=clip)
     predicted = hybrid.traffic(step, per_node, ranks=[rank])[rank]
     if predicted != counted:
         diff = {k: (predicted[k], counted[k]) for k in counted if predicted.get(k) != counted[k]}
