@@ -65,3 +65,15 @@ def test_a_callback_can_stop_training(tmp_path):
     last = _trainer(tmp_path, [rec], epochs=5).fit()
     assert last["step"] == 3 and last["epoch"] == 1  # the epoch still ends (evaluated)
     assert rec.events.count("epoch1") == 1 and "start3" not in rec.events
+
+
+def test_evaluation_keeps_no_activations(tmp_path):
+    """An evaluation's forwards keep nothing for a backward that never comes: after
+    ``evaluate`` (and so after training) the model holds no saved activations."""
+    trainer = _trainer(tmp_path, [], epochs=1)
+    trainer.fit()
+    assert trainer.model.activation_nbytes() == 0
+    trainer.model(np.zeros((8,) + trainer.dataset.train_x.shape[1:], np.float32))
+    assert trainer.model.activation_nbytes() > 0  # (a forward does keep them)
+    trainer.evaluate()
+    assert trainer.model.activation_nbytes() == 0

@@ -452,6 +452,9 @@ class Trainer:
                 for k, v in self.task.eval_sums(self.model, x, y).items():
                     sums[k] = sums.get(k, 0) + v
         finally:
+            # (what the forwards kept for a backward that never comes: freed now, not
+            # when the next step's forwards replace it, nor held after training ends)
+            self.model.discard_saved()
             self.model.train()
         if not sums:  # an empty test piece: the same keys, zero
             sums = {k: 0 for k in ("loss_sum", "correct", "n")}
