@@ -554,6 +554,7 @@ class Runtime:
         """The step that takes the ledger: a probe before every layer's forward and
         backward follows the held memory and the activations through the passes."""
         self._peak = 0
+        self._optimizer_bytes = self.memory()["mem_optimizer"]
         self._probes = [m for _, m in self.model.modules()]
         for m in self._probes:
             m.add_pre_hook(self._probe_memory)
@@ -575,6 +576,11 @@ class Runtime:
         held = self.memory()
         peak = max(self._peak, sum(held.values()))
         self.ledger = {**held, "mem_activations": sched.activation_bytes, "mem_peak": peak}
+        if held["mem_optimizer"] > self._optimizer_bytes:
+            # the optimizer's state came into being in this step's update, after the
+            # passes the probes followed: the next step's passes hold it, measure that one
+            sched.measure_activations = True
+            sched.activation_bytes = 0
 
     # -- metrics
     def reset_stats(self):
