@@ -201,17 +201,21 @@ def test_two_byte_working_copies_change_no_bit(fmt, zero, monkeypatch):
     """The working copies held in the 2-byte format between passes and decoded layer by
     layer (``working_copy``) train bitwise as float32 working copies holding the same
     values (the runtime without them), Adam, 12 steps, with an evaluation between steps
-    (which decodes them all until the next step)."""
+    (which decodes them all until the next step); the update's scratch holding one
+    gradient at a time steps as the whole gradient at once does."""
+    from mpidl.runtime import precision
     from mpidl.runtime.runtime import Runtime
 
     def train(low):
-        if not low:
-            monkeypatch.setattr(Runtime, "_keep_working_copies", lambda self: None)
-        model = mlp()
-        opt = Adam(model.named_parameters(), lr=1e-2)
-        rt = build("allreduce", None, precision=fmt, zero=zero, bucket_mb=0.001)
-        rt.setup(model, opt, SoftmaxCrossEntropy())
-        monkeypatch.undo()
+        # (low: the scratch holds the largest gradient only, so the update steps in groups)
+        monkeypatch.setattr(precision, "SCRATCH_ELEMENTS", 1 if low else 1 << 22)
+        with monkeypatch.context() as patch:
+            if not low:
+                patch.setattr(Runtime, "_keep_working_copies", lambda self: None)
+            model = mlp()
+            opt = Adam(model.named_parameters(), lr=1e-2)
+            rt = build("allreduce", None, precision=fmt, zero=zero, bucket_mb=0.001)
+            rt.setup(model, opt, SoftmaxCrossEntropy())
         assert (rt.precision.low is not None) == low
         x, y = problem(12)
         for s in range(12):

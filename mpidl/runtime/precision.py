@@ -52,6 +52,9 @@ from mpidl.options import Option
 FORMATS = ("fp32", "bf16", "fp16")
 DEFAULT_LOSS_SCALE = 2.0 ** 16
 DEFAULT_WINDOW = 2000
+#: float32 elements of the scratch buffer an update decodes 2-byte gradients into (at
+#: least the largest gradient's): 16 MiB
+SCRATCH_ELEMENTS = 1 << 22
 
 OPTIONS = [
     Option("precision", str, "fp32", "fp32, bf16 or fp16: forward and backward in this "
@@ -374,37 +377,58 @@ class Precision:
             self._grow()
             return True
         unscale = 1.0 / self.scale
+        # the 2-byte gradients decoded into one float32 scratch buffer, as many at a time
+        # as it holds (no float32 copy of a large model's whole gradient beside the
+        # buckets; small tensors stepped together, as the optimizer's fused kernels like)
+        low = [g for g in grads if g is not None and g.dtype != np.float32]
+        scratch = self._grad32(max([g.size for g in low] + [SCRATCH_ELEMENTS]), low[0]) \
+            if low else None
+        group, used = [], 0
         for n, g in zip(names, grads):
-            master = self.masters[n]
             if g is None:
                 continue
-            # one parameter at a time, its gradient decoded into a scratch buffer: no
-            # float32 copy of the whole gradient beside the 2-byte buckets
-            g32 = g if g.dtype == np.float32 else self.wire.decode(g, out=self._grad32(g))
+            if g.dtype == np.float32:  # (one process: float32 already, the caller's)
+                g32 = g
+            else:
+                if used + g.size > scratch.size:
+                    self._step_group(placement, group)
+                    group, used = [], 0
+                g32 = self.wire.decode(g, out=scratch[used:used + g.size].reshape(g.shape))
+                used += g.size
             for factor in (unscale, coef):  # (unscaling is exact: a power of two)
                 if factor != 1.0:
                     if g32 is g:  # (float32 already, the caller's: not scaled in place)
                         g32 = g32 * np.float32(factor)
                     else:
                         g32 *= np.float32(factor)
-            master.grad = g32
-            placement.step([n])
-            master.grad = None
-            self._set_working(n, master.data)
+            self.masters[n].grad = g32
+            group.append(n)
+        self._step_group(placement, group)
         self._scratch = None
         self._grow()
         return True
 
-    def _grad32(self, g):
-        """A float32 scratch array shaped like ``g``: a view of one buffer the size of the
-        largest gradient of the update, which lets it go at its end (backward, the
-        memory's high point, never holds it beside the layers' float32 copies)."""
+    def _step_group(self, placement, names):
+        """Step the masters of ``names`` (their gradients set), then round them into the
+        working copies."""
+        if not names:
+            return
+        placement.step(names)
+        for n in names:
+            master = self.masters[n]
+            master.grad = None
+            self._set_working(n, master.data)
+
+    def _grad32(self, size, like):
+        """``size`` float32 elements of scratch on ``like``'s device: one flat buffer,
+        grown as needed, which the update lets go at its end (backward, the memory's high
+        point, never holds it beside the layers' float32 copies)."""
         from mpidl.backend import array_module  # noqa: PLC0415
 
         buf = self._scratch
-        if buf is None or buf.size < g.size:
-            buf = self._scratch = array_module(g).empty(g.size, dtype=np.float32)
-        return buf[:g.size].reshape(g.shape)
+        if buf is None or buf.size < size:
+            buf = self._scratch = array_module(like).empty(size, dtype=np.float32)
+        return buf[:size]
 
     def _set_working(self, n, values):
         """Parameter ``n``'s working copy becomes float32 ``values`` rounded to the
