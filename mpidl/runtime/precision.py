@@ -381,7 +381,7 @@ class Precision:
         # as it holds (no float32 copy of a large model's whole gradient beside the
         # buckets; small tensors stepped together, as the optimizer's fused kernels like)
         low = [g for g in grads if g is not None and g.dtype != np.float32]
-        scratch = self._grad32(max([g.size for g in low] + [SCRATCH_ELEMENTS]), low[0]) \
+        scratch = self.grad_scratch(max([g.size for g in low] + [SCRATCH_ELEMENTS]), low[0]) \
             if low else None
         group, used = [], 0
         for n, g in zip(names, grads):
@@ -419,7 +419,7 @@ class Precision:
             master.grad = None
             self._set_working(n, master.data)
 
-    def _grad32(self, size, like):
+    def grad_scratch(self, size, like):
         """``size`` float32 elements of scratch on ``like``'s device: one flat buffer,
         grown as needed, which the update lets go at its end (backward, the memory's high
         point, never holds it beside the layers' float32 copies)."""

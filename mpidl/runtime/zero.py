@@ -658,7 +658,7 @@ class Sharded:
             if prec is not None:  # the reduced 2-byte chunk, decoded (into the precision
                 # part's scratch: one chunk at a time) and unscaled (exact)
                 sh.param.grad = prec.wire.decode(sh.grad,
-                                                 out=prec._grad32(sh.grad.size, sh.grad))
+                                                 out=prec.grad_scratch(sh.grad.size, sh.grad))
                 if prec.scale != 1.0:
                     sh.param.grad *= sh.param.grad.dtype.type(1.0 / prec.scale)
             if coef != 1.0:
