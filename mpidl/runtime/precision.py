@@ -249,7 +249,7 @@ class Precision:
         self.sharded = None
         self.exported = {}  # a checkpoint's gathered masters on the root (ZeRO)
         self.low = None       # working_copy.WorkingCopies: the 2-byte working copies
-        self._scratch = None  # the float32 gradient one update reads (``_grad32``)
+        self._scratch = None  # the float32 gradients one update reads (``grad_scratch``)
 
     # -- set-up
     def setup(self, model, optimizer, loss, chunks=()):
@@ -381,8 +381,10 @@ class Precision:
         # as it holds (no float32 copy of a large model's whole gradient beside the
         # buckets; small tensors stepped together, as the optimizer's fused kernels like)
         low = [g for g in grads if g is not None and g.dtype != np.float32]
-        scratch = self.grad_scratch(max([g.size for g in low] + [SCRATCH_ELEMENTS]), low[0]) \
-            if low else None
+        scratch = None
+        if low:
+            scratch = self.grad_scratch(max([g.size for g in low] + [SCRATCH_ELEMENTS]),
+                                        low[0])
         group, used = [], 0
         for n, g in zip(names, grads):
             if g is None:

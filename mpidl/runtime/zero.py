@@ -657,8 +657,8 @@ class Sharded:
             sh = self.shards[b]
             if prec is not None:  # the reduced 2-byte chunk, decoded (into the precision
                 # part's scratch: one chunk at a time) and unscaled (exact)
-                sh.param.grad = prec.wire.decode(sh.grad,
-                                                 out=prec.grad_scratch(sh.grad.size, sh.grad))
+                scratch = prec.grad_scratch(sh.grad.size, sh.grad)
+                sh.param.grad = prec.wire.decode(sh.grad, out=scratch)
                 if prec.scale != 1.0:
                     sh.param.grad *= sh.param.grad.dtype.type(1.0 / prec.scale)
             if coef != 1.0:
