@@ -672,8 +672,8 @@ def pipeline_step(cfg, model, dataset, compute, p, algorithm, bucket_mb, sparse,
     names = sorted({n for r in tp_rows.values() for n in r})
     return pipeline.layout(model, p, plan, costs, x, algorithm, bucket_mb, names, tp_rows,
                            cost_source=source, zero=zero, recompute=bool(cfg.recompute),
-                           tied_per_step=per_step, sync_bn=sync_bn,
-                           clip=clip_count(cfg, model), pieces=lambda bounds: tensor.pieces_of(make_model, T, (x, y), loss,
+                           tied_per_step=per_step, sync_bn=sync_bn, clip=clip_count(cfg, model),
+                           pieces=lambda bounds: tensor.pieces_of(make_model, T, (x, y), loss,
                                                                   chunks=bounds)[0])
 
 
