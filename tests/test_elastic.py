@@ -105,6 +105,20 @@ def test_losing_a_rank_equals_resuming_on_the_others(tmp_path, ulfm, ranks, dead
     assert_close(model_arrays(out / "model.npz"), model_arrays(whole / "model.npz"), 1e-12)
 
 
+@pytest.mark.ulfm
+def test_mixed_precision_losing_a_rank_equals_resuming_on_the_others(tmp_path, ulfm):
+    """--precision bf16 (2-byte working copies between steps, decoded for every commit):
+    an elastic run that loses a rank ends bitwise where the checkpointed run resumed on
+    the others does."""
+    out = tmp_path / "elastic"
+    args = ("--precision", "bf16", "--dtype", "float32")
+    run_command(elastic_cmd(ulfm, 3, out, *DATA, *args, dtype="float32"), timeout=300,
+                env={"MPIDL_KILL_AT": "1:5"}).check()
+    assert metrics(out)[-1]["elastic_failures"][0]["failed_ranks"] == [1]
+    assert_bitwise_equal(model_arrays(out / "model.npz"),
+                         resumed_after_kills(tmp_path, 3, [(1, 5)], *args))
+
+
 def assert_close(a, b, rtol):
     """Every tensor of ``a`` within ``rtol`` of ``b``'s largest value."""
     import numpy as np  # noqa: PLC0415

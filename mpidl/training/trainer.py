@@ -552,6 +552,7 @@ class Trainer:
         runtimes whose ranks each hold the whole state, ``Runtime.resizable``). The model's
         and optimizer's arrays are the live ones, not copies."""
         rt = self.runtime
+        rt.gather_params()  # (mixed precision: the 2-byte working copies decoded)
         return {
             "run": self.run_id,
             "config": self.resume_config(),
