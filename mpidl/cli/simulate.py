@@ -479,7 +479,7 @@ def predict(args, cfg, model, dataset, machine, ranks, lr=None, make_model=None)
             lay = tensor.layout(*pieces, p, algorithm, bucket_mb, accumulate,
                                 sparse=bool(sparse), zero=int(cfg.zero or 0),
                                 zero_keep=shape.get("zero_keep", ()),
-                                clip=clip_count(cfg, model))
+                                clip=shape.get("clip", 0))
             t = tensor.step_time(lay, compute, cfg.batch_size, accumulate, machine, per_node,
                                  overlap, seg)
             counted = tensor.traffic(lay, per_node, ranks=watch, seg_bytes=seg)
@@ -602,8 +602,9 @@ def layout_options(cfg, model, accumulate, grads=None):
         out["period"] = int(cfg.period)
     if (cfg.precision or "fp32") != "fp32":
         out["wire"] = Wire(cfg.precision).dtype
-    if clip_count(cfg, model):
-        out["clip"] = clip_count(cfg, model)
+    clip = clip_count(cfg, model)
+    if clip:
+        out["clip"] = clip
     return out
 
 

@@ -419,7 +419,7 @@ class Precision:
         for n in names:
             master = self.masters[n]
             master.grad = None
-            self._set_working(n, master.data)
+            self.set_working(n, master.data)
 
     def grad_scratch(self, size, like):
         """``size`` float32 elements of scratch on ``like``'s device: one flat buffer,
@@ -432,7 +432,18 @@ class Precision:
             buf = self._scratch = array_module(like).empty(size, dtype=np.float32)
         return buf[:size]
 
-    def _set_working(self, n, values):
+    def words_written(self, n, words):
+        """Parameter ``n``'s working copy was written in the 2-byte format into ``words``
+        (ZeRO stages 1-2's all-gather, into the arrays ``keep_working_copies`` was given):
+        a decoded copy held of it follows; a float32 working copy (one a pipeline uses
+        outside the passes) takes the values."""
+        if self.low is not None and n in self.low.words:
+            self.low.refresh(n)
+            return
+        p = self.params[n]
+        self.wire.decode(words.reshape(p.data.shape), out=p.data)
+
+    def set_working(self, n, values):
         """Parameter ``n``'s working copy becomes float32 ``values`` rounded to the
         format."""
         if self.low is not None and n in self.low.words:
@@ -532,7 +543,7 @@ class Precision:
                 value = state["masters"][n]
                 value = value.values() if is_deferred(value) else value
                 self.masters[n].data[...] = to_device(value, dtype=np.float32)
-                self._set_working(n, self.masters[n].data)
+                self.set_working(n, self.masters[n].data)
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
         self.skipped_total = int(state["skipped_total"])

@@ -684,12 +684,8 @@ class Sharded:
         if comm is not None:  # (words: nothing is summed)
             comm.allgather_shards(_words(sh.words), algorithm=sh.algorithm,
                                   name=f"{b.name}.params")
-        low = self.precision.low
-        for name, p, w in zip(b.names, b.params, _param_views(sh.words, sh)):
-            if low is not None and name in low.words:
-                low.refresh(name)  # (a decoded copy, if one is held, follows)
-            else:  # a float32 working copy (one a pipeline uses outside the passes)
-                wire.decode(w.reshape(p.data.shape), out=p.data)
+        for name, w in zip(b.names, _param_views(sh.words, sh)):
+            self.precision.words_written(name, w)
 
     def reduced_chunks(self, names):
         """The reduced gradient chunks this rank holds for the buckets of ``names``
@@ -715,7 +711,7 @@ class Sharded:
                 for name, view in zip(sh.bucket.names, sh.bucket.views):
                     value = to_device(flat_slice(masters[name], 0, view.size),
                                       dtype=sh.param.data.dtype)
-                    self.precision._set_working(name, value.reshape(view.shape))
+                    self.precision.set_working(name, value.reshape(view.shape))
             if sh.params is not None:  # the whole working copies (stage 3: while gathered)
                 for name, view in zip(sh.bucket.names, _param_views(sh.params, sh)):
                     view[...] = to_device(flat_slice(masters[name], 0, view.size),
@@ -737,9 +733,8 @@ class Sharded:
         with; under mixed precision the masters rounded), on the host."""
         if self.precision is None:
             return to_numpy(sh.param.data)
-        low = sh.low if sh.low is not None else \
-            None if sh.words is None else sh.words[sh.lo:sh.hi]
-        if low is not None:  # in the 2-byte format (stage 3: the chunk; 1-2: the bucket's)
+        if sh.low is not None or sh.words is not None:  # in the 2-byte format
+            low = sh.low if sh.low is not None else sh.words[sh.lo:sh.hi]
             out = array_module(sh.param.data).empty(sh.hi - sh.lo, dtype=sh.dtype)
             self.precision.wire.decode(low, out=out)
             return to_numpy(out)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from mpidl.comm import auto
 
 from . import collectives as col
-from .step import Compute, call_time, calls_traffic, clip_calls, segment_bytes
+from .step import Compute, add_blocking, call_time, calls_traffic, clip_calls, segment_bytes
 from .step import layout as group_layout
 from .step import step_time as group_time
 from .tensor import RecordingGroup
@@ -116,7 +116,4 @@ def step_time(step, compute, batch, accumulate, links, overlap, seg_bytes=None):
     t = group_time(step.conv, mine, batch, accumulate, links, overlap, seg_bytes,
                    in_pass=(passes["forward-tp"], passes["backward-tp"]))
     t["comm"] += accumulate * (passes["forward-tp"] + passes["backward-tp"])
-    once = sum(call_time(c, links, seg_bytes) for c in step.step_calls)  # (blocking)
-    for key in ("comm", "exposed_comm", "total"):
-        t[key] += once
-    return t
+    return add_blocking(t, step.step_calls, links, seg_bytes)

@@ -113,6 +113,15 @@ def clip_calls(count):
             Call("allreduce", "clip.sum", "mpi", folds, 8, "float64", (), phase="update")]
 
 
+def add_blocking(t, calls, links, seg_bytes):
+    """Add to step time ``t`` (``step_time``'s keys) the calls made once a step outside
+    the passes, each waited for (clipping's norm on a tensor-parallel or hybrid group)."""
+    seconds = sum(call_time(c, links, seg_bytes) for c in calls)
+    for key in ("comm", "exposed_comm", "total"):
+        t[key] += seconds
+    return t
+
+
 def segment_bytes():
     """The ring's segment in bytes, as the communicator reads it."""
     return max(env.number("MPIDL_RING_SEGMENT", int), 64)

@@ -29,7 +29,7 @@ from mpidl.comm import auto
 from mpidl.comm.counters import FIELDS, KINDS
 
 from . import collectives as col
-from .step import Call, Compute, _dtype_name, call_time, calls_traffic, clip_calls
+from .step import Call, Compute, _dtype_name, add_blocking, calls_traffic, clip_calls
 from .step import resolve, segment_bytes
 from .step import layout as group_layout
 from .step import step_time as group_time
@@ -221,9 +221,7 @@ def step_time(step, compute, batch, accumulate, machine, per_node, overlap, seg_
         t = group_time(dp, mine, batch, accumulate, dp_links, overlap, seg_bytes,
                        in_pass=(passes["forward-tp"], passes["backward-tp"]))
         t["comm"] += accumulate * (passes["forward-tp"] + passes["backward-tp"])
-        once = sum(call_time(c, tp_links, seg_bytes) for c in step.step_calls)  # (blocking)
-        for key in ("comm", "exposed_comm", "total"):
-            t[key] += once
+        add_blocking(t, step.step_calls, tp_links, seg_bytes)
         if worst is None or t["total"] > worst["total"]:
             worst = t
     return worst
